@@ -1,0 +1,580 @@
+"""Tests of tl_vllm_hooks against real vLLM and an independent reference.
+
+Every captured number is compared with the same weights run through
+transformers, with forward hooks on the same modules. Models are tiny, random
+and fp32, built here. Tolerance: relative L2 error <= 1e-5 per hook. vLLM's CPU
+kernels (oneDNN matmuls, its own RMSNorm and attention) sum in another order
+than transformers, which leaves ~1e-7..1e-6 after a few layers of width 128;
+any semantic error (a missing residual, a row off by one, an edit applied
+twice) shows up at >= 1e-2.
+
+Engines are expensive (20-60 s to boot), so each class shares one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import tl_vllm_hooks as tlh
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+TOLERANCE = 1e-5
+ALL_SITES = ("resid_post", "attn_out", "mlp_out", "embed", "final_norm")
+MAX_TOKENS_PER_FORWARD = 128
+HERE = Path(__file__).resolve().parent
+
+
+# --- models and the reference ------------------------------------------------
+
+
+def _make_model(family: str, path: Path):
+    import transformers
+
+    torch.manual_seed({"llama": 0, "qwen2": 1}[family])
+    shape = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        config, model_cls = transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
+    else:
+        config, model_cls = transformers.Qwen2Config(**shape), transformers.Qwen2ForCausalLM
+    model = model_cls(config).to(torch.float32).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {family: (root / family, _make_model(family, root / family)) for family in ("llama", "qwen2")}
+
+
+def reference(hf_model, token_ids, hook_paths, edits=None):
+    """{hook_name: [len(token_ids), width]} from transformers, with edits applied.
+
+    hook_paths: {hook_name: module path}; transformers' Llama and Qwen2 use the
+    same paths as vLLM's. Edits are applied here with plain tensor indexing,
+    independently of the module's scale/bias tables.
+    """
+    edits = edits or {}
+    modules = dict(hf_model.named_modules())
+    captured, handles = {}, []
+    for name, path in hook_paths.items():
+
+        def hook(_module, _inputs, output, name=name):
+            tensor = output[0] if isinstance(output, tuple) else output
+            rows = tensor[0]
+            if name in edits:
+                edit = edits[name]
+                positions = edit.get("positions")
+                where = slice(None) if positions is None else [p for p in positions if p < len(rows)]
+                value = edit.get("value")
+                value = value if isinstance(value, torch.Tensor) else torch.tensor(value or 0.0)
+                if edit["op"] == "suppress":
+                    rows[where] = 0.0
+                elif edit["op"] == "scale":
+                    rows[where] = rows[where] * value
+                elif edit["op"] == "add":
+                    rows[where] = rows[where] + value
+                else:
+                    rows[where] = value.expand_as(rows[where])
+            captured[name] = rows.detach().clone()
+            return output
+
+        handles.append(modules[path].register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            hf_model(torch.tensor([token_ids]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected||; the plain norm of the difference where expected is 0."""
+    difference = float((actual.double() - expected.double()).norm())
+    scale = float(expected.double().norm())
+    return difference / scale if scale else difference
+
+
+def assert_matches(actual: dict, expected: dict, context: str = "") -> float:
+    assert set(actual) == set(expected), f"{context}: hooks {sorted(actual)} != {sorted(expected)}"
+    worst = 0.0
+    for name in expected:
+        assert actual[name].shape == expected[name].shape, (
+            f"{context} {name}: shape {tuple(actual[name].shape)} != {tuple(expected[name].shape)}"
+        )
+        error = relative_error(actual[name], expected[name])
+        assert error <= TOLERANCE, f"{context} {name}: relative error {error:.2e} > {TOLERANCE:.0e}"
+        worst = max(worst, error)
+    return worst
+
+
+# --- engines -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def engine(model_dir, *, sites=ALL_SITES, in_process, eager, batching=False, positions=True):
+    """An LLM with hooks on every layer's `sites`; shut down on exit."""
+    from transformers import AutoConfig
+    from vllm import LLM, envs
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    envs.disable_envs_cache()
+    specs = tlh.capture_specs(AutoConfig.from_pretrained(model_dir), sites=sites)
+    tlh.configure(
+        specs,
+        MAX_TOKENS_PER_FORWARD,
+        torch.float32,
+        enable_batching=batching,
+        enable_position_interventions=positions,
+    )
+    try:
+        llm = LLM(
+            str(model_dir),
+            dtype="float32",
+            max_model_len=1024,
+            max_num_batched_tokens=MAX_TOKENS_PER_FORWARD,
+            max_num_seqs=8,
+            enable_prefix_caching=False,
+            enforce_eager=eager,
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=0.05,
+            worker_extension_cls=tlh.WORKER_EXTENSION,
+            seed=0,
+        )
+    finally:
+        tlh.clear_config()
+    llm.hook_paths = {name: path for name, (path, _width) in specs.items()}
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        if in_process:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+
+
+def generate(llm, prompts, max_tokens=1):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+def capture(llm, prompt, max_tokens=1):
+    tlh.open_capture(llm)
+    generate(llm, [prompt], max_tokens)
+    return tlh.read_captures(llm, len(prompt))
+
+
+PROMPT = [(7 * i + 3) % 512 for i in range(40)]
+
+
+# --- pure helpers ------------------------------------------------------------
+
+
+class TestConfigChannel:
+    SPECS = {"blocks.0.hook_resid_post": ("model.layers.0", 128)}
+
+    def test_round_trip(self):
+        config = tlh.CaptureConfig(self.SPECS, 64, torch.bfloat16, True, True)
+        assert tlh.CaptureConfig.from_json(config.to_json()) == config
+
+    @pytest.mark.parametrize(
+        "kwargs, field",
+        [
+            (dict(capture_specs=[]), "capture_specs"),
+            (dict(capture_specs={"h": ("model.layers.0",)}), "capture_specs"),
+            (dict(capture_specs={"h": ("model.layers.0", 0)}), "width"),
+            (dict(capture_specs={"h": ("model.layers.0", 1.5)}), "width"),
+            (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+            (dict(max_num_batched_tokens="64"), "max_num_batched_tokens"),
+            (dict(dtype=torch.int8), "dtype"),
+            (dict(dtype="float32"), "dtype"),
+            (dict(enable_batching=1), "enable_batching"),
+        ],
+    )
+    def test_bad_config_names_the_field(self, kwargs, field):
+        arguments = dict(capture_specs=self.SPECS, max_num_batched_tokens=64, dtype=torch.float32)
+        arguments.update(kwargs)
+        with pytest.raises(ValueError, match=field):
+            tlh.configure(**arguments)
+        assert tlh._CONFIG_ENV not in os.environ, "a rejected config must not be stored"
+
+    @pytest.mark.parametrize(
+        "mangle, field",
+        [
+            (lambda d: "{not json", "JSON"),
+            (lambda d: json.dumps({**d, "dtype": "float8"}), "dtype"),
+            (lambda d: json.dumps({**d, "version": "0.0.1"}), "version"),
+            (lambda d: json.dumps({k: v for k, v in d.items() if k != "dtype"}), "missing"),
+            (lambda d: json.dumps({**d, "extra": 1}), "unknown"),
+            (lambda d: json.dumps({**d, "max_num_batched_tokens": -3}), "max_num_batched_tokens"),
+        ],
+    )
+    def test_corrupted_payload_names_the_problem(self, mangle, field):
+        good = json.loads(tlh.CaptureConfig(self.SPECS, 64, torch.float32).to_json())
+        with pytest.raises(ValueError, match=field):
+            tlh.CaptureConfig.from_json(mangle(good))
+
+    def test_clear_config_removes_it(self):
+        tlh.configure(self.SPECS, 64, torch.float32)
+        assert tlh._config_from_env() is not None
+        tlh.clear_config()
+        assert tlh._config_from_env() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_tensor_wire_format_is_exact(dtype):
+    tensor = (torch.randn(5, 3) * 1000).to(dtype)
+    decoded = tlh.decode_tensor(tlh.encode_tensor(tensor))
+    assert decoded.dtype == dtype and torch.equal(decoded, tensor)
+
+
+def test_tensor_wire_format_rejects_truncated_data():
+    message = tlh.encode_tensor(torch.ones(4))
+    message["data"] = message["data"][:-1]
+    with pytest.raises(ValueError, match="15 bytes"):
+        tlh.decode_tensor(message)
+
+
+def test_capture_specs_names_follow_transformer_lens():
+    from transformers import LlamaConfig
+
+    specs = tlh.capture_specs(LlamaConfig(num_hidden_layers=2, hidden_size=64), sites=ALL_SITES)
+    assert specs["blocks.1.hook_resid_post"] == ("model.layers.1", 64)
+    assert specs["blocks.0.hook_attn_out"] == ("model.layers.0.self_attn", 64)
+    assert specs["blocks.1.hook_mlp_out"] == ("model.layers.1.mlp", 64)
+    assert specs["hook_embed"] == ("model.embed_tokens", 64)
+    assert specs["ln_final.hook_normalized"] == ("model.norm", 64)
+    assert len(specs) == 3 * 2 + 2
+    with pytest.raises(ValueError, match="valid:"):
+        tlh.capture_specs(LlamaConfig(), sites=("resid_pre",))
+    with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
+        tlh.capture_specs(LlamaConfig(num_hidden_layers=2), layers=[2])
+
+
+def test_request_ids_join_exactly():
+    match = tlh._match_request_ids
+    assert match(["1", "11"], ["11-0123abcd", "1-89abcdef"]) == {"1": "1-89abcdef", "11": "11-0123abcd"}
+    assert match(["a-b"], ["a-b"]) == {"a-b": "a-b"}
+    with pytest.raises(KeyError, match="no captured request"):
+        match(["2"], ["1-0123abcd"])
+    with pytest.raises(KeyError, match="several"):
+        match(["1"], ["1-0123abcd", "1-89abcdef"])
+
+
+# --- compiled flavour ----------------------------------------------------------
+
+
+class TestCompiledLlamaInProcess:
+    """Compiled engine (torch.compile/inductor), engine core in this process."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, models):
+        with engine(models["llama"][0], in_process=True, eager=False) as llm:
+            yield llm
+
+    @pytest.fixture(scope="class")
+    def baseline(self, llm):
+        tlh.reset_edits(llm)
+        return capture(llm, PROMPT)
+
+    def test_every_site_matches_transformers(self, llm, baseline, models):
+        expected = reference(models["llama"][1], PROMPT, llm.hook_paths)
+        worst = assert_matches(baseline, expected, "llama compiled")
+        print(f"\nllama compiled in-process: worst relative error {worst:.2e}")
+
+    @pytest.mark.parametrize(
+        "hook, edit",
+        [
+            ("blocks.0.hook_resid_post", {"op": "scale", "value": 0.5}),
+            ("blocks.1.hook_attn_out", {"op": "suppress"}),
+            ("blocks.0.hook_mlp_out", {"op": "add", "value": "vector"}),
+            ("hook_embed", {"op": "set", "value": 0.25}),
+            ("blocks.1.hook_resid_post", {"op": "set", "value": "vector"}),
+        ],
+    )
+    def test_edit_matches_transformers_with_the_same_edit(self, llm, baseline, models, hook, edit):
+        if edit.get("value") == "vector":
+            edit = {**edit, "value": torch.linspace(-1.0, 1.0, 128)}
+        tlh.set_edits(llm, {hook: edit})
+        try:
+            edited = capture(llm, PROMPT)
+        finally:
+            tlh.reset_edits(llm)
+        expected = reference(models["llama"][1], PROMPT, llm.hook_paths, {hook: edit})
+        assert_matches(edited, expected, f"edit {edit['op']} at {hook}")
+        final = "ln_final.hook_normalized"
+        assert relative_error(edited[final], baseline[final]) > 1e-3, "the edit changed nothing downstream"
+
+    def test_reset_restores_unedited_values_bit_for_bit(self, llm, baseline):
+        tlh.set_edits(llm, {"blocks.0.hook_attn_out": {"op": "scale", "value": 3.0}})
+        capture(llm, PROMPT)
+        tlh.reset_edits(llm)
+        after = capture(llm, PROMPT)
+        for name in baseline:
+            assert torch.equal(after[name], baseline[name]), f"{name} differs after reset"
+
+    def test_position_edit_touches_only_its_rows(self, llm, baseline, models):
+        hook, positions = "blocks.0.hook_resid_post", [3, 17]
+        edit = {"op": "add", "value": torch.full((128,), 0.5), "positions": positions}
+        tlh.set_edits(llm, {hook: edit})
+        try:
+            edited = capture(llm, PROMPT)
+        finally:
+            tlh.reset_edits(llm)
+        expected = reference(models["llama"][1], PROMPT, llm.hook_paths, {hook: edit})
+        assert_matches(edited, expected, "position edit")
+        for name in baseline:
+            assert torch.equal(edited[name][:3], baseline[name][:3]), f"{name}: rows before 3 changed"
+        changed = (edited[hook] != baseline[hook]).any(dim=1).nonzero().flatten().tolist()
+        assert changed == positions, f"{hook}: rows {changed} changed, expected {positions}"
+
+    def test_multi_token_generate_keeps_prompt_rows_and_fires_once_per_forward(self, llm, baseline):
+        tlh.reset_fire_counts(llm)
+        kept = capture(llm, PROMPT, max_tokens=5)
+        counts = tlh.read_fire_counts(llm)
+        for name in baseline:
+            assert torch.equal(kept[name], baseline[name]), f"{name}: decode steps overwrote rows"
+        assert set(counts.values()) == {5}, f"one prefill + 4 decode forwards, got {counts}"
+
+    def test_position_edit_reaches_generated_tokens(self, llm, models):
+        # The first generated token sits at position len(PROMPT): suppressing the
+        # final norm there makes every logit 0, so greedy sampling picks token 0.
+        (plain,) = generate(llm, [PROMPT], max_tokens=3)
+        tokens = list(plain.outputs[0].token_ids)
+        edit = {"op": "suppress", "positions": [len(PROMPT) + 1]}
+        tlh.set_edits(llm, {"ln_final.hook_normalized": edit})
+        try:
+            (edited,) = generate(llm, [PROMPT], max_tokens=3)
+        finally:
+            tlh.reset_edits(llm)
+        assert tokens[:2] == list(edited.outputs[0].token_ids)[:2]
+        assert list(edited.outputs[0].token_ids)[2] == 0 != tokens[2], (tokens, edited.outputs[0].token_ids)
+
+    @pytest.mark.parametrize(
+        "edits, message",
+        [
+            ({"blocks.0.hook_resid_pst": {"op": "suppress"}}, "close matches"),
+            ({"blocks.0.hook_resid_post": {"op": "zero"}}, "not one of"),
+            ({"blocks.0.hook_resid_post": {"value": 1.0}}, "'op'"),
+            ({"blocks.0.hook_resid_post": {"op": "add"}}, "needs a 'value'"),
+            ({"blocks.0.hook_resid_post": {"op": "suppress", "value": 1.0}}, "takes no 'value'"),
+            ({"blocks.0.hook_resid_post": {"op": "add", "value": 1.0, "pos": [1]}}, "keys must be"),
+            ({"blocks.0.hook_resid_post": {"op": "add", "value": torch.ones(127)}}, "width 128"),
+            ({"blocks.0.hook_resid_post": {"op": "suppress", "positions": [-1]}}, r"\[0, 128\)"),
+            ({"blocks.0.hook_resid_post": {"op": "suppress", "positions": [128]}}, r"\[0, 128\)"),
+        ],
+    )
+    def test_bad_edit_is_refused_and_engine_still_serves(self, llm, baseline, edits, message):
+        with pytest.raises(ValueError, match=message):
+            tlh.set_edits(llm, edits)
+        after = capture(llm, PROMPT)
+        assert torch.equal(after["ln_final.hook_normalized"], baseline["ln_final.hook_normalized"])
+
+    def test_reading_more_rows_than_the_buffer_is_refused(self, llm):
+        with pytest.raises(Exception, match="num_rows must be an int in"):
+            tlh.read_captures(llm, MAX_TOKENS_PER_FORWARD + 1)
+
+    def test_reading_before_any_forward_is_refused(self, llm):
+        tlh.open_capture(llm)
+        with pytest.raises(Exception, match="no forward ran since open_capture"):
+            tlh.read_captures(llm, len(PROMPT))
+        generate(llm, [PROMPT])
+
+
+class TestCompiledQwen2SeparateProcesses:
+    """Compiled engine, engine core and worker in their own processes (vLLM's default)."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, models):
+        with engine(models["qwen2"][0], in_process=False, eager=False) as llm:
+            yield llm
+
+    def test_every_site_matches_transformers(self, llm, models):
+        captured = capture(llm, PROMPT)
+        worst = assert_matches(captured, reference(models["qwen2"][1], PROMPT, llm.hook_paths), "qwen2")
+        print(f"\nqwen2 compiled separate processes: worst relative error {worst:.2e}")
+
+    def test_vector_edit_matches_transformers(self, llm, models):
+        edit = {"op": "add", "value": torch.linspace(0.0, 2.0, 128), "positions": [0, 5]}
+        tlh.set_edits(llm, {"blocks.1.hook_mlp_out": edit})
+        try:
+            captured = capture(llm, PROMPT)
+        finally:
+            tlh.reset_edits(llm)
+        expected = reference(models["qwen2"][1], PROMPT, llm.hook_paths, {"blocks.1.hook_mlp_out": edit})
+        assert_matches(captured, expected, "qwen2 edit")
+
+    def test_no_hook_is_absent(self, llm):
+        assert tlh.absent_hooks(llm) == []
+
+
+# --- batched flavour -------------------------------------------------------------
+
+BATCH = [
+    [(5 * i + 1) % 512 for i in range(9)],
+    [(11 * i + 2) % 512 for i in range(300)],  # > MAX_TOKENS_PER_FORWARD: chunked prefill
+    [(3 * i + 7) % 512 for i in range(57)],
+]
+
+
+def check_batched(llm, hf_model, edits=None, max_tokens=3):
+    outputs = generate(llm, BATCH, max_tokens=max_tokens)
+    captured = tlh.read_batched(llm, [o.request_id for o in outputs])
+    worst = 0.0
+    for output in outputs:
+        # Rows: the prompt, then every generated token but the last (it never
+        # runs through the model); transformers reads the same sequence.
+        sequence = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+        expected = reference(hf_model, sequence, llm.hook_paths, edits)
+        worst = max(worst, assert_matches(captured[output.request_id], expected, output.request_id))
+    return worst
+
+
+class TestBatchedLlamaSeparateProcesses:
+    @pytest.fixture(scope="class")
+    def llm(self, models):
+        with engine(models["llama"][0], in_process=False, eager=True, batching=True) as llm:
+            yield llm
+
+    def test_each_request_matches_its_own_transformers_run(self, llm, models):
+        worst = check_batched(llm, models["llama"][1])
+        print(f"\nllama batched separate processes: worst relative error {worst:.2e}")
+
+    def test_edit_applies_to_every_request(self, llm, models):
+        edits = {"blocks.0.hook_mlp_out": {"op": "scale", "value": -2.0}}
+        tlh.set_edits(llm, edits)
+        try:
+            check_batched(llm, models["llama"][1], edits)
+        finally:
+            tlh.reset_edits(llm)
+
+    def test_rows_are_freed_once_read(self, llm):
+        outputs = generate(llm, BATCH[:1])
+        tlh.read_batched(llm, [outputs[0].request_id])
+        with pytest.raises(KeyError, match="no captured request"):
+            tlh.read_batched(llm, [outputs[0].request_id])
+
+
+class TestBatchedQwen2InProcess:
+    @pytest.fixture(scope="class")
+    def llm(self, models):
+        with engine(models["qwen2"][0], in_process=True, eager=True, batching=True) as llm:
+            yield llm
+
+    def test_each_request_matches_its_own_transformers_run(self, llm, models):
+        worst = check_batched(llm, models["qwen2"][1])
+        print(f"\nqwen2 batched in-process: worst relative error {worst:.2e}")
+
+    def test_position_edit_in_batch(self, llm, models):
+        edits = {"blocks.2.hook_resid_post": {"op": "set", "value": 1.0, "positions": [4, 100]}}
+        tlh.set_edits(llm, edits)
+        try:
+            check_batched(llm, models["qwen2"][1], edits)
+        finally:
+            tlh.reset_edits(llm)
+
+
+# --- loading in spawned workers ------------------------------------------------------
+
+PROBE = textwrap.dedent(
+    """
+    # Imports stay inside main: spawned workers re-import this file, and must
+    # reach tl_vllm_hooks only through vLLM (entry point or worker extension).
+    if __name__ == "__main__":
+        import json, sys, torch
+        import tl_vllm_hooks as tlh
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        model_dir, module_path, extension = sys.argv[1], sys.argv[2], sys.argv[3] == "extension"
+        tlh.configure({"blocks.0.hook_resid_post": (module_path, 128)}, 128, torch.float32)
+        kwargs = {"worker_extension_cls": tlh.WORKER_EXTENSION} if extension else {}
+        llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=128,
+                  enforce_eager=True, skip_tokenizer_init=True, gpu_memory_utilization=0.05,
+                  enable_prefix_caching=False, **kwargs)
+        tlh.clear_config()
+        result = {"module": tlh.__file__}
+        if extension:
+            tlh.open_capture(llm)
+            llm.generate(TokensPrompt(prompt_token_ids=list(range(1, 21))),
+                         SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+            rows = tlh.read_captures(llm, 20)["blocks.0.hook_resid_post"]
+            result["rows"] = rows.tolist()
+            result["worker_module"] = tlh._status(llm)[0]["module"]
+        print("PROBE " + json.dumps(result), flush=True)
+    """
+)
+
+
+def run_probe(directory: Path, model_dir: Path, module_path: str, mode: str, **env):
+    """Run PROBE in a fresh interpreter: (exit code, its result or None, its log)."""
+    script = directory / "probe.py"
+    script.write_text(PROBE)
+    environment = {**os.environ, **env}
+    environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    done = subprocess.run(
+        [sys.executable, str(script), str(model_dir), module_path, mode],
+        cwd=directory,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+    result = json.loads(lines[-1][len("PROBE ") :]) if lines else None
+    return done.returncode, result, done.stdout + done.stderr
+
+
+def test_copied_in_file_works_in_spawned_workers(tmp_path, models):
+    (tmp_path / "tl_vllm_hooks.py").write_text((HERE / "tl_vllm_hooks.py").read_text())
+    # VLLM_PLUGINS="" keeps an installed entry point from loading: only the copy runs.
+    code, result, log = run_probe(
+        tmp_path, models["llama"][0], "model.layers.0", "extension", VLLM_PLUGINS=""
+    )
+    assert code == 0 and result, f"probe failed:\n{log[-4000:]}"
+    copy = str(tmp_path / "tl_vllm_hooks.py")
+    assert result["module"] == copy and result["worker_module"] == copy, result["worker_module"]
+    expected = reference(models["llama"][1], list(range(1, 21)), {"h": "model.layers.0"})["h"]
+    assert relative_error(torch.tensor(result["rows"]), expected) <= TOLERANCE
+
+
+def test_installed_entry_point_installs_hooks_in_spawned_worker(tmp_path, models):
+    from importlib.metadata import entry_points
+
+    names = [e.value for e in entry_points(group="vllm.general_plugins")]
+    if "tl_vllm_hooks:register" not in names:
+        pytest.skip("tl_vllm_hooks is not pip-installed here (pip install -e .)")
+    # No worker_extension_cls: only the entry point can bring the module into
+    # the worker. A misspelt module path then fails the worker's model load,
+    # with the close match named, which proves the hooks were being installed.
+    code, _result, log = run_probe(tmp_path, models["llama"][0], "model.layers.0.mlpp", "plain")
+    assert code != 0, "the engine started although its hook path does not exist"
+    assert "'model.layers.0.mlpp' does not exist" in log and "model.layers.0.mlp" in log, log[-3000:]

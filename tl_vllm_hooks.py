@@ -1,0 +1,1140 @@
+"""Read and edit a model's activations while vLLM serves it.
+
+One self-contained module. It installs PyTorch forward hooks inside vLLM's
+worker processes, after the weights load and before the first (traced) forward,
+so the hooks become part of the graph that torch.compile and CUDA graphs run.
+
+Two hook flavours, chosen by ``configure(enable_batching=...)``:
+
+* compiled (default): each hook writes its module's output rows into a buffer
+  allocated once at install time, gated so that the first forward after
+  ``open_capture`` wins (a multi-token generate keeps its prompt's rows), and
+  applies an edit ``out * scale + bias`` whose tables the driver rewrites
+  between forwards. Pure tensor work, so it runs under torch.compile and CUDA
+  graphs. One prompt per capture.
+* batched (``enable_batching=True``, needs ``enforce_eager=True``): each hook
+  splits the flattened batch into requests and appends each request's rows to
+  its own accumulator, so many prompts, chunked prefill and decode steps all
+  come back whole, keyed by the request id the user sees.
+
+Hook names follow TransformerLens: ``hook_embed``, ``blocks.{i}.hook_attn_out``,
+``blocks.{i}.hook_mlp_out``, ``blocks.{i}.hook_resid_post`` and
+``ln_final.hook_normalized``. ``hook_resid_post`` is the residual stream after
+the block, as transformers reports it in ``output_hidden_states``: vLLM's decoder
+layers return the pair ``(mlp_out, residual)`` and the hook works on their sum.
+
+Loading: installed with pip, the ``vllm.general_plugins`` entry point calls
+``register()`` in every vLLM process. Copied into a project instead, the file
+registers itself when imported in a process that has a capture config, which
+spawned workers do when ``LLM(worker_extension_cls=WORKER_EXTENSION)`` makes
+them import it. Set ``TL_VLLM_HOOKS_DISABLE=1`` to switch the plugin off.
+
+Tested with vLLM 0.32 (CPU, V1 model runner). Nothing crosses a process
+boundary as pickle: the config is JSON and tensors travel as dtype, shape and
+raw bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SITES",
+    "WORKER_EXTENSION",
+    "CaptureConfig",
+    "WorkerExtension",
+    "absent_hooks",
+    "capture_specs",
+    "clear_config",
+    "configure",
+    "decode_tensor",
+    "encode_tensor",
+    "open_capture",
+    "read_batched",
+    "read_captures",
+    "read_fire_counts",
+    "register",
+    "remove_hooks",
+    "reset_batched",
+    "reset_edits",
+    "reset_fire_counts",
+    "segment_by_request",
+    "set_edits",
+]
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------
+# Config channel.
+# vLLM spawns its workers, so a module global set in the driver never reaches
+# them; the config travels as JSON in one environment variable, which spawned
+# processes inherit. It is validated when written and again when read, since a
+# worker may run another copy of this file.
+# ---------------------------------------------------------------------------
+
+_CONFIG_ENV = "TL_VLLM_HOOKS_CONFIG"
+_DISABLE_ENV = "TL_VLLM_HOOKS_DISABLE"
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+WORKER_EXTENSION = f"{__name__}.WorkerExtension"
+"""Pass as ``LLM(worker_extension_cls=...)`` so the worker calls below exist."""
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What the workers hook, and how.
+
+    capture_specs: ``{hook_name: (module_dot_path, width)}``; the path is
+        relative to the model vLLM loads (``model.layers.3.mlp``), the width is
+        the size of the module output's last dimension.
+    max_num_batched_tokens: rows of every capture buffer and of the
+        per-position edit tables; at least the engine's own
+        ``max_num_batched_tokens``.
+    dtype: dtype of the capture buffers (a floating dtype).
+    enable_batching: batched hooks (eager engine) instead of compiled ones.
+    enable_position_interventions: edits may be limited to token positions.
+    """
+
+    capture_specs: dict[str, tuple[str, int]]
+    max_num_batched_tokens: int
+    dtype: torch.dtype
+    enable_batching: bool = False
+    enable_position_interventions: bool = False
+
+    def __post_init__(self) -> None:
+        specs = self.capture_specs
+        if not isinstance(specs, dict) or not specs:
+            raise ValueError(
+                "capture_specs: expected a non-empty dict {hook_name: (module_path, width)}, "
+                f"got {specs!r}"
+            )
+        for name, spec in specs.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"capture_specs: hook names must be non-empty strings, got {name!r}")
+            if (
+                not isinstance(spec, (tuple, list))
+                or len(spec) != 2
+                or not isinstance(spec[0], str)
+                or not spec[0]
+            ):
+                raise ValueError(
+                    f"capture_specs[{name!r}]: expected (module_path: str, width: int), got {spec!r}"
+                )
+            if not _is_positive_int(spec[1]):
+                raise ValueError(
+                    f"capture_specs[{name!r}]: width must be a positive int, got {spec[1]!r}"
+                )
+        object.__setattr__(self, "capture_specs", {n: (p, int(w)) for n, (p, w) in specs.items()})
+        if not _is_positive_int(self.max_num_batched_tokens):
+            raise ValueError(
+                "max_num_batched_tokens: must be a positive int, "
+                f"got {self.max_num_batched_tokens!r}"
+            )
+        if not isinstance(self.dtype, torch.dtype) or _dtype_name(self.dtype) not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"dtype: expected one of torch.{', torch.'.join(_FLOAT_DTYPES)}, got {self.dtype!r}"
+            )
+        for flag in ("enable_batching", "enable_position_interventions"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag}: must be a bool, got {getattr(self, flag)!r}")
+
+    def to_json(self) -> str:
+        """The wire form: JSON, with the module version that wrote it."""
+        return json.dumps(
+            {
+                "version": __version__,
+                "capture_specs": {n: [p, w] for n, (p, w) in self.capture_specs.items()},
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "dtype": _dtype_name(self.dtype),
+                "enable_batching": self.enable_batching,
+                "enable_position_interventions": self.enable_position_interventions,
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, payload: str) -> CaptureConfig:
+        """Parse and validate the wire form; ValueError names the bad field."""
+        try:
+            data = json.loads(payload)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{_CONFIG_ENV}: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{_CONFIG_ENV}: expected a JSON object, got {type(data).__name__}")
+        fields = {
+            "version",
+            "capture_specs",
+            "max_num_batched_tokens",
+            "dtype",
+            "enable_batching",
+            "enable_position_interventions",
+        }
+        if set(data) != fields:
+            raise ValueError(
+                f"{_CONFIG_ENV}: expected fields {sorted(fields)}, "
+                f"missing {sorted(fields - set(data))}, unknown {sorted(set(data) - fields)}"
+            )
+        if data["version"] != __version__:
+            raise ValueError(
+                f"{_CONFIG_ENV}: written by tl_vllm_hooks {data['version']!r}, read by "
+                f"{__version__!r}; driver and workers must load the same version"
+            )
+        if data["dtype"] not in _FLOAT_DTYPES:
+            raise ValueError(f"dtype: expected one of {list(_FLOAT_DTYPES)}, got {data['dtype']!r}")
+        specs = data["capture_specs"]
+        if not isinstance(specs, dict):
+            raise ValueError(f"capture_specs: expected an object, got {specs!r}")
+        return cls(
+            capture_specs={n: tuple(s) if isinstance(s, list) else s for n, s in specs.items()},
+            max_num_batched_tokens=data["max_num_batched_tokens"],
+            dtype=getattr(torch, data["dtype"]),
+            enable_batching=data["enable_batching"],
+            enable_position_interventions=data["enable_position_interventions"],
+        )
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def configure(
+    capture_specs: dict[str, tuple[str, int]],
+    max_num_batched_tokens: int,
+    dtype: torch.dtype,
+    enable_batching: bool = False,
+    enable_position_interventions: bool = False,
+) -> CaptureConfig:
+    """Record what the next ``LLM(...)`` in this process hooks.
+
+    Validates (ValueError naming the field), stores the config where spawned
+    workers find it, and registers the patch in this process (the in-process
+    engine needs it). Call ``clear_config()`` once ``LLM(...)`` returns so that
+    a later engine does not inherit the hooks.
+    """
+    config = CaptureConfig(
+        capture_specs=capture_specs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        dtype=dtype,
+        enable_batching=enable_batching,
+        enable_position_interventions=enable_position_interventions,
+    )
+    os.environ[_CONFIG_ENV] = config.to_json()
+    register()
+    return config
+
+
+def clear_config() -> None:
+    """Forget the config, so engines built from now on get no hooks."""
+    os.environ.pop(_CONFIG_ENV, None)
+
+
+def _config_from_env() -> CaptureConfig | None:
+    payload = os.environ.get(_CONFIG_ENV)
+    return CaptureConfig.from_json(payload) if payload else None
+
+
+def _disabled() -> bool:
+    return os.environ.get(_DISABLE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+# ---------------------------------------------------------------------------
+# Registration.
+# Hooks must exist before vLLM's first forward (the profile run), where Dynamo
+# traces the model: hooks added later are not in the compiled graph and never
+# run. Wrapping Worker.load_model puts them right after the weights load.
+# ---------------------------------------------------------------------------
+
+_original_load_model = None
+
+
+def register() -> None:
+    """Wrap vLLM's ``Worker.load_model`` so it installs the configured hooks.
+
+    Idempotent; the ``vllm.general_plugins`` entry point calls it in every vLLM
+    process. A worker loading a model with no config present gets no hooks.
+    Does nothing when ``TL_VLLM_HOOKS_DISABLE=1``.
+    """
+    global _original_load_model
+    if _original_load_model is not None or _disabled():
+        return
+    from vllm.v1.worker.gpu_worker import Worker
+
+    original = Worker.load_model
+
+    def load_model(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        config = _config_from_env()
+        if config is not None:
+            _install(self, config)
+
+    load_model.__wrapped__ = original
+    Worker.load_model = load_model
+    _original_load_model = original
+
+
+class _HookState:
+    """Everything one worker's hooks share: buffers, handles, accumulators.
+
+    Buffers are allocated once, here, before the profile run, torch.compile and
+    CUDA-graph capture, so compiled code always sees the same tensors; between
+    forwards only their contents are rewritten, never the tensors themselves.
+    """
+
+    def __init__(self, config: CaptureConfig, model: torch.nn.Module, runner: Any):
+        self.config = config
+        self.runner = runner
+        device = next(model.parameters()).device
+        edit_dtype = next(model.parameters()).dtype
+        max_rows = config.max_num_batched_tokens
+        self.hook_names: list[str] = []
+        self.absent: list[str] = []
+        self.handles: list[Any] = []
+        # Positions of the tokens in the forward in flight, written by a
+        # pre-hook on the whole model; edits by position and the batched
+        # hooks read them.
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.capture_buffers: dict[str, torch.Tensor] = {}
+        # 0 = open (the next forward writes its rows), 1 = closed.
+        self.capture_flags: dict[str, torch.Tensor] = {}
+        # Edit tables: rows indexed by token position when position edits are
+        # on ([max_rows + 1, width]; the last row stays identity and serves
+        # every position past max_rows), a single row otherwise ([width]).
+        self.scales: dict[str, torch.Tensor] = {}
+        self.biases: dict[str, torch.Tensor] = {}
+        self.fire_counts: torch.Tensor | None = None
+        # Batched flavour: (worker request id, hook) -> rows so far, and the
+        # position the next row must have.
+        self.accumulators: dict[tuple[str, str], list[torch.Tensor]] = {}
+        self.next_position: dict[tuple[str, str], int] = {}
+        self.incomplete: dict[str, str] = {}
+        self.device = device
+        self.edit_dtype = edit_dtype
+
+    def edit_tensors(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        positions = self.positions if self.config.enable_position_interventions else None
+        return self.scales[name], self.biases[name], positions
+
+    def edit_table_shape(self, width: int) -> tuple[int, ...]:
+        if self.config.enable_position_interventions:
+            return (self.config.max_num_batched_tokens + 1, width)
+        return (width,)
+
+
+_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
+
+
+def _install(worker: Any, config: CaptureConfig) -> None:
+    runner = worker.model_runner
+    model = runner.get_model()
+    engine_rows = worker.vllm_config.scheduler_config.max_num_batched_tokens
+    if engine_rows > config.max_num_batched_tokens:
+        raise ValueError(
+            f"max_num_batched_tokens: the engine schedules up to {engine_rows} tokens per "
+            f"forward but the capture buffers hold {config.max_num_batched_tokens}; configure "
+            f"at least {engine_rows} or pass LLM(max_num_batched_tokens=...) no larger"
+        )
+    if config.enable_batching and not worker.vllm_config.model_config.enforce_eager:
+        raise ValueError(
+            "enable_batching=True: the batched hooks run Python on every forward and need "
+            "LLM(enforce_eager=True); use the compiled flavour (enable_batching=False) for a "
+            "compiled engine"
+        )
+    _uninstall(worker)
+    state = _HookState(config, model, runner)
+    modules = dict(model.named_modules())
+    resolved = {}
+    for name, (path, width) in config.capture_specs.items():
+        module = _resolve_module(model, modules, path)
+        if module is None:
+            state.absent.append(name)
+        else:
+            resolved[name] = (module, path, width)
+    state.fire_counts = torch.zeros(len(resolved), dtype=torch.int64, device=state.device)
+    state.handles.append(
+        model.register_forward_pre_hook(_make_positions_hook(state.positions), with_kwargs=True)
+    )
+    for index, (name, (module, path, width)) in enumerate(resolved.items()):
+        state.hook_names.append(name)
+        state.scales[name] = torch.ones(
+            state.edit_table_shape(width), dtype=state.edit_dtype, device=state.device
+        )
+        state.biases[name] = torch.zeros_like(state.scales[name])
+        pair_output = bool(_DECODER_LAYER.search(path))
+        fire_count = state.fire_counts.narrow(0, index, 1)
+        if config.enable_batching:
+            hook = _make_batched_hook(state, name, fire_count, pair_output)
+        else:
+            state.capture_buffers[name] = torch.zeros(
+                config.max_num_batched_tokens, width, dtype=config.dtype, device=state.device
+            )
+            state.capture_flags[name] = torch.ones(1, dtype=torch.int64, device=state.device)
+            hook = _make_compiled_hook(state, name, fire_count, pair_output)
+        state.handles.append(module.register_forward_hook(hook))
+    worker._tl_hooks = state
+    _key_compile_cache(worker, config)
+    logger.info(
+        "tl_vllm_hooks: %d hooks installed (%s flavour), %d absent on this rank",
+        len(resolved),
+        "batched" if config.enable_batching else "compiled",
+        len(state.absent),
+    )
+
+
+def _uninstall(worker: Any) -> None:
+    state = getattr(worker, "_tl_hooks", None)
+    if state is not None:
+        for handle in state.handles:
+            handle.remove()
+        worker._tl_hooks = None
+
+
+def _resolve_module(model: torch.nn.Module, modules: dict, path: str) -> torch.nn.Module | None:
+    """The module at ``path``; None when pipeline parallelism left it on another rank."""
+    module = modules.get(path)
+    if module is not None and not _is_pp_missing(module):
+        return module
+    prefix = path
+    while prefix:
+        if prefix in modules and _is_pp_missing(modules[prefix]):
+            return None
+        prefix = prefix.rpartition(".")[0]
+    close = difflib.get_close_matches(path, list(modules), n=3, cutoff=0.6)
+    raise ValueError(
+        f"capture_specs: module path {path!r} does not exist in {type(model).__name__}"
+        + (f"; close matches: {close}" if close else "")
+        + "; paths look like 'model.layers.0.mlp' (see model.named_modules())"
+    )
+
+
+def _is_pp_missing(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "PPMissingLayer"
+
+
+def _key_compile_cache(worker: Any, config: CaptureConfig) -> None:
+    # vLLM keys its on-disk compile cache by VllmConfig.compute_hash(), which
+    # knows nothing of hooks: without this a cached graph traced without (or
+    # with other) hooks would be served. additional_config is part of the key.
+    extra = worker.vllm_config.additional_config
+    if not isinstance(extra, dict):
+        raise ValueError(
+            "additional_config: tl_vllm_hooks keys vLLM's compile cache through "
+            f"LLM(additional_config=...), which must be a dict here, got {type(extra).__name__}"
+        )
+    extra["tl_vllm_hooks"] = hashlib.sha256(config.to_json().encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# Hooks.
+# Traced into the compiled graph and replayed by CUDA graphs: no Python
+# branching on tensor values, no host transfers, no side effects other than
+# in-place writes into the buffers above. Python branches on closure constants
+# (the flavour, whether the module returns a pair) are fixed at trace time.
+# ---------------------------------------------------------------------------
+
+
+def _make_positions_hook(positions_buffer: torch.Tensor):
+    def hook(_module, args, kwargs):
+        positions = kwargs["positions"] if "positions" in kwargs else args[1]
+        positions_buffer.narrow(0, 0, positions.shape[0]).copy_(positions)
+
+    return hook
+
+
+def _split_output(output: Any, pair_output: bool):
+    """(tensor to capture and edit, rebuild) for a module's output.
+
+    A decoder layer returns ``(mlp_out, residual)``; its stream is their sum,
+    and handing back ``(edited_sum, zeros)`` makes the next fused add+norm see
+    exactly the edited sum (at identity, exactly what vLLM computes unhooked).
+    """
+    if pair_output:
+        hidden, residual = output
+        stream = hidden + residual
+        return stream, lambda edited: (edited, torch.zeros_like(residual))
+    if isinstance(output, tuple):
+        return output[0], lambda edited: (edited, *output[1:])
+    return output, lambda edited: edited
+
+
+def _edit_in_place(rows, scale, bias, positions):
+    """rows <- rows * scale + bias, by token position when ``positions`` is given.
+
+    rows: [num_tokens, width]; scale, bias: [width], or [max_rows + 1, width]
+    indexed by position (positions: the [max_rows] buffer of the forward).
+    """
+    if positions is None:
+        rows.mul_(scale).add_(bias)
+        return
+    index = positions.narrow(0, 0, rows.shape[0]).clamp(max=scale.shape[0] - 1)
+    rows.mul_(scale.index_select(0, index)).add_(bias.index_select(0, index))
+
+
+def _make_compiled_hook(state: _HookState, name: str, fire_count: torch.Tensor, pair_output: bool):
+    capture_buffer = state.capture_buffers[name]
+    capture_flag = state.capture_flags[name]
+    scale, bias, positions = state.edit_tensors(name)
+
+    @torch.no_grad()
+    def hook(_module, _inputs, output):
+        fire_count.add_(1)
+        stream, rebuild = _split_output(output, pair_output)
+        _edit_in_place(stream, scale, bias, positions)
+        kept = capture_buffer.narrow(0, 0, stream.shape[0])
+        # First forward after open_capture wins; later ones rewrite what is there.
+        kept.copy_(torch.where(capture_flag.bool(), kept, stream))
+        capture_flag.fill_(1)
+        return rebuild(stream)
+
+    return hook
+
+
+# ---------------------------------------------------------------------------
+# Batched hook: eager only. It reads the scheduler's view of the batch on the
+# host every forward, which no graph can replay.
+# ---------------------------------------------------------------------------
+
+
+def _make_batched_hook(state: _HookState, name: str, fire_count: torch.Tensor, pair_output: bool):
+    scale, bias, positions = state.edit_tensors(name)
+
+    @torch.no_grad()
+    def hook(_module, _inputs, output):
+        fire_count.add_(1)
+        stream, rebuild = _split_output(output, pair_output)
+        _edit_in_place(stream, scale, bias, positions)
+        starts, request_ids = segment_by_request(state.runner)
+        rows = stream.detach().to("cpu", copy=True)
+        row_positions = state.positions[: rows.shape[0]].tolist()
+        for index, request_id in enumerate(request_ids):
+            start, end = starts[index], starts[index + 1]
+            if end > start:
+                _accumulate(state, request_id, name, rows[start:end], row_positions[start])
+        return rebuild(stream)
+
+    return hook
+
+
+def _accumulate(
+    state: _HookState, request_id: str, name: str, rows: torch.Tensor, first_position: int
+) -> None:
+    key = (request_id, name)
+    chunks = state.accumulators.setdefault(key, [])
+    expected = state.next_position.get(key, 0)
+    if first_position < expected:
+        # The request was preempted and is being recomputed from first_position:
+        # drop the rows it had past that point so none appears twice.
+        kept = torch.cat(chunks)[:first_position] if chunks else rows[:0]
+        chunks[:] = [kept] if kept.shape[0] else []
+    elif first_position > expected:
+        state.incomplete[request_id] = (
+            f"rows for positions {expected}..{first_position - 1} never ran through the model "
+            "(prefix caching reused them); build the engine with enable_prefix_caching=False"
+        )
+    chunks.append(rows)
+    state.next_position[key] = first_position + rows.shape[0]
+
+
+# ---------------------------------------------------------------------------
+# Request segmentation: which rows of the flattened batch belong to which
+# request. Host-side bookkeeping of the model runner; valid only while a
+# forward is in flight.
+# ---------------------------------------------------------------------------
+
+
+def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
+    """Row offsets and request ids of the forward in flight.
+
+    Returns ``(starts, request_ids)``: request ``request_ids[i]`` owns rows
+    ``starts[i]:starts[i + 1]`` of every ``[num_tokens, width]`` activation;
+    rows past ``starts[-1]`` are padding. Ids are the worker's (the user's id
+    plus a random suffix unless vLLM was told not to add one). Raises
+    RuntimeError when the runner's layout is not one this module knows.
+    """
+    input_batch = getattr(model_runner, "input_batch", None)
+    query_start_loc = getattr(model_runner, "query_start_loc", None)
+    if input_batch is not None and query_start_loc is not None:
+        request_ids = list(input_batch.req_ids)
+        starts = query_start_loc.np[: len(request_ids) + 1].tolist()
+        return starts, request_ids
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    detail = "no forward context either"
+    if is_forward_context_available():
+        metadata = get_forward_context().attn_metadata
+        detail = f"the forward context holds attention metadata ({type(metadata).__name__})"
+    raise RuntimeError(
+        f"segment_by_request: cannot tell requests apart in {type(model_runner).__name__}: it "
+        "has no input_batch.req_ids with query_start_loc (vLLM's V1 model runner), and "
+        f"{detail} but no request ids"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Tensor wire format. vLLM's RPC carries msgpack values, not tensors, and this
+# module never asks for pickle: a tensor travels as dtype name, shape and its
+# raw bytes, so every dtype (bfloat16 included) round-trips bit for bit.
+# ---------------------------------------------------------------------------
+
+_WIRE_DTYPES = _FLOAT_DTYPES + ("int64", "int32", "bool")
+
+
+def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """``{"dtype": str, "shape": list[int], "data": bytes}``, exact for every dtype."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    return {
+        "dtype": _dtype_name(tensor.dtype),
+        "shape": list(tensor.shape),
+        "data": tensor.reshape(-1).view(torch.uint8).numpy().tobytes(),
+    }
+
+
+def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
+    """Inverse of ``encode_tensor``: a CPU tensor of the encoded dtype and shape."""
+    if not isinstance(message, dict) or set(message) != {"dtype", "shape", "data"}:
+        raise ValueError(f"decode_tensor: expected keys dtype, shape, data; got {message!r:.200}")
+    if message["dtype"] not in _WIRE_DTYPES:
+        raise ValueError(f"decode_tensor: dtype {message['dtype']!r} is not one of {_WIRE_DTYPES}")
+    dtype = getattr(torch, message["dtype"])
+    shape = [int(size) for size in message["shape"]]
+    data = bytes(message["data"])
+    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if len(data) != expected:
+        raise ValueError(
+            f"decode_tensor: {len(data)} bytes for a {message['dtype']} tensor of shape {shape}, "
+            f"expected {expected}"
+        )
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------
+# Edits. One wire form for every flavour: per hook, an op, an optional value
+# (a scalar or a width-vector) and optional positions. Each becomes a pair of
+# tables (scale, bias) with out = out * scale + bias.
+# ---------------------------------------------------------------------------
+
+EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
+
+
+def _edit_tables(
+    edit: dict[str, Any], name: str, width: int, table_shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate one wire edit and build its (scale, bias) tables on the CPU."""
+    if not isinstance(edit, dict):
+        raise ValueError(f"edits[{name!r}]: expected a dict with 'op', got {edit!r}")
+    allowed = {"op", "value", "positions"}
+    if not set(edit) <= allowed or "op" not in edit:
+        raise ValueError(
+            f"edits[{name!r}]: keys must be 'op' plus optional 'value' and 'positions', "
+            f"got {sorted(edit)}"
+        )
+    op = edit["op"]
+    if op not in EDIT_OPS:
+        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(EDIT_OPS)}")
+    if EDIT_OPS[op] != ("value" in edit):
+        need = "needs a 'value'" if EDIT_OPS[op] else "takes no 'value'"
+        raise ValueError(f"edits[{name!r}]: op {op!r} {need}")
+    value = torch.zeros(width, dtype=torch.float64)
+    if EDIT_OPS[op]:
+        raw = edit["value"]
+        vector = decode_tensor(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64)
+        if vector.dim() == 0:
+            vector = vector.expand(width)
+        if vector.dim() != 1 or vector.shape[0] != width or not vector.is_floating_point():
+            raise ValueError(
+                f"edits[{name!r}]: value must be a number or a float vector of width {width}, "
+                f"got shape {list(vector.shape)} ({vector.dtype})"
+            )
+        value = vector.to(torch.float64)
+    scale_row = torch.ones(width, dtype=torch.float64)
+    bias_row = torch.zeros(width, dtype=torch.float64)
+    if op == "suppress":
+        scale_row.zero_()
+    elif op == "scale":
+        scale_row = value
+    elif op == "add":
+        bias_row = value
+    else:
+        scale_row.zero_()
+        bias_row = value
+    positions = edit.get("positions")
+    if positions is None:
+        # Every row, the last (every position past the table) included.
+        return scale_row.expand(table_shape).to(dtype), bias_row.expand(table_shape).to(dtype)
+    if len(table_shape) != 2:
+        raise ValueError(
+            f"edits[{name!r}]: positions need configure(enable_position_interventions=True)"
+        )
+    limit = table_shape[0] - 1
+    if (
+        not isinstance(positions, (list, tuple))
+        or not positions
+        or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < limit for p in positions)
+    ):
+        raise ValueError(
+            f"edits[{name!r}]: positions must be a non-empty list of ints in [0, {limit}), "
+            f"got {positions!r}"
+        )
+    scale = torch.ones(table_shape, dtype=torch.float64)
+    bias = torch.zeros(table_shape, dtype=torch.float64)
+    scale[list(positions)] = scale_row
+    bias[list(positions)] = bias_row
+    return scale.to(dtype), bias.to(dtype)
+
+
+# ---------------------------------------------------------------------------
+# Worker calls. Mixed into vLLM's worker by LLM(worker_extension_cls=...) and
+# reached through llm.collective_rpc; arguments and results are msgpack values.
+# ---------------------------------------------------------------------------
+
+
+class WorkerExtension:
+    """Methods vLLM mixes into each worker; call them with the driver helpers."""
+
+    def _tl_state(self) -> _HookState:
+        state = getattr(self, "_tl_hooks", None)
+        if state is None:
+            raise RuntimeError(
+                "tl_vllm_hooks: this engine has no hooks: call tl_vllm_hooks.configure(...) "
+                "before LLM(...), and keep TL_VLLM_HOOKS_DISABLE unset"
+            )
+        return state
+
+    def tl_status(self) -> dict[str, Any]:
+        state = self._tl_state()
+        return {
+            "version": __version__,
+            "module": __file__,
+            "config": state.config.to_json(),
+            "hooks": list(state.hook_names),
+            "absent": list(state.absent),
+        }
+
+    def tl_set_edits(self, edits: dict[str, Any]) -> None:
+        state = self._tl_state()
+        unknown = sorted(set(edits) - set(state.hook_names) - set(state.absent))
+        if unknown:
+            raise ValueError(f"edits: unknown hooks {unknown}; configured: {state.hook_names}")
+        tables = {}
+        for name in state.hook_names:
+            width = state.config.capture_specs[name][1]
+            shape = state.edit_table_shape(width)
+            if name in edits:
+                tables[name] = _edit_tables(edits[name], name, width, shape, state.edit_dtype)
+            else:
+                tables[name] = (None, None)
+        for name, (scale, bias) in tables.items():
+            if scale is None:
+                state.scales[name].fill_(1)
+                state.biases[name].zero_()
+            else:
+                state.scales[name].copy_(scale)
+                state.biases[name].copy_(bias)
+
+    def tl_open_capture(self) -> None:
+        for flag in self._tl_state().capture_flags.values():
+            flag.zero_()
+
+    def tl_read_captures(self, num_rows: int) -> dict[str, Any]:
+        state = self._tl_state()
+        if state.config.enable_batching:
+            raise RuntimeError("read_captures: this engine uses batched hooks; use read_batched")
+        if not _is_positive_int(num_rows) or num_rows > state.config.max_num_batched_tokens:
+            raise ValueError(
+                f"read_captures: num_rows must be an int in [1, "
+                f"{state.config.max_num_batched_tokens}] (the capture buffer), got {num_rows!r}; "
+                "a longer prompt is split by chunked prefill and only its first chunk is kept"
+            )
+        still_open = [n for n, flag in state.capture_flags.items() if int(flag.item()) == 0]
+        if still_open:
+            raise RuntimeError(
+                f"read_captures: no forward ran since open_capture for hooks {still_open}"
+            )
+        return {n: encode_tensor(b[:num_rows]) for n, b in state.capture_buffers.items()}
+
+    def tl_read_fire_counts(self) -> dict[str, int]:
+        state = self._tl_state()
+        return dict(zip(state.hook_names, state.fire_counts.tolist()))
+
+    def tl_reset_fire_counts(self) -> None:
+        self._tl_state().fire_counts.zero_()
+
+    def tl_read_batched(self) -> dict[str, Any]:
+        """Every finished row so far, then forgets them: {request_id: {hook: tensor}}."""
+        state = self._tl_state()
+        results: dict[str, dict[str, Any]] = {}
+        for (request_id, name), chunks in state.accumulators.items():
+            results.setdefault(request_id, {})[name] = encode_tensor(torch.cat(chunks))
+        incomplete = dict(state.incomplete)
+        state.accumulators.clear()
+        state.next_position.clear()
+        state.incomplete.clear()
+        return {"rows": results, "incomplete": incomplete}
+
+    def tl_reset_batched(self) -> None:
+        state = self._tl_state()
+        state.accumulators.clear()
+        state.next_position.clear()
+        state.incomplete.clear()
+
+    def tl_remove_hooks(self) -> None:
+        _uninstall(self)
+
+
+# ---------------------------------------------------------------------------
+# Driver helpers: a user's script calls these with its LLM; each is one
+# collective_rpc and returns torch tensors keyed by hook name.
+# ---------------------------------------------------------------------------
+
+SITES = {
+    "resid_post": ("blocks.{i}.hook_resid_post", "model.layers.{i}"),
+    "attn_out": ("blocks.{i}.hook_attn_out", "model.layers.{i}.self_attn"),
+    "mlp_out": ("blocks.{i}.hook_mlp_out", "model.layers.{i}.mlp"),
+    "embed": ("hook_embed", "model.embed_tokens"),
+    "final_norm": ("ln_final.hook_normalized", "model.norm"),
+}
+"""site -> (hook name, module path in vLLM's Llama-style models); ``{i}`` is the layer."""
+
+
+def capture_specs(
+    hf_config: Any, sites: tuple[str, ...] = ("resid_post",), layers: list[int] | None = None
+) -> dict[str, tuple[str, int]]:
+    """``{hook_name: (module_path, width)}`` for a decoder-only model.
+
+    hf_config: the model's transformers config (``num_hidden_layers``,
+        ``hidden_size``), e.g. ``AutoConfig.from_pretrained(path)``.
+    sites: keys of ``SITES``; layer sites expand over ``layers`` (default all).
+    """
+    unknown = [s for s in sites if s not in SITES]
+    if unknown:
+        raise ValueError(f"capture_specs: unknown sites {unknown}; valid: {list(SITES)}")
+    num_layers = hf_config.num_hidden_layers
+    layers = list(range(num_layers)) if layers is None else list(layers)
+    bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"capture_specs: layers {bad} outside [0, {num_layers})")
+    width = hf_config.hidden_size
+    specs = {}
+    for site in sites:
+        name, path = SITES[site]
+        for i in layers if "{i}" in name else [None]:
+            specs[name.format(i=i)] = (path.format(i=i), width)
+    return specs
+
+
+def _rpc(llm: Any, method: str, *args: Any) -> list[Any]:
+    extension = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls
+    if extension != WORKER_EXTENSION:
+        raise RuntimeError(
+            f"tl_vllm_hooks: the engine's worker_extension_cls is {extension!r}; build it with "
+            f"LLM(..., worker_extension_cls={WORKER_EXTENSION!r})"
+        )
+    return llm.collective_rpc(method, args=args)
+
+
+def _status(llm: Any) -> list[dict[str, Any]]:
+    return _rpc(llm, "tl_status")
+
+
+def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    # Tensor-parallel ranks hold the same replicated activations and pipeline
+    # ranks hold disjoint hooks: the first rank that has a hook speaks for it.
+    merged: dict[str, Any] = {}
+    for result in per_rank:
+        for name, value in result.items():
+            merged.setdefault(name, value)
+    return merged
+
+
+def open_capture(llm: Any) -> None:
+    """Arm the compiled hooks: the next forward's rows are kept until the next open."""
+    _rpc(llm, "tl_open_capture")
+
+
+def read_captures(llm: Any, num_rows: int) -> dict[str, torch.Tensor]:
+    """``{hook_name: [num_rows, width]}`` CPU tensors (config dtype) from the armed forward.
+
+    num_rows is the prompt length in tokens; the prompt must fit one forward
+    (``<= max_num_batched_tokens``) and prefix caching must be off.
+    """
+    return {n: decode_tensor(m) for n, m in _merge_ranks(_rpc(llm, "tl_read_captures", num_rows)).items()}
+
+
+def set_edits(llm: Any, edits: dict[str, dict[str, Any]]) -> None:
+    """Replace every edit: hooks not named go back to identity.
+
+    edits: ``{hook_name: {"op": op, "value": v, "positions": [p, ...]}}`` with op
+    one of ``suppress`` (no value), ``scale``, ``add`` or ``set``; v a number or
+    a 1-D tensor of the hook's width; positions (optional) token positions in
+    the sequence, needing ``enable_position_interventions=True``. Applies to
+    every forward from the next one on.
+    """
+    wire = {}
+    for name, edit in edits.items():
+        edit = dict(edit)
+        if isinstance(edit.get("value"), torch.Tensor):
+            edit["value"] = encode_tensor(edit["value"])
+        if isinstance(edit.get("positions"), torch.Tensor):
+            edit["positions"] = edit["positions"].tolist()
+        wire[name] = edit
+    _check_edits(llm, wire)
+    _rpc(llm, "tl_set_edits", wire)
+
+
+def _check_edits(llm: Any, edits: dict[str, Any]) -> None:
+    # The workers check too; checking here first raises a plain ValueError in
+    # the driver before anything changes on any rank.
+    status = _status(llm)[0]
+    config = CaptureConfig.from_json(status["config"])
+    if not isinstance(edits, dict):
+        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r}")
+    for name, edit in edits.items():
+        if name not in config.capture_specs:
+            close = difflib.get_close_matches(str(name), list(config.capture_specs), n=3)
+            raise ValueError(
+                f"edits: {name!r} is not a configured hook"
+                + (f"; close matches: {close}" if close else "")
+                + f"; configured: {sorted(config.capture_specs)}"
+            )
+        width = config.capture_specs[name][1]
+        shape = (config.max_num_batched_tokens + 1, width) if config.enable_position_interventions else (width,)
+        _edit_tables(edit, name, width, shape, torch.float32)
+
+
+def reset_edits(llm: Any) -> None:
+    """Every hook back to identity."""
+    _rpc(llm, "tl_set_edits", {})
+
+
+def read_fire_counts(llm: Any) -> dict[str, int]:
+    """How often each hook ran since the last reset, per hook (rank 0's view per hook)."""
+    return _merge_ranks(_rpc(llm, "tl_read_fire_counts"))
+
+
+def reset_fire_counts(llm: Any) -> None:
+    """Zero every hook's fire count."""
+    _rpc(llm, "tl_reset_fire_counts")
+
+
+def absent_hooks(llm: Any) -> list[str]:
+    """Hooks whose module lives on no rank (a hook absent on only some ranks is fine)."""
+    statuses = _status(llm)
+    present = {name for status in statuses for name in status["hooks"]}
+    return sorted({name for status in statuses for name in status["absent"]} - present)
+
+
+def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Batched captures: ``{request_id: {hook_name: [rows, width]}}``, then freed.
+
+    request_ids: the ids the user sees (``RequestOutput.request_id``). Rows are
+    every token that ran through the model for that request, in position order:
+    its prompt, then each generated token but the last.
+    """
+    per_rank = _rpc(llm, "tl_read_batched")
+    rows: dict[str, dict[str, Any]] = {}
+    incomplete: dict[str, str] = {}
+    for result in per_rank:
+        for worker_id, hooks in result["rows"].items():
+            for name, message in hooks.items():
+                rows.setdefault(worker_id, {}).setdefault(name, message)
+        incomplete.update(result["incomplete"])
+    matches = _match_request_ids(list(request_ids), list(rows))
+    for user_id, worker_id in matches.items():
+        if worker_id in incomplete:
+            raise RuntimeError(f"read_batched: request {user_id!r}: {incomplete[worker_id]}")
+    return {
+        user_id: {name: decode_tensor(message) for name, message in rows[worker_id].items()}
+        for user_id, worker_id in matches.items()
+    }
+
+
+def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, str]:
+    """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix."""
+    matches = {}
+    for user_id in user_ids:
+        pattern = re.compile(re.escape(user_id) + r"(-[0-9a-f]{8})?")
+        found = [w for w in worker_ids if pattern.fullmatch(w)]
+        if len(found) != 1:
+            problem = "no captured request" if not found else f"several captured requests {found}"
+            raise KeyError(
+                f"read_batched: request id {user_id!r} matches {problem}; captured ids: "
+                f"{sorted(worker_ids)[:10]}"
+            )
+        matches[user_id] = found[0]
+    return matches
+
+
+def reset_batched(llm: Any) -> None:
+    """Drop every batched row not yet read."""
+    _rpc(llm, "tl_reset_batched")
+
+
+def remove_hooks(llm: Any) -> None:
+    """Remove every hook from every worker (a compiled graph keeps what it traced)."""
+    _rpc(llm, "tl_remove_hooks")
+
+
+# ---------------------------------------------------------------------------
+# Command line. Runs in the driver; everything above stays importable without it.
+# ---------------------------------------------------------------------------
+
+
+def _tiny_llama(directory: str) -> Any:
+    """A random fp32 Llama small enough for a CPU, saved to ``directory``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # head_dim 64: vLLM's CPU attention needs >= 32
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+    )
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def _transformers_activations(
+    hf_model: Any, token_ids: list[int], specs: dict[str, tuple[str, int]], edits: dict | None = None
+) -> dict[str, torch.Tensor]:
+    """The same hooks on a transformers model: ``{hook_name: [len(token_ids), width]}``.
+
+    transformers' Llama-style models use vLLM's module paths; a decoder layer's
+    output there is already the residual stream. ``edits`` maps a hook name to
+    a function of its rows whose result replaces them downstream.
+    """
+    edits = edits or {}
+    modules = dict(hf_model.named_modules())
+    captured: dict[str, torch.Tensor] = {}
+
+    def make_hook(name: str):
+        def hook(_module, _inputs, output):
+            rows = output[0] if isinstance(output, tuple) else output
+            if name in edits:
+                rows = edits[name](rows)
+            captured[name] = rows[0].detach().clone()
+            return (rows, *output[1:]) if isinstance(output, tuple) else rows
+
+        return hook
+
+    handles = [modules[path].register_forward_hook(make_hook(n)) for n, (path, _w) in specs.items()]
+    try:
+        with torch.no_grad():
+            hf_model(torch.tensor([token_ids]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model_dir = tempfile.mkdtemp(prefix="tl_vllm_hooks_demo_")
+    hf_model = _tiny_llama(model_dir)
+    num_layers = hf_model.config.num_hidden_layers
+    specs = capture_specs(hf_model.config, sites=("embed", "resid_post", "attn_out", "mlp_out", "final_norm"))
+    configure(specs, max_num_batched_tokens=256, dtype=torch.float32)
+    try:
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            max_model_len=512,
+            max_num_batched_tokens=256,
+            enforce_eager=args.eager,
+            enable_prefix_caching=False,
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=0.1,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+    finally:
+        clear_config()
+    prompt = [(37 * i + 11) % 512 for i in range(24)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+    def run_vllm() -> dict[str, torch.Tensor]:
+        open_capture(llm)
+        llm.generate(TokensPrompt(prompt_token_ids=prompt), params, use_tqdm=False)
+        return read_captures(llm, len(prompt))
+
+    def run_transformers(layer0_scale: float) -> dict[str, torch.Tensor]:
+        return _transformers_activations(
+            hf_model, prompt, specs, {"blocks.0.hook_resid_post": lambda rows: rows * layer0_scale}
+        )
+
+    plain = run_vllm()
+    set_edits(llm, {"blocks.0.hook_resid_post": {"op": "scale", "value": 0.5}})
+    edited = run_vllm()
+    reset_edits(llm)
+    expected, expected_edited = run_transformers(1.0), run_transformers(0.5)
+
+    def error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    print(f"\ntl_vllm_hooks {__version__} demo: random Llama {num_layers} layers x 128, fp32, "
+          f"{len(prompt)}-token prompt, {'eager' if args.eager else 'compiled'} engine")
+    print(f"{'hook':28} {'rows x width':>13} {'rel err vs HF':>14} "
+          f"{'edit moved it':>14} {'edited rel err':>15}")
+    worst = 0.0
+    for name in specs:
+        shape = "x".join(map(str, plain[name].shape))
+        errors = (error(plain[name], expected[name]), error(edited[name], expected_edited[name]))
+        worst = max(worst, *errors)
+        moved = error(edited[name], plain[name])
+        print(f"{name:28} {shape:>13} {errors[0]:>14.1e} {moved:>14.1e} {errors[1]:>15.1e}")
+    print(f"edit: blocks.0.hook_resid_post scaled by 0.5; worst relative error {worst:.1e}")
+    return 0 if worst <= args.tolerance else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tl_vllm_hooks", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo", help="capture and edit a tiny random Llama in vLLM and check it against transformers"
+    )
+    demo.add_argument("--eager", action="store_true", help="build the engine with enforce_eager=True")
+    demo.add_argument(
+        "--tolerance", type=float, default=1e-5, help="exit 1 past this relative error (default 1e-5)"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    return {"demo": _demo}[args.command](args)
+
+
+if os.environ.get(_CONFIG_ENV):
+    # A copied-in file is no entry point: register when a worker imports it.
+    register()
+
+if __name__ == "__main__":
+    # Run the imported module, not this __main__ copy, so WORKER_EXTENSION and
+    # the registration state are the ones vLLM's workers see.
+    from tl_vllm_hooks import main as _main
+
+    sys.exit(_main())
