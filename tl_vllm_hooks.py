@@ -262,6 +262,7 @@ def _disabled() -> bool:
 # ---------------------------------------------------------------------------
 
 _original_load_model = None
+_original_warm_up = None
 
 
 def register() -> None:
@@ -271,22 +272,31 @@ def register() -> None:
     process. A worker loading a model with no config present gets no hooks.
     Does nothing when ``TL_VLLM_HOOKS_DISABLE=1``.
     """
-    global _original_load_model
+    global _original_load_model, _original_warm_up
     if _original_load_model is not None or _disabled():
         return
     from vllm.v1.worker.gpu_worker import Worker
 
-    original = Worker.load_model
+    original_load, original_warm_up = Worker.load_model, Worker.compile_or_warm_up_model
 
     def load_model(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+        original_load(self, *args, **kwargs)
         config = _config_from_env()
         if config is not None:
             _install(self, config)
 
-    load_model.__wrapped__ = original
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        result = original_warm_up(self, *args, **kwargs)
+        state = getattr(self, "_tl_hooks", None)
+        if state is not None:
+            state.forget_warm_up()
+        return result
+
+    load_model.__wrapped__ = original_load
+    compile_or_warm_up_model.__wrapped__ = original_warm_up
     Worker.load_model = load_model
-    _original_load_model = original
+    Worker.compile_or_warm_up_model = compile_or_warm_up_model
+    _original_load_model, _original_warm_up = original_load, original_warm_up
 
 
 class _HookState:
@@ -326,6 +336,18 @@ class _HookState:
         self.incomplete: dict[str, str] = {}
         self.device = device
         self.edit_dtype = edit_dtype
+
+    def forget_warm_up(self) -> None:
+        """Drop what vLLM's own warm-up and graph-capture forwards left behind."""
+        self.fire_counts.zero_()
+        for flag in self.capture_flags.values():
+            flag.fill_(1)
+        self.clear_batched()
+
+    def clear_batched(self) -> None:
+        self.accumulators.clear()
+        self.next_position.clear()
+        self.incomplete.clear()
 
     def edit_tensors(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         positions = self.positions if self.config.enable_position_interventions else None
@@ -387,6 +409,8 @@ def _install(worker: Any, config: CaptureConfig) -> None:
             state.capture_flags[name] = torch.ones(1, dtype=torch.int64, device=state.device)
             hook = _make_compiled_hook(state, name, fire_count, pair_output)
         state.handles.append(module.register_forward_hook(hook))
+    if config.enable_batching and not hasattr(runner, "input_batch"):
+        _track_v2_batches(runner)
     worker._tl_hooks = state
     _key_compile_cache(worker, config)
     logger.info(
@@ -402,6 +426,9 @@ def _uninstall(worker: Any) -> None:
     if state is not None:
         for handle in state.handles:
             handle.remove()
+        for method in ("prepare_inputs", "execute_model"):
+            state.runner.__dict__.pop(method, None)
+        state.runner.__dict__.pop(_V2_BATCH, None)
         worker._tl_hooks = None
 
 
@@ -569,10 +596,16 @@ def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
     """
     input_batch = getattr(model_runner, "input_batch", None)
     query_start_loc = getattr(model_runner, "query_start_loc", None)
-    if input_batch is not None and query_start_loc is not None:
+    if input_batch is not None and query_start_loc is not None:  # V1 runner
         request_ids = list(input_batch.req_ids)
         starts = query_start_loc.np[: len(request_ids) + 1].tolist()
         return starts, request_ids
+    if hasattr(model_runner, _V2_BATCH):  # Model Runner V2, see _track_v2_batches
+        batch = getattr(model_runner, _V2_BATCH)
+        if batch is None:  # a forward vLLM runs without requests (profile, capture)
+            return [0], []
+        num_requests = batch.num_reqs
+        return batch.query_start_loc_np[: num_requests + 1].tolist(), list(batch.req_ids[:num_requests])
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     detail = "no forward context either"
@@ -581,9 +614,37 @@ def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
         detail = f"the forward context holds attention metadata ({type(metadata).__name__})"
     raise RuntimeError(
         f"segment_by_request: cannot tell requests apart in {type(model_runner).__name__}: it "
-        "has no input_batch.req_ids with query_start_loc (vLLM's V1 model runner), and "
-        f"{detail} but no request ids"
+        "has neither input_batch.req_ids with query_start_loc (vLLM's V1 model runner) nor "
+        f"a tracked step batch (Model Runner V2), and {detail} but no request ids"
     )
+
+
+_V2_BATCH = "_tl_step_batch"
+
+
+def _track_v2_batches(runner: Any) -> None:
+    """Keep Model Runner V2's per-step batch on the runner while its forward runs.
+
+    V2 builds the step's InputBatch (req_ids, query_start_loc_np) in
+    prepare_inputs and holds it only in a local variable; wrapping the two
+    methods on this instance keeps it reachable, and None outside execute_model.
+    """
+    prepare_inputs, execute_model = runner.prepare_inputs, runner.execute_model
+    setattr(runner, _V2_BATCH, None)
+
+    def tracked_prepare_inputs(*args, **kwargs):
+        batch = prepare_inputs(*args, **kwargs)
+        setattr(runner, _V2_BATCH, batch)
+        return batch
+
+    def tracked_execute_model(*args, **kwargs):
+        setattr(runner, _V2_BATCH, None)
+        try:
+            return execute_model(*args, **kwargs)
+        finally:
+            setattr(runner, _V2_BATCH, None)
+
+    runner.prepare_inputs, runner.execute_model = tracked_prepare_inputs, tracked_execute_model
 
 
 # ---------------------------------------------------------------------------
@@ -706,8 +767,31 @@ def _edit_tables(
 # ---------------------------------------------------------------------------
 
 
+_USER_ERRORS = (ValueError, KeyError, RuntimeError)
+
+
+def _errors_as_data(method):
+    """Return a caller's mistake as data, so the driver raises it with its own type.
+
+    Raised inside a worker process, it would reach the driver as vLLM's generic
+    RuntimeError with the worker's traceback in the log.
+    """
+
+    def wrapper(self, *args):
+        try:
+            return {"result": method(self, *args)}
+        except _USER_ERRORS as error:
+            return {"error": [type(error).__name__, str(error.args[0]) if error.args else ""]}
+
+    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
+    return wrapper
+
+
 class WorkerExtension:
-    """Methods vLLM mixes into each worker; call them with the driver helpers."""
+    """Methods vLLM mixes into each worker; call them with the driver helpers.
+
+    Each returns ``{"result": value}`` or ``{"error": [exception type, message]}``.
+    """
 
     def _tl_state(self) -> _HookState:
         state = getattr(self, "_tl_hooks", None)
@@ -718,6 +802,7 @@ class WorkerExtension:
             )
         return state
 
+    @_errors_as_data
     def tl_status(self) -> dict[str, Any]:
         state = self._tl_state()
         return {
@@ -728,6 +813,7 @@ class WorkerExtension:
             "absent": list(state.absent),
         }
 
+    @_errors_as_data
     def tl_set_edits(self, edits: dict[str, Any]) -> None:
         state = self._tl_state()
         unknown = sorted(set(edits) - set(state.hook_names) - set(state.absent))
@@ -749,10 +835,12 @@ class WorkerExtension:
                 state.scales[name].copy_(scale)
                 state.biases[name].copy_(bias)
 
+    @_errors_as_data
     def tl_open_capture(self) -> None:
         for flag in self._tl_state().capture_flags.values():
             flag.zero_()
 
+    @_errors_as_data
     def tl_read_captures(self, num_rows: int) -> dict[str, Any]:
         state = self._tl_state()
         if state.config.enable_batching:
@@ -770,31 +858,43 @@ class WorkerExtension:
             )
         return {n: encode_tensor(b[:num_rows]) for n, b in state.capture_buffers.items()}
 
+    @_errors_as_data
     def tl_read_fire_counts(self) -> dict[str, int]:
         state = self._tl_state()
         return dict(zip(state.hook_names, state.fire_counts.tolist()))
 
+    @_errors_as_data
     def tl_reset_fire_counts(self) -> None:
         self._tl_state().fire_counts.zero_()
 
-    def tl_read_batched(self) -> dict[str, Any]:
-        """Every finished row so far, then forgets them: {request_id: {hook: tensor}}."""
+    @_errors_as_data
+    def tl_read_batched(self, request_ids: list[str]) -> dict[str, Any]:
+        """Rows of the given (user-visible) request ids, which are then forgotten.
+
+        ``{request_id: {hook_name: encoded [rows, width]}}``; every id must
+        match exactly one captured request, or nothing is read.
+        """
         state = self._tl_state()
+        if not state.hook_names:  # a pipeline rank that holds none of the hooks
+            return {}
+        matches = _match_request_ids(request_ids, sorted({rid for rid, _ in state.accumulators}))
+        for user_id, worker_id in matches.items():
+            if worker_id in state.incomplete:
+                raise RuntimeError(f"read_batched: request {user_id!r}: {state.incomplete[worker_id]}")
         results: dict[str, dict[str, Any]] = {}
-        for (request_id, name), chunks in state.accumulators.items():
-            results.setdefault(request_id, {})[name] = encode_tensor(torch.cat(chunks))
-        incomplete = dict(state.incomplete)
-        state.accumulators.clear()
-        state.next_position.clear()
-        state.incomplete.clear()
-        return {"rows": results, "incomplete": incomplete}
+        for user_id, worker_id in matches.items():
+            for name in state.hook_names:
+                chunks = state.accumulators.pop((worker_id, name), None)
+                state.next_position.pop((worker_id, name), None)
+                if chunks:
+                    results.setdefault(user_id, {})[name] = encode_tensor(torch.cat(chunks))
+        return results
 
+    @_errors_as_data
     def tl_reset_batched(self) -> None:
-        state = self._tl_state()
-        state.accumulators.clear()
-        state.next_position.clear()
-        state.incomplete.clear()
+        self._tl_state().clear_batched()
 
+    @_errors_as_data
     def tl_remove_hooks(self) -> None:
         _uninstall(self)
 
@@ -841,13 +941,19 @@ def capture_specs(
 
 
 def _rpc(llm: Any, method: str, *args: Any) -> list[Any]:
+    """One result per worker; a worker's error is raised here with its own type."""
     extension = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls
     if extension != WORKER_EXTENSION:
         raise RuntimeError(
             f"tl_vllm_hooks: the engine's worker_extension_cls is {extension!r}; build it with "
             f"LLM(..., worker_extension_cls={WORKER_EXTENSION!r})"
         )
-    return llm.collective_rpc(method, args=args)
+    replies = llm.collective_rpc(method, args=args)
+    for reply in replies:
+        if "error" in reply:
+            kind, message = reply["error"]
+            raise {e.__name__: e for e in _USER_ERRORS}[kind](message)
+    return [reply["result"] for reply in replies]
 
 
 def _status(llm: Any) -> list[dict[str, Any]]:
@@ -948,21 +1054,16 @@ def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.
     every token that ran through the model for that request, in position order:
     its prompt, then each generated token but the last.
     """
-    per_rank = _rpc(llm, "tl_read_batched")
-    rows: dict[str, dict[str, Any]] = {}
-    incomplete: dict[str, str] = {}
-    for result in per_rank:
-        for worker_id, hooks in result["rows"].items():
+    if isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids):
+        raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")
+    merged: dict[str, dict[str, Any]] = {}
+    for per_request in _rpc(llm, "tl_read_batched", list(request_ids)):
+        for request_id, hooks in per_request.items():
             for name, message in hooks.items():
-                rows.setdefault(worker_id, {}).setdefault(name, message)
-        incomplete.update(result["incomplete"])
-    matches = _match_request_ids(list(request_ids), list(rows))
-    for user_id, worker_id in matches.items():
-        if worker_id in incomplete:
-            raise RuntimeError(f"read_batched: request {user_id!r}: {incomplete[worker_id]}")
+                merged.setdefault(request_id, {}).setdefault(name, message)
     return {
-        user_id: {name: decode_tensor(message) for name, message in rows[worker_id].items()}
-        for user_id, worker_id in matches.items()
+        request_id: {name: decode_tensor(message) for name, message in hooks.items()}
+        for request_id, hooks in merged.items()
     }
 
 
