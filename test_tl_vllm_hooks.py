@@ -684,3 +684,73 @@ def test_cuda_batched_matches_transformers(runner, models):
     ) as llm:
         worst = check_batched(llm, bf16_reference_model(models["llama"][1]), tolerance=BF16_TOLERANCE)
         print(f"\ncuda batched {runner}: worst relative error {worst:.2e}")
+
+
+BAD_ENGINES = textwrap.dedent(
+    """
+    # Each engine below must fail to start with a clear message; then a good one
+    # starts in the same process and serves, and TL_VLLM_HOOKS_DISABLE=1 lets an
+    # engine with a broken config start without hooks.
+    if __name__ == "__main__":
+        import json, os, sys, torch
+        import tl_vllm_hooks as tlh
+        from vllm import LLM
+
+        model_dir = sys.argv[1]
+        good = {"blocks.0.hook_mlp_out": ("model.layers.0.mlp", 128)}
+        base = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=128, enforce_eager=True,
+                    skip_tokenizer_init=True, gpu_memory_utilization=0.05, enable_prefix_caching=False,
+                    worker_extension_cls=tlh.WORKER_EXTENSION)
+        attempts = {
+            "path": ({"h": ("model.layers.0.mpl", 128)}, 128, False, {}),
+            "width": ({"h": ("model.layers.0.mlp", 64)}, 128, False, {}),
+            "prefix": (good, 128, False, {"enable_prefix_caching": True}),
+            "rows": (good, 64, False, {}),
+            "batched": (good, 128, True, {"enforce_eager": False}),
+        }
+        refused = {}
+        for name, (specs, rows, batching, overrides) in attempts.items():
+            tlh.configure(specs, rows, torch.float32, enable_batching=batching)
+            try:
+                LLM(model_dir, **{**base, **overrides})
+                refused[name] = False
+            except Exception:
+                refused[name] = True
+            finally:
+                tlh.clear_config()
+        tlh.configure(good, 128, torch.float32)
+        llm = LLM(model_dir, **base)
+        tlh.clear_config()
+        hooks = tlh._status(llm)[0]["hooks"]
+        llm.llm_engine.engine_core.shutdown()
+        os.environ["TL_VLLM_HOOKS_DISABLE"] = "1"
+        tlh.configure(attempts["path"][0], 128, torch.float32)
+        LLM(model_dir, **base)
+        print("PROBE " + json.dumps({"refused": refused, "hooks": hooks}), flush=True)
+    """
+)
+
+
+def test_bad_engine_configs_are_refused_at_startup(tmp_path, models):
+    script = tmp_path / "bad_engines.py"
+    script.write_text(BAD_ENGINES)
+    environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(models["llama"][0])],
+        cwd=HERE, env=environment, capture_output=True, text=True, timeout=600,
+    )
+    log = done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+    assert done.returncode == 0 and lines, f"probe failed:\n{log[-4000:]}"
+    result = json.loads(lines[-1][len("PROBE ") :])
+    assert all(result["refused"].values()), f"engines that started anyway: {result['refused']}"
+    for message in [
+        "'model.layers.0.mpl' does not exist in LlamaForCausalLM; close matches: ['model.layers.0.mlp'",
+        "width 64, but model.layers.0.mlp outputs the model's hidden size, 128",
+        "enable_prefix_caching: tokens served from vLLM's prefix cache never run through the model",
+        "the engine schedules up to 128 tokens per forward but the capture buffers hold 64",
+        "enable_batching=True: the batched hooks run Python on every forward and need "
+        "LLM(enforce_eager=True)",
+    ]:
+        assert message in log, f"missing error message: {message}"
+    assert result["hooks"] == ["blocks.0.hook_mlp_out"], "the good engine after the bad ones has no hooks"

@@ -360,6 +360,8 @@ class _HookState:
 
 
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
+# Modules whose output width is the hidden size in every decoder-only model.
+_RESIDUAL_WIDTH_SITE = re.compile(r"(^|\.)(layers\.\d+(\.self_attn|\.mlp)?|embed_tokens|norm)$")
 
 
 def _install(worker: Any, config: CaptureConfig) -> None:
@@ -372,6 +374,12 @@ def _install(worker: Any, config: CaptureConfig) -> None:
             f"forward but the capture buffers hold {config.max_num_batched_tokens}; configure "
             f"at least {engine_rows} or pass LLM(max_num_batched_tokens=...) no larger"
         )
+    if worker.vllm_config.cache_config.enable_prefix_caching:
+        raise ValueError(
+            "enable_prefix_caching: tokens served from vLLM's prefix cache never run through "
+            "the model, so their activations would be missing; build the engine with "
+            "LLM(..., enable_prefix_caching=False)"
+        )
     if config.enable_batching and not worker.vllm_config.model_config.enforce_eager:
         raise ValueError(
             "enable_batching=True: the batched hooks run Python on every forward and need "
@@ -381,13 +389,19 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     _uninstall(worker)
     state = _HookState(config, model, runner)
     modules = dict(model.named_modules())
+    hidden_size = worker.vllm_config.model_config.get_hidden_size()
     resolved = {}
     for name, (path, width) in config.capture_specs.items():
         module = _resolve_module(model, modules, path)
         if module is None:
             state.absent.append(name)
-        else:
-            resolved[name] = (module, path, width)
+            continue
+        if _RESIDUAL_WIDTH_SITE.search(path) and width != hidden_size:
+            raise ValueError(
+                f"capture_specs[{name!r}]: width {width}, but {path} outputs the model's "
+                f"hidden size, {hidden_size}"
+            )
+        resolved[name] = (module, path, width)
     state.fire_counts = torch.zeros(len(resolved), dtype=torch.int64, device=state.device)
     state.handles.append(
         model.register_forward_pre_hook(_make_positions_hook(state.positions), with_kwargs=True)
