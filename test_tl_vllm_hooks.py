@@ -199,13 +199,17 @@ def engine(
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        if in_process:
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        shutdown(llm, in_process)
 
-            cleanup_dist_env_and_memory()
+
+def shutdown(llm, in_process):
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    if in_process:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
 
 
 def generate(llm, prompts, max_tokens=1):
@@ -725,8 +729,13 @@ BAD_ENGINES = textwrap.dedent(
         llm.llm_engine.engine_core.shutdown()
         os.environ["TL_VLLM_HOOKS_DISABLE"] = "1"
         tlh.configure(attempts["path"][0], 128, torch.float32)
-        LLM(model_dir, **base)
-        print("PROBE " + json.dumps({"refused": refused, "hooks": hooks}), flush=True)
+        llm = LLM(model_dir, **base)
+        try:
+            tlh.read_fire_counts(llm)
+            disabled = "hooks installed"
+        except RuntimeError as error:
+            disabled = str(error)
+        print("PROBE " + json.dumps({"refused": refused, "hooks": hooks, "disabled": disabled}), flush=True)
     """
 )
 
@@ -754,3 +763,27 @@ def test_bad_engine_configs_are_refused_at_startup(tmp_path, models):
     ]:
         assert message in log, f"missing error message: {message}"
     assert result["hooks"] == ["blocks.0.hook_mlp_out"], "the good engine after the bad ones has no hooks"
+    assert "this engine has no hooks" in result["disabled"], result["disabled"]
+
+
+# --- vLLM's compile cache --------------------------------------------------------------
+
+
+def test_compile_cache_never_serves_a_graph_traced_for_other_hooks(models, tmp_path, monkeypatch):
+    """vLLM keys its on-disk compile cache by its config, which knows no hooks.
+
+    Three compiled engines share one cache directory: hooks on one site, on
+    another, then the first again. Each must run exactly its own hooks, and
+    the two configs must get two cache entries (one, without the module's key).
+    """
+    cache = tmp_path / "vllm-cache"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache))
+    model_dir, hf_model = models["llama"]
+    for sites in [("resid_post",), ("mlp_out",), ("resid_post",)]:
+        with engine(model_dir, sites=sites, in_process=False, eager=False) as llm:
+            tlh.reset_fire_counts(llm)
+            captured = capture(llm, PROMPT)
+            assert set(tlh.read_fire_counts(llm).values()) == {1}, tlh.read_fire_counts(llm)
+            assert_matches(captured, reference(hf_model, PROMPT, llm.hook_paths), f"cache, {sites}")
+    entries = sorted(p.name for p in cache.glob("torch_compile_cache/*/*") if p.is_dir())
+    assert len(entries) == 2, f"expected one compile-cache entry per hook config, got {entries}"
