@@ -617,12 +617,15 @@ def test_installed_entry_point_installs_hooks_in_spawned_worker(tmp_path, models
 
 # --- CUDA: CUDA graphs and both model runners (skipped without a GPU) ----------------
 # bf16 tolerance: the reference is transformers in fp32 on the same bf16-rounded
-# weights, so the error is vLLM's own bf16 rounding. One bf16 rounding is <= 2^-9
-# (2e-3) relative; a few layers of rounded matmuls, norms and residual adds
-# accumulate to ~5e-3, and 2e-2 still separates them from any semantic error.
+# weights, so the error is vLLM's own bf16 arithmetic. One bf16 rounding is <= 2^-9
+# (2e-3) relative; three layers of rounded projections, rotary, attention, norms
+# and residual adds compound it: measured on an H200, worst hook 1.7e-2
+# (compiled, either runner, FULL or PIECEWISE graphs) and 1.9e-2 (batched, eager),
+# the same with graphs on and off. A semantic error (a row off by one, a missing
+# residual, an edit applied twice) is >= 1e-1 here.
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-BF16_TOLERANCE = 2e-2
+BF16_TOLERANCE = 2.5e-2
 RUNNERS = {"v2": (("VLLM_USE_V2_MODEL_RUNNER", "1"),), "v1": (("VLLM_USE_V2_MODEL_RUNNER", "0"),)}
 
 

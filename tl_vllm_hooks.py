@@ -73,6 +73,7 @@ __all__ = [
     "reset_fire_counts",
     "segment_by_request",
     "set_edits",
+    "tiny_model",
 ]
 
 logger = logging.getLogger(__name__)
@@ -498,33 +499,37 @@ def _make_positions_hook(positions_buffer: torch.Tensor):
     return hook
 
 
-def _split_output(output: Any, pair_output: bool):
-    """(tensor to capture and edit, rebuild) for a module's output.
+def _edit_rows(scale, bias, positions, num_rows):
+    """The edit's (scale, bias) for the forward's rows, broadcastable to [num_rows, width].
 
-    A decoder layer returns ``(mlp_out, residual)``; its stream is their sum,
-    and handing back ``(edited_sum, zeros)`` makes the next fused add+norm see
-    exactly the edited sum (at identity, exactly what vLLM computes unhooked).
+    scale, bias: [width], or [max_rows + 1, width] indexed by token position
+    when ``positions`` (the forward's [max_rows] positions buffer) is given.
+    """
+    if positions is None:
+        return scale, bias
+    index = positions.narrow(0, 0, num_rows).clamp(max=scale.shape[0] - 1)
+    return scale.index_select(0, index), bias.index_select(0, index)
+
+
+def _edit_output(output, pair_output, scale, bias, positions):
+    """(the module's output edited as ``x * scale + bias``, the edited activation).
+
+    A decoder layer returns ``(mlp_out, residual)`` and its activation is their
+    sum. Both halves are edited, ``(mlp_out * s + b, residual * s)``, so the next
+    layer's fused add+norm sums exactly what vLLM sums unhooked at identity
+    (x * 1 + 0 == x, bit for bit) and exact zeros under suppress and set. Other
+    modules' outputs are edited in place: no new tensor.
     """
     if pair_output:
         hidden, residual = output
-        stream = hidden + residual
-        return stream, lambda edited: (edited, torch.zeros_like(residual))
-    if isinstance(output, tuple):
-        return output[0], lambda edited: (edited, *output[1:])
-    return output, lambda edited: edited
-
-
-def _edit_in_place(rows, scale, bias, positions):
-    """rows <- rows * scale + bias, by token position when ``positions`` is given.
-
-    rows: [num_tokens, width]; scale, bias: [width], or [max_rows + 1, width]
-    indexed by position (positions: the [max_rows] buffer of the forward).
-    """
-    if positions is None:
-        rows.mul_(scale).add_(bias)
-        return
-    index = positions.narrow(0, 0, rows.shape[0]).clamp(max=scale.shape[0] - 1)
-    rows.mul_(scale.index_select(0, index)).add_(bias.index_select(0, index))
+        row_scale, row_bias = _edit_rows(scale, bias, positions, hidden.shape[0])
+        residual = residual * row_scale
+        hidden.mul_(row_scale).add_(row_bias)
+        return (hidden, residual), hidden + residual
+    tensor = output[0] if isinstance(output, tuple) else output
+    row_scale, row_bias = _edit_rows(scale, bias, positions, tensor.shape[0])
+    tensor.mul_(row_scale).add_(row_bias)
+    return output, tensor
 
 
 def _make_compiled_hook(state: _HookState, name: str, fire_count: torch.Tensor, pair_output: bool):
@@ -535,13 +540,12 @@ def _make_compiled_hook(state: _HookState, name: str, fire_count: torch.Tensor, 
     @torch.no_grad()
     def hook(_module, _inputs, output):
         fire_count.add_(1)
-        stream, rebuild = _split_output(output, pair_output)
-        _edit_in_place(stream, scale, bias, positions)
-        kept = capture_buffer.narrow(0, 0, stream.shape[0])
+        output, activation = _edit_output(output, pair_output, scale, bias, positions)
+        kept = capture_buffer.narrow(0, 0, activation.shape[0])
         # First forward after open_capture wins; later ones rewrite what is there.
-        kept.copy_(torch.where(capture_flag.bool(), kept, stream))
+        kept.copy_(torch.where(capture_flag.bool(), kept, activation))
         capture_flag.fill_(1)
-        return rebuild(stream)
+        return output
 
     return hook
 
@@ -558,16 +562,15 @@ def _make_batched_hook(state: _HookState, name: str, fire_count: torch.Tensor, p
     @torch.no_grad()
     def hook(_module, _inputs, output):
         fire_count.add_(1)
-        stream, rebuild = _split_output(output, pair_output)
-        _edit_in_place(stream, scale, bias, positions)
+        output, activation = _edit_output(output, pair_output, scale, bias, positions)
         starts, request_ids = segment_by_request(state.runner)
-        rows = stream.detach().to("cpu", copy=True)
+        rows = activation.detach().to("cpu", copy=True)
         row_positions = state.positions[: rows.shape[0]].tolist()
         for index, request_id in enumerate(request_ids):
             start, end = starts[index], starts[index + 1]
             if end > start:
                 _accumulate(state, request_id, name, rows[start:end], row_positions[start])
-        return rebuild(stream)
+        return output
 
     return hook
 
@@ -706,7 +709,7 @@ def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
 # tables (scale, bias) with out = out * scale + bias.
 # ---------------------------------------------------------------------------
 
-EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
+_EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
 
 
 def _edit_tables(
@@ -722,13 +725,13 @@ def _edit_tables(
             f"got {sorted(edit)}"
         )
     op = edit["op"]
-    if op not in EDIT_OPS:
-        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(EDIT_OPS)}")
-    if EDIT_OPS[op] != ("value" in edit):
-        need = "needs a 'value'" if EDIT_OPS[op] else "takes no 'value'"
+    if op not in _EDIT_OPS:
+        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
+    if _EDIT_OPS[op] != ("value" in edit):
+        need = "needs a 'value'" if _EDIT_OPS[op] else "takes no 'value'"
         raise ValueError(f"edits[{name!r}]: op {op!r} {need}")
     value = torch.zeros(width, dtype=torch.float64)
-    if EDIT_OPS[op]:
+    if _EDIT_OPS[op]:
         raw = edit["value"]
         vector = decode_tensor(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64)
         if vector.dim() == 0:
@@ -779,6 +782,22 @@ def _edit_tables(
 # Worker calls. Mixed into vLLM's worker by LLM(worker_extension_cls=...) and
 # reached through llm.collective_rpc; arguments and results are msgpack values.
 # ---------------------------------------------------------------------------
+
+
+def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, str]:
+    """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix."""
+    matches = {}
+    for user_id in user_ids:
+        pattern = re.compile(re.escape(user_id) + r"(-[0-9a-f]{8})?")
+        found = [w for w in worker_ids if pattern.fullmatch(w)]
+        if len(found) != 1:
+            problem = "no captured request" if not found else f"several captured requests {found}"
+            raise KeyError(
+                f"read_batched: request id {user_id!r} matches {problem}; captured ids: "
+                f"{sorted(worker_ids)[:10]}"
+            )
+        matches[user_id] = found[0]
+    return matches
 
 
 _USER_ERRORS = (ValueError, KeyError, RuntimeError)
@@ -1081,22 +1100,6 @@ def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.
     }
 
 
-def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, str]:
-    """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix."""
-    matches = {}
-    for user_id in user_ids:
-        pattern = re.compile(re.escape(user_id) + r"(-[0-9a-f]{8})?")
-        found = [w for w in worker_ids if pattern.fullmatch(w)]
-        if len(found) != 1:
-            problem = "no captured request" if not found else f"several captured requests {found}"
-            raise KeyError(
-                f"read_batched: request id {user_id!r} matches {problem}; captured ids: "
-                f"{sorted(worker_ids)[:10]}"
-            )
-        matches[user_id] = found[0]
-    return matches
-
-
 def reset_batched(llm: Any) -> None:
     """Drop every batched row not yet read."""
     _rpc(llm, "tl_reset_batched")
@@ -1112,12 +1115,19 @@ def remove_hooks(llm: Any) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _tiny_llama(directory: str) -> Any:
-    """A random fp32 Llama small enough for a CPU, saved to ``directory``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model(directory: str, family: str = "llama") -> Any:
+    """A random fp32 model small enough for a CPU, saved to ``directory``.
 
+    family: ``llama`` or ``qwen2``; 2 layers, width 128, vocabulary 512.
+    Returns the transformers model (eval mode) holding the saved weights.
+    """
+    import transformers
+
+    families = {"llama": "Llama", "qwen2": "Qwen2"}
+    if family not in families:
+        raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(families)}")
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = getattr(transformers, f"{families[family]}Config")(
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
@@ -1126,8 +1136,9 @@ def _tiny_llama(directory: str) -> Any:
         num_key_value_heads=1,
         max_position_embeddings=512,
         initializer_range=0.1,
+        tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = getattr(transformers, f"{families[family]}ForCausalLM")(config).to(torch.float32).eval()
     model.save_pretrained(directory)
     return model
 
@@ -1173,7 +1184,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model_dir = tempfile.mkdtemp(prefix="tl_vllm_hooks_demo_")
-    hf_model = _tiny_llama(model_dir)
+    hf_model = tiny_model(model_dir)
     num_layers = hf_model.config.num_hidden_layers
     specs = capture_specs(hf_model.config, sites=("embed", "resid_post", "attn_out", "mlp_out", "final_norm"))
     configure(specs, max_num_batched_tokens=256, dtype=torch.float32)

@@ -1,0 +1,289 @@
+"""Throughput and peak memory of vLLM with tl_vllm_hooks, side by side with plain vLLM.
+
+    python bench_tl_vllm_hooks.py --out bench.json   # GPU: random bf16 Llama-3.2-1B shape
+    python bench_tl_vllm_hooks.py --tiny             # CPU smoke run, about 5 minutes
+
+Each case builds a fresh engine in a fresh subprocess (this file with ``--run-case``),
+which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
+with ``VLLM_DISABLE_COMPILE_CACHE=1``, so no case is served another's compiled graph.
+
+Peak memory covers the whole case, start-up included. On a GPU the worker runs in the
+case's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``torch.cuda.max_memory_allocated``
+is read there; vLLM fills ``gpu_memory_utilization`` with KV cache, so what the hooks take
+shows up mostly as fewer KV blocks, not a higher peak. On the CPU the cases keep vLLM's
+separate processes (in-process, vLLM 0.32's CPU backend stalls 1-2 s at random inside a
+generate) and report the process tree's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+_MARKER = "@@BENCH_TL_VLLM_HOOKS@@ "
+
+CASES = {
+    "plain": "plain vLLM, compiled",
+    "a": "module registered (entry point), nothing configured",
+    "b": "compiled capture: resid_post, every layer",
+    "c": "compiled capture: resid_post + attn_out + mlp_out",
+    "d": "(b) + identity edit on blocks.0.hook_resid_post",
+    "e": "batched eager capture of resid_post, read_batched",
+    "plain-eager": "plain vLLM, enforce_eager=True",
+}
+_SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",)}
+_EAGER = ("e", "plain-eager")
+_PLAIN = ("plain", "plain-eager")
+_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d")  # hooks at identity must not change greedy tokens
+
+# Llama-3.2-1B's shape, and a tiny one whose head_dim (64) vLLM's CPU attention accepts.
+_FULL_MODEL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                   intermediate_size=8192, vocab_size=128256, dtype="bfloat16")
+_TINY_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   intermediate_size=256, vocab_size=512, dtype="float32")
+# 16384 batched tokens is vLLM's own default for the LLM class on large GPUs, fixed here so
+# that every case schedules alike and the capture buffers match the engine.
+_WORKLOAD_FIELDS = ("num_prompts", "prompt_len", "max_tokens", "max_num_batched_tokens", "repeats")
+_FULL_WORKLOAD = (256, 128, 64, 16384, 1)
+_TINY_WORKLOAD = (128, 32, 32, 2048, 1)
+
+
+def _make_model(path: str, shape: dict) -> None:
+    """A random Llama saved with save_pretrained; nothing is fetched from a hub."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{k: v for k, v in shape.items() if k != "dtype"},
+                         tie_word_embeddings=True, max_position_embeddings=4096)
+    torch.set_default_dtype(getattr(torch, shape["dtype"]))  # no fp32 copy of 1B weights
+    try:
+        LlamaForCausalLM(config).save_pretrained(path)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _run_case(name: str, args: argparse.Namespace) -> dict:
+    """Build one engine, warm up, time ``repeats`` generates; the result the parent parses."""
+    import random
+
+    import torch
+    import vllm
+    from transformers import AutoConfig
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.worker.gpu_worker import Worker
+
+    import tl_vllm_hooks as tl
+
+    hf_config = AutoConfig.from_pretrained(args.model)
+    # transformers 5 says dtype, older releases torch_dtype; a torch.dtype or its name.
+    dtype = getattr(torch, str(getattr(hf_config, "dtype", None) or hf_config.torch_dtype).removeprefix("torch."))
+    on_gpu = torch.cuda.is_available()
+    rng = random.Random(0)  # the same prompts in every case
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(hf_config.vocab_size) for _ in range(args.prompt_len)])
+               for _ in range(args.num_prompts)]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    engine_args = dict(model=args.model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
+                       max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=name in _EAGER,
+                       gpu_memory_utilization=0.9 if on_gpu else 0.1)  # on the CPU, a fraction of RAM
+    sites = _SITES.get(name)
+    if sites:
+        tl.configure(tl.capture_specs(hf_config, sites=sites), max_num_batched_tokens=args.max_num_batched_tokens,
+                     dtype=dtype, enable_batching=name == "e")
+        engine_args["worker_extension_cls"] = tl.WORKER_EXTENSION
+    llm = LLM(**engine_args)
+    tl.clear_config()
+    if name == "d":
+        tl.set_edits(llm, {"blocks.0.hook_resid_post": {"op": "scale", "value": 1.0}})
+
+    def generate():
+        """(outputs, generate seconds, read seconds, what was read); reads are not timed."""
+        if sites and name != "e":
+            tl.open_capture(llm)  # arm the capture gate, as a user reading captures would
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed, start = time.perf_counter() - start, time.perf_counter()
+        if name == "e":
+            captured = tl.read_batched(llm, [o.request_id for o in outputs])  # also frees the rows
+            rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
+            check = f"{len(captured)} requests x {len(captured[outputs[0].request_id])} hooks, rows {rows}"
+        elif sites:
+            captured = tl.read_captures(llm, args.prompt_len)
+            finite = all(bool(t.isfinite().all()) for t in captured.values())
+            check = f"{len(captured)} hooks x {args.prompt_len} rows, finite={finite}"
+        else:
+            check = None
+        return outputs, elapsed, time.perf_counter() - start if sites else None, check
+
+    generate()  # warm-up: first-request paths, caches, lazily compiled kernels
+    runs = [generate() for _ in range(args.repeats)]
+    outputs, _, read_s, check = runs[-1]
+    seconds = statistics.median(run[1] for run in runs)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    generated, rss = sum(map(len, tokens)), _peak_rss_tree()
+    gpu_peak = torch.cuda.max_memory_allocated() if on_gpu else None
+    return {
+        "case": name, "device": torch.cuda.get_device_name() if on_gpu else _cpu_name(),
+        "vllm": vllm.__version__, "torch": torch.__version__,
+        "generated_tokens": generated, "seconds": seconds, "seconds_each": [run[1] for run in runs],
+        "tokens_per_s": generated / seconds,
+        "peak_bytes": gpu_peak if on_gpu else rss, "peak_gpu_bytes": gpu_peak, "peak_rss_bytes": rss,
+        "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+        "read_s": read_s, "capture_check": check,
+        # register() ran in this process (configure() or vLLM's plugin loader): False for plain.
+        "load_model_wrapped": hasattr(Worker.load_model, "__wrapped__"),
+        # Forwards each hook saw in our generates; 0 would mean a hook never ran.
+        "min_hook_fires": min(tl.read_fire_counts(llm).values()) if sites else None,
+        "tokens": tokens,
+    }
+
+
+def _peak_rss_tree() -> int:
+    """Sum of peak RSS (VmHWM) over this process and its live descendants (vLLM's engine
+    core and worker): an upper bound on the tree's peak, as they need not peak together."""
+    import psutil
+
+    total = 0
+    for proc in [psutil.Process()] + psutil.Process().children(recursive=True):
+        with open(f"/proc/{proc.pid}/status") as f:
+            total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return total
+
+
+def _plugin_dir(root: str) -> str:
+    """A folder declaring ``tl_vllm_hooks:register`` as a ``vllm.general_plugins`` entry point,
+    as a pip install would; on PYTHONPATH, vLLM calls it in every process it starts."""
+    info = os.path.join(root, "tl_vllm_hooks_bench-0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: tl_vllm_hooks_bench\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\ntl_vllm_hooks = tl_vllm_hooks:register\n")
+    return root
+
+
+def _cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    return f"{names[0] if names else 'CPU'} ({os.cpu_count()} cores)"
+
+
+def _spawn_case(name: str, args: argparse.Namespace) -> dict:
+    """Run one case in a fresh interpreter; its result, or an error with the log's tail."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TL_VLLM_HOOKS_")}  # each case sets its own
+    env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    if name in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
+        env["TL_VLLM_HOOKS_DISABLE"] = "1"
+    if args.on_gpu:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its CUDA peak readable
+    else:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it CPU start-up fails or crawls
+    if name == "a":  # registered in every vLLM process, configured nowhere
+        paths = [args.plugin_dir, os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    command = [sys.executable, os.path.abspath(__file__), "--run-case", name, "--model", args.model]
+    command += [f"--{field.replace('_', '-')}={getattr(args, field)}" for field in _WORKLOAD_FIELDS]
+    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
+    if proc.returncode == 0 and len(lines) == 1:
+        return json.loads(lines[0][len(_MARKER):])
+    tail = "\n".join(proc.stdout.splitlines()[-25:])
+    return {"case": name, "error": f"exit code {proc.returncode}, {len(lines)} result lines; log tail:\n{tail}"}
+
+
+def _summarise(results: dict[str, dict]) -> None:
+    """Ratios to plain and same-tokens flags, in place; the token lists are dropped."""
+    plain = results.get("plain", {})
+    plain_tokens = plain.get("tokens")
+    for r in results.values():
+        if "error" in r:
+            continue
+        tokens = r.pop("tokens")
+        same = None if plain_tokens is None else [a == b for a, b in zip(tokens, plain_tokens)]
+        r.update(
+            tokens_per_s_ratio=r["tokens_per_s"] / plain["tokens_per_s"] if plain_tokens else None,
+            peak_ratio=r["peak_bytes"] / plain["peak_bytes"] if plain_tokens else None,
+            same_tokens_as_plain=None if same is None else all(same) and len(tokens) == len(plain_tokens),
+            sequences_equal_to_plain=None if same is None else sum(same),
+        )
+
+
+def _table(results: dict[str, dict]) -> str:
+    def fmt(value, spec=""):
+        return "n/a" if value is None else format(value, spec)
+
+    rows = ["| case | what | tok/s | ratio | peak mem (GiB) | ratio | KV blocks | same tokens |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "error" in r:
+            rows.append(f"| {name} | {CASES[name]} | failed: {r['error'].splitlines()[0]} | | | | | |")
+            continue
+        same = fmt(r["same_tokens_as_plain"]) + ("" if name in _SAME_TOKENS_AS_PLAIN else " (not required)")
+        rows.append(f"| {name} | {CASES[name]} | {r['tokens_per_s']:.0f} | {fmt(r['tokens_per_s_ratio'], '.3f')} "
+                    f"| {r['peak_bytes'] / 2**30:.2f} | {fmt(r['peak_ratio'], '.3f')} | {r['kv_blocks']} | {same} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    parser.add_argument("--tiny", action="store_true", help="tiny fp32 model and workload, for a CPU")
+    parser.add_argument("--num-prompts", type=int)
+    parser.add_argument("--prompt-len", type=int)
+    parser.add_argument("--max-tokens", type=int, help="generated tokens per prompt")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's, and the capture buffers' rows")
+    parser.add_argument("--repeats", type=int, help="timed generates after the warm-up; tok/s from their median")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--run-case", choices=list(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    for field, default in zip(_WORKLOAD_FIELDS, _TINY_WORKLOAD if args.tiny else _FULL_WORKLOAD):
+        if getattr(args, field) is None:
+            setattr(args, field, default)
+    if args.run_case:
+        print(_MARKER + json.dumps(_run_case(args.run_case, args)), flush=True)
+        return
+
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; valid: {list(CASES)}")
+    import torch
+
+    args.on_gpu = torch.cuda.is_available()
+    shape = _TINY_MODEL if args.tiny else _FULL_MODEL
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_tl_vllm_hooks_") as root:
+        args.model, args.plugin_dir = os.path.join(root, "model"), _plugin_dir(os.path.join(root, "plugin"))
+        _make_model(args.model, shape)
+        for name in cases:
+            start = time.perf_counter()
+            r = results[name] = _spawn_case(name, args)
+            status = "failed" if "error" in r else f"{r['tokens_per_s']:.0f} tok/s"
+            print(f"[{name}] {status}, case took {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+            # The whole result too, so a run stopped part-way still leaves its numbers in the log.
+            print(f"[{name}] {json.dumps(r)}", file=sys.stderr, flush=True)
+    _summarise(results)
+    first = next((r for r in results.values() if "error" not in r), {})
+    report = {key: first.get(key) for key in ("device", "vllm", "torch")}
+    report.update(model=shape, workload={k: getattr(args, k) for k in _WORKLOAD_FIELDS}, cases=results)
+    print(f"\n{report['device']}, vLLM {report['vllm']}, torch {report['torch']}\n"
+          f"model {shape}\nworkload {report['workload']}\n\n{_table(results)}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"\n[{name}] {r['error']}", file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    sys.exit(1 if any("error" in r for r in results.values()) else 0)
+
+
+if __name__ == "__main__":  # vLLM spawns processes that re-import this file
+    main()
