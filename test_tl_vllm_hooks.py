@@ -790,3 +790,68 @@ def test_compile_cache_never_serves_a_graph_traced_for_other_hooks(models, tmp_p
             assert_matches(captured, reference(hf_model, PROMPT, llm.hook_paths), f"cache, {sites}")
     entries = sorted(p.name for p in cache.glob("torch_compile_cache/*/*") if p.is_dir())
     assert len(entries) == 2, f"expected one compile-cache entry per hook config, got {entries}"
+
+
+# --- command line and examples -----------------------------------------------------------
+
+
+def run_command(arguments, cwd, timeout=300):
+    environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    environment["PYTHONPATH"] = str(HERE)
+    return subprocess.run(
+        [sys.executable, *arguments], cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_capture_command_writes_what_compare_confirms(tmp_path, models):
+    model_dir = models["qwen2"][0]
+    out = tmp_path / "acts.safetensors"
+    done = run_command(
+        ["-m", "tl_vllm_hooks", "capture", str(model_dir), "--token-ids", "1 2 3 4 5 6",
+         "--token-ids", "9,8,7", "--sites", "resid_post,attn_out", "--layers", "0,2", "--out", str(out)],
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="pt") as archive:
+        metadata, keys = archive.metadata(), set(archive.keys())
+        first = archive.get_tensor("prompt0.blocks.2.hook_attn_out")
+    assert json.loads(metadata["prompts"]) == [[1, 2, 3, 4, 5, 6], [9, 8, 7]]
+    assert len(keys) == 2 * 4 and first.shape == (6, 128)
+    expected = reference(models["qwen2"][1], [1, 2, 3, 4, 5, 6], {"h": "model.layers.2.self_attn"})["h"]
+    assert relative_error(first, expected) <= TOLERANCE
+    compared = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-5"], tmp_path)
+    assert compared.returncode == 0, compared.stdout + compared.stderr[-2000:]
+    assert "blocks.2.hook_attn_out" in compared.stdout and "over tolerance" not in compared.stdout
+    strict = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-12"], tmp_path)
+    assert strict.returncode == 1 and "over tolerance" in strict.stdout
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["capture", "MODEL", "--token-ids", "1 two 3", "--out", "x.safetensors"], "--token-ids: expected integers"),
+        (["capture", "MODEL", "--out", "x.safetensors"], "no prompts"),
+        (["capture", "MODEL", "--token-ids", "1", "--sites", "resid_pre", "--out", "x"], "unknown sites"),
+        (["compare", "missing.safetensors"], "error:"),
+    ],
+)
+def test_command_line_errors_are_one_line(tmp_path, models, arguments, message):
+    arguments = [str(models["llama"][0]) if a == "MODEL" else a for a in arguments]
+    done = run_command(["-m", "tl_vllm_hooks", *arguments], tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "example, expected",
+    [
+        ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
+        ("steer.py", "after reset:"),
+        ("parity.py", "worst "),
+    ],
+)
+def test_example_runs_on_the_built_in_model(tmp_path, example, expected):
+    done = run_command([str(HERE / "examples" / example)], tmp_path)
+    assert done.returncode == 0 and expected in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]

@@ -1239,6 +1239,135 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if worst <= args.tolerance else 1
 
 
+def _read_prompts(args: argparse.Namespace) -> list[list[int]]:
+    prompts = []
+    for ids in args.token_ids or []:
+        try:
+            prompts.append([int(token) for token in ids.replace(",", " ").split()])
+        except ValueError:
+            raise ValueError(f"--token-ids: expected integers separated by spaces or commas, got {ids!r}") from None
+    if args.prompts:
+        from transformers import AutoTokenizer
+
+        with open(args.prompts, encoding="utf-8") as lines:
+            texts = [line.rstrip("\n") for line in lines if line.strip()]
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        prompts += [tokenizer(text)["input_ids"] for text in texts]
+    if not prompts or not all(prompts):
+        raise ValueError('no prompts: give --token-ids "1 2 3" (repeatable) or --prompts FILE (one text per line)')
+    return prompts
+
+
+def _capture(args: argparse.Namespace) -> int:
+    """Capture every prompt's rows in one batched, eager engine and save them."""
+    import vllm
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    hf_config = AutoConfig.from_pretrained(args.model)
+    prompts = _read_prompts(args)
+    sites = tuple(args.sites.split(","))
+    specs = capture_specs(hf_config, sites=sites, layers=args.layers)
+    dtype = getattr(torch, args.dtype)
+    configure(specs, args.max_num_batched_tokens, dtype, enable_batching=True)
+    try:
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+    finally:
+        clear_config()
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        SamplingParams(max_tokens=1, detokenize=False),
+        use_tqdm=True,
+    )
+    captured = read_batched(llm, [o.request_id for o in outputs])
+    tensors = {
+        f"prompt{index}.{name}": rows.contiguous()
+        for index, output in enumerate(outputs)
+        for name, rows in captured[output.request_id].items()
+    }
+    metadata = {
+        "model": os.path.abspath(args.model),
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "tl_vllm_hooks_version": __version__,
+        "dtype": args.dtype,
+        "hooks": json.dumps({name: path for name, (path, _width) in specs.items()}),
+        "prompts": json.dumps(prompts),
+    }
+    save_file(tensors, args.out, metadata=metadata)
+    print(f"wrote {args.out}: {len(prompts)} prompts x {len(specs)} hooks ({args.dtype}), tensors named prompt{{i}}.{{hook}}")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """Per hook, the worst error of a capture file against transformers on the same model."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with safe_open(args.file, framework="pt") as archive:
+        metadata = archive.metadata() or {}
+        missing = {"model", "hooks", "prompts", "dtype"} - set(metadata)
+        if missing:
+            raise ValueError(f"{args.file}: not a tl_vllm_hooks capture (metadata lacks {sorted(missing)})")
+        tensors = {key: archive.get_tensor(key) for key in archive.keys()}
+    model_dir = args.model or metadata["model"]
+    hooks, prompts = json.loads(metadata["hooks"]), json.loads(metadata["prompts"])
+    specs = {name: (path, 0) for name, path in hooks.items()}
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    worst: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in hooks}
+    for index, prompt in enumerate(prompts):
+        expected = _transformers_activations(hf_model, prompt, specs)
+        for name in hooks:
+            actual = tensors[f"prompt{index}.{name}"].double()
+            difference = (actual - expected[name].double()).abs()
+            scale = float(expected[name].double().norm()) or 1.0
+            relative = float(difference.norm()) / scale
+            worst[name] = (max(worst[name][0], float(difference.max())), max(worst[name][1], relative))
+        print(f"compared prompt {index + 1}/{len(prompts)}", file=sys.stderr, flush=True)
+    print(f"{args.file} ({metadata['dtype']}, vLLM {metadata.get('vllm_version')}) vs transformers fp32, "
+          f"{len(prompts)} prompts; tolerance {args.tolerance:g} (relative L2)")
+    print(f"{'hook':28} {'max abs err':>12} {'rel L2 err':>11}")
+    for name, (absolute, relative) in worst.items():
+        flag = "" if relative <= args.tolerance else "  <- over tolerance"
+        print(f"{name:28} {absolute:12.3e} {relative:11.3e}{flag}")
+    if args.plot:
+        _plot_errors(worst, args.plot, args.tolerance)
+    return 0 if all(relative <= args.tolerance for _a, relative in worst.values()) else 1
+
+
+def _plot_errors(worst: dict[str, tuple[float, float]], path: str, tolerance: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError:
+        print(f"--plot: matplotlib is not installed, so {path} was not written", file=sys.stderr)
+        return
+    figure, axes = pyplot.subplots(figsize=(max(6, 0.35 * len(worst)), 4))
+    axes.bar(range(len(worst)), [relative for _a, relative in worst.values()])
+    axes.axhline(tolerance, color="red", linestyle="--", label=f"tolerance {tolerance:g}")
+    axes.set_yscale("log")
+    axes.set_xticks(range(len(worst)), list(worst), rotation=90, fontsize=7)
+    axes.set_ylabel("relative L2 error vs transformers")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tl_vllm_hooks", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -1249,9 +1378,30 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--tolerance", type=float, default=1e-5, help="exit 1 past this relative error (default 1e-5)"
     )
+    capture = commands.add_parser("capture", help="capture hooks of given prompts into a safetensors file")
+    capture.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
+    capture.add_argument("--token-ids", action="append", help='one prompt as token ids, "1 2 3"; repeatable')
+    capture.add_argument("--prompts", help="a text file, one prompt per line (needs the model's tokenizer)")
+    capture.add_argument("--sites", default="resid_post", help=f"comma list of {', '.join(SITES)}")
+    capture.add_argument(
+        "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list (default all)"
+    )
+    capture.add_argument("--dtype", default="float32", choices=_FLOAT_DTYPES)
+    capture.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    capture.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    capture.add_argument("--out", required=True, help="the safetensors file to write")
+    compare = commands.add_parser("compare", help="compare a capture file with transformers on the same model")
+    compare.add_argument("file", help="a file written by the capture command")
+    compare.add_argument("--model", help="the model to load (default: the path in the file's metadata)")
+    compare.add_argument("--tolerance", type=float, default=1e-4, help="exit 1 past this relative L2 error")
+    compare.add_argument("--plot", help="also write a bar chart of the errors to this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    return {"demo": _demo}[args.command](args)
+    try:
+        return {"demo": _demo, "capture": _capture, "compare": _compare}[args.command](args)
+    except (ValueError, KeyError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if os.environ.get(_CONFIG_ENV):
