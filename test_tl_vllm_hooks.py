@@ -174,8 +174,7 @@ def engine(
         enable_position_interventions=positions,
     )
     try:
-        llm = LLM(
-            str(model_dir),
+        arguments = dict(
             dtype=dtype,
             max_model_len=1024,
             max_num_batched_tokens=MAX_TOKENS_PER_FORWARD,
@@ -186,8 +185,8 @@ def engine(
             gpu_memory_utilization=0.05,
             worker_extension_cls=tlh.WORKER_EXTENSION,
             seed=0,
-            **llm_kwargs,
         )
+        llm = LLM(str(model_dir), **{**arguments, **llm_kwargs})
     finally:
         tlh.clear_config()
         for key, value in saved.items():
@@ -855,3 +854,68 @@ def test_command_line_errors_are_one_line(tmp_path, models, arguments, message):
 def test_example_runs_on_the_built_in_model(tmp_path, example, expected):
     done = run_command([str(HERE / "examples" / example)], tmp_path)
     assert done.returncode == 0 and expected in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+# --- engines, one after another ----------------------------------------------------------
+
+
+def test_config_in_vllm_config_reaches_workers_without_the_environment(models):
+    """engine_kwargs carries the config in additional_config, for workers (Ray) that
+    do not inherit the driver's environment; the environment channel stays empty."""
+    from transformers import AutoConfig
+    from vllm import LLM, envs
+
+    model_dir, hf_model = models["llama"]
+    specs = tlh.capture_specs(AutoConfig.from_pretrained(model_dir), sites=("mlp_out",), layers=[1])
+    config = tlh.CaptureConfig(specs, MAX_TOKENS_PER_FORWARD, torch.float32)
+    tlh.clear_config()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    envs.disable_envs_cache()
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=MAX_TOKENS_PER_FORWARD,
+              enforce_eager=True, enable_prefix_caching=False, skip_tokenizer_init=True,
+              gpu_memory_utilization=0.05, **tlh.engine_kwargs(config))
+    try:
+        captured = capture(llm, PROMPT)
+        assert_matches(captured, reference(hf_model, PROMPT, {"blocks.1.hook_mlp_out": "model.layers.1.mlp"}))
+    finally:
+        shutdown(llm, in_process=True)
+
+
+def test_engine_built_without_config_has_no_hooks_and_late_configure_does_not_reach_it(models):
+    from vllm import LLM, envs
+
+    tlh.clear_config()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    envs.disable_envs_cache()
+    llm = LLM(str(models["qwen2"][0]), dtype="float32", max_model_len=256, enforce_eager=True,
+              max_num_batched_tokens=MAX_TOKENS_PER_FORWARD, enable_prefix_caching=False,
+              skip_tokenizer_init=True, gpu_memory_utilization=0.05, worker_extension_cls=tlh.WORKER_EXTENSION)
+    try:
+        with pytest.raises(RuntimeError, match="this engine has no hooks: call tl_vllm_hooks.configure"):
+            tlh.open_capture(llm)
+        tlh.configure({"h": ("model.layers.0", 128)}, MAX_TOKENS_PER_FORWARD, torch.float32)
+        try:
+            generate(llm, [PROMPT])
+            with pytest.raises(RuntimeError, match="before LLM"):
+                tlh.read_fire_counts(llm)
+        finally:
+            tlh.clear_config()
+    finally:
+        shutdown(llm, in_process=False)
+
+
+def test_preempted_requests_come_back_without_duplicated_or_missing_rows(models):
+    """A KV cache of 10 blocks of 32 tokens cannot hold four 100-token prompts
+    growing by 40 tokens each: vLLM preempts requests and recomputes them."""
+    model_dir, hf_model = models["llama"]
+    prompts = [[(17 * i + 29 * r + 1) % 512 for i in range(100)] for r in range(4)]
+    with engine(model_dir, sites=("resid_post",), in_process=False, eager=True, batching=True,
+                num_gpu_blocks_override=10, block_size=32, max_model_len=256, disable_log_stats=False) as llm:
+        outputs = generate(llm, prompts, max_tokens=40)
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+        assert preemptions > 0, "the test needs vLLM to preempt; it did not"
+        captured = tlh.read_batched(llm, [o.request_id for o in outputs])
+        for output in outputs:
+            sequence = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+            assert_matches(captured[output.request_id], reference(hf_model, sequence, llm.hook_paths),
+                           f"preempted {output.request_id}")

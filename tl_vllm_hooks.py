@@ -62,6 +62,7 @@ __all__ = [
     "configure",
     "decode_tensor",
     "encode_tensor",
+    "engine_kwargs",
     "open_capture",
     "read_batched",
     "read_captures",
@@ -82,12 +83,14 @@ logger = logging.getLogger(__name__)
 # Config channel.
 # vLLM spawns its workers, so a module global set in the driver never reaches
 # them; the config travels as JSON in one environment variable, which spawned
-# processes inherit. It is validated when written and again when read, since a
-# worker may run another copy of this file.
+# processes inherit, or in vLLM's own additional_config (engine_kwargs) for
+# workers that do not inherit it. It is validated when written and again when
+# read, since a worker may run another copy of this file.
 # ---------------------------------------------------------------------------
 
 _CONFIG_ENV = "TL_VLLM_HOOKS_CONFIG"
 _DISABLE_ENV = "TL_VLLM_HOOKS_DISABLE"
+_ADDITIONAL_CONFIG_KEY = "tl_vllm_hooks_config"
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 WORKER_EXTENSION = f"{__name__}.WorkerExtension"
@@ -251,6 +254,25 @@ def _config_from_env() -> CaptureConfig | None:
     return CaptureConfig.from_json(payload) if payload else None
 
 
+def engine_kwargs(config: CaptureConfig) -> dict[str, Any]:
+    """``LLM(**engine_kwargs(config))`` arguments that carry the config in vLLM's own config.
+
+    For workers that do not inherit the driver's environment (Ray): the config
+    rides in ``additional_config``, which vLLM ships to every worker and hashes
+    into its compile-cache key. Adds the worker extension too.
+    """
+    return {
+        "additional_config": {_ADDITIONAL_CONFIG_KEY: config.to_json()},
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+
+
+def _config_from_vllm(vllm_config: Any) -> CaptureConfig | None:
+    extra = vllm_config.additional_config
+    payload = extra.get(_ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+    return CaptureConfig.from_json(payload) if payload else None
+
+
 def _disabled() -> bool:
     return os.environ.get(_DISABLE_ENV, "").strip().lower() in ("1", "true", "yes")
 
@@ -282,7 +304,7 @@ def register() -> None:
 
     def load_model(self, *args, **kwargs):
         original_load(self, *args, **kwargs)
-        config = _config_from_env()
+        config = _config_from_vllm(self.vllm_config) or _config_from_env()
         if config is not None:
             _install(self, config)
 
