@@ -29,9 +29,10 @@ registers itself when imported in a process that has a capture config, which
 spawned workers do when ``LLM(worker_extension_cls=WORKER_EXTENSION)`` makes
 them import it. Set ``TL_VLLM_HOOKS_DISABLE=1`` to switch the plugin off.
 
-Tested with vLLM 0.32 (CPU, V1 model runner). Nothing crosses a process
-boundary as pickle: the config is JSON and tensors travel as dtype, shape and
-raw bytes.
+Tested with vLLM 0.32 (CPU build, V1 model runner) and vLLM 0.24 on an NVIDIA
+H200 (Model Runner V2 and V1, FULL and PIECEWISE CUDA graphs). Nothing crosses a
+process boundary as pickle: the config is JSON and tensors travel as dtype,
+shape and raw bytes.
 """
 
 from __future__ import annotations

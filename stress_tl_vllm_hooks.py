@@ -1,0 +1,74 @@
+"""Long run of the batched flavour: resident memory must stay flat as results are read.
+
+    python stress_tl_vllm_hooks.py [--requests 2000] [--batch 100] [--plain]
+
+Sends --requests prompts to a tiny random Llama in batches, reads (and so frees)
+each batch's rows, and prints the resident memory of the driver and of vLLM's
+processes after each batch; the last line compares the first and last quarters.
+--plain runs the same without hooks, for vLLM's own growth.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import torch
+from transformers import AutoConfig
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+import tl_vllm_hooks as tlh
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return kib / 1024
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as children:
+            for child in children.read().split():
+                found += [int(child), *_children(int(child))]
+    return found
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--plain", action="store_true", help="no hooks: vLLM's own baseline")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = tempfile.mkdtemp(prefix="tiny_llama_")
+    tlh.tiny_model(model)
+    if not args.plain:
+        tlh.configure(tlh.capture_specs(AutoConfig.from_pretrained(model), sites=("resid_post", "mlp_out")),
+                      max_num_batched_tokens=1024, dtype=torch.float32, enable_batching=True)
+    try:
+        llm = LLM(model, dtype="float32", max_num_batched_tokens=1024, enforce_eager=True,
+                  enable_prefix_caching=False, skip_tokenizer_init=True, gpu_memory_utilization=0.1,
+                  worker_extension_cls=tlh.WORKER_EXTENSION)
+    finally:
+        tlh.clear_config()
+    params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
+    driver, samples = os.getpid(), []
+    for start in range(0, args.requests, args.batch):
+        prompts = [[(7 * i + r) % 512 for i in range(16 + r % 48)] for r in range(start, start + args.batch)]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        if not args.plain:
+            captured = tlh.read_batched(llm, [o.request_id for o in outputs])
+            assert len(captured) == len(outputs)
+        engine = sum(_rss_mib(pid) for pid in _children(driver))
+        samples.append((_rss_mib(driver), engine))
+        print(f"{start + args.batch:5d} requests: driver {samples[-1][0]:7.1f} MiB, vLLM processes {engine:7.1f} MiB",
+              flush=True)
+    quarter = max(1, len(samples) // 4)
+    first = [statistics.mean(column) for column in zip(*samples[:quarter])]
+    last = [statistics.mean(column) for column in zip(*samples[-quarter:])]
+    print(f"first quarter: driver {first[0]:.1f} MiB, vLLM {first[1]:.1f} MiB; "
+          f"last quarter: driver {last[0]:.1f} MiB, vLLM {last[1]:.1f} MiB; "
+          f"growth {last[0] - first[0]:+.1f} / {last[1] - first[1]:+.1f} MiB")
