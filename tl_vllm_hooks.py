@@ -348,8 +348,9 @@ class _HookState:
         # 0 = open (the next forward writes its rows), 1 = closed.
         self.capture_flags: dict[str, torch.Tensor] = {}
         # Edit tables: rows indexed by token position when position edits are
-        # on ([max_rows + 1, width]; the last row stays identity and serves
-        # every position past max_rows), a single row otherwise ([width]).
+        # on ([max_rows + 1, width]; the last row serves every position past
+        # max_rows, so it carries an edit without positions and is identity
+        # under one limited to positions), a single row otherwise ([width]).
         self.scales: dict[str, torch.Tensor] = {}
         self.biases: dict[str, torch.Tensor] = {}
         self.fire_counts: torch.Tensor | None = None
