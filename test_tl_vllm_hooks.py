@@ -516,6 +516,18 @@ class TestBatchedLlamaSeparateProcesses:
         with pytest.raises(KeyError, match="no captured request"):
             tlh.read_batched(llm, [outputs[0].request_id])
 
+    def test_remove_hooks_takes_edits_out_of_an_eager_engine(self, llm):
+        # Runs last in this class: the engine has no hooks afterwards.
+        (plain,) = generate(llm, BATCH[:1], max_tokens=4)
+        tlh.set_edits(llm, {"ln_final.hook_normalized": {"op": "suppress"}})
+        (suppressed,) = generate(llm, BATCH[:1], max_tokens=4)
+        assert list(suppressed.outputs[0].token_ids) == [0, 0, 0, 0], "all-zero logits pick token 0"
+        tlh.remove_hooks(llm)
+        (after,) = generate(llm, BATCH[:1], max_tokens=4)
+        assert list(after.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+        with pytest.raises(RuntimeError, match="this engine has no hooks"):
+            tlh.read_batched(llm, [after.request_id])
+
 
 class TestBatchedQwen2InProcess:
     @pytest.fixture(scope="class")
