@@ -9,6 +9,8 @@ out="${OUT:-gpu-results}"
 what="${1:-all}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# pytest touches CUDA before vLLM starts its workers: forked workers cannot use it.
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
 status=0
 if [[ $what == all || $what == tests ]]; then
   python3 -m pytest -q -s -p no:cacheprovider -k "Cuda or cuda" test_tl_vllm_hooks.py \
