@@ -478,8 +478,8 @@ BATCH = [
 ]
 
 
-def check_batched(llm, hf_model, edits=None, max_tokens=3, tolerance=TOLERANCE):
-    outputs = generate(llm, BATCH, max_tokens=max_tokens)
+def check_batched(llm, hf_model, edits=None, max_tokens=3, tolerance=TOLERANCE, prompts=BATCH):
+    outputs = generate(llm, prompts, max_tokens=max_tokens)
     captured = tlh.read_batched(llm, [o.request_id for o in outputs])
     worst = 0.0
     for output in outputs:
@@ -923,11 +923,6 @@ def test_preempted_requests_come_back_without_duplicated_or_missing_rows(models)
     prompts = [[(17 * i + 29 * r + 1) % 512 for i in range(100)] for r in range(4)]
     with engine(model_dir, sites=("resid_post",), in_process=False, eager=True, batching=True,
                 num_gpu_blocks_override=10, block_size=32, max_model_len=256, disable_log_stats=False) as llm:
-        outputs = generate(llm, prompts, max_tokens=40)
+        check_batched(llm, hf_model, max_tokens=40, prompts=prompts)
         preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         assert preemptions > 0, "the test needs vLLM to preempt; it did not"
-        captured = tlh.read_batched(llm, [o.request_id for o in outputs])
-        for output in outputs:
-            sequence = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
-            assert_matches(captured[output.request_id], reference(hf_model, sequence, llm.hook_paths),
-                           f"preempted {output.request_id}")

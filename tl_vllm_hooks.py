@@ -378,15 +378,17 @@ class _HookState:
         positions = self.positions if self.config.enable_position_interventions else None
         return self.scales[name], self.biases[name], positions
 
-    def edit_table_shape(self, width: int) -> tuple[int, ...]:
-        if self.config.enable_position_interventions:
-            return (self.config.max_num_batched_tokens + 1, width)
-        return (width,)
 
 
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
 # Modules whose output width is the hidden size in every decoder-only model.
 _RESIDUAL_WIDTH_SITE = re.compile(r"(^|\.)(layers\.\d+(\.self_attn|\.mlp)?|embed_tokens|norm)$")
+
+
+def _edit_table_shape(config: CaptureConfig, width: int) -> tuple[int, ...]:
+    if config.enable_position_interventions:
+        return (config.max_num_batched_tokens + 1, width)
+    return (width,)
 
 
 def _install(worker: Any, config: CaptureConfig) -> None:
@@ -434,7 +436,7 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     for index, (name, (module, path, width)) in enumerate(resolved.items()):
         state.hook_names.append(name)
         state.scales[name] = torch.ones(
-            state.edit_table_shape(width), dtype=state.edit_dtype, device=state.device
+            _edit_table_shape(config, width), dtype=state.edit_dtype, device=state.device
         )
         state.biases[name] = torch.zeros_like(state.scales[name])
         pair_output = bool(_DECODER_LAYER.search(path))
@@ -879,7 +881,7 @@ class WorkerExtension:
         tables = {}
         for name in state.hook_names:
             width = state.config.capture_specs[name][1]
-            shape = state.edit_table_shape(width)
+            shape = _edit_table_shape(state.config, width)
             if name in edits:
                 tables[name] = _edit_tables(edits[name], name, width, shape, state.edit_dtype)
             else:
@@ -1078,8 +1080,7 @@ def _check_edits(llm: Any, edits: dict[str, Any]) -> None:
                 + f"; configured: {sorted(config.capture_specs)}"
             )
         width = config.capture_specs[name][1]
-        shape = (config.max_num_batched_tokens + 1, width) if config.enable_position_interventions else (width,)
-        _edit_tables(edit, name, width, shape, torch.float32)
+        _edit_tables(edit, name, width, _edit_table_shape(config, width), torch.float32)
 
 
 def reset_edits(llm: Any) -> None:
