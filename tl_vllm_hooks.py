@@ -12,10 +12,11 @@ Two hook flavours, chosen by ``configure(enable_batching=...)``:
   applies an edit ``out * scale + bias`` whose tables the driver rewrites
   between forwards. Pure tensor work, so it runs under torch.compile and CUDA
   graphs. One prompt per capture.
-* batched (``enable_batching=True``, needs ``enforce_eager=True``): each hook
-  splits the flattened batch into requests and appends each request's rows to
-  its own accumulator, so many prompts, chunked prefill and decode steps all
-  come back whole, keyed by the request id the user sees.
+* batched (``enable_batching=True``): the same hooks write every forward's
+  rows; after each step, outside the graph, the rows are split into requests
+  and appended to each request's accumulator, so many prompts, chunked prefill
+  and decode steps all come back whole, keyed by the request id the user sees,
+  with torch.compile and CUDA graphs on or off.
 
 Hook names follow TransformerLens: ``hook_embed``, ``blocks.{i}.hook_attn_out``,
 ``blocks.{i}.hook_mlp_out``, ``blocks.{i}.hook_resid_post`` and
@@ -286,7 +287,6 @@ def _disabled() -> bool:
 # ---------------------------------------------------------------------------
 
 _original_load_model = None
-_original_warm_up = None
 
 
 def register() -> None:
@@ -296,31 +296,22 @@ def register() -> None:
     process. A worker loading a model with no config present gets no hooks.
     Does nothing when ``TL_VLLM_HOOKS_DISABLE=1``.
     """
-    global _original_load_model, _original_warm_up
+    global _original_load_model
     if _original_load_model is not None or _disabled():
         return
     from vllm.v1.worker.gpu_worker import Worker
 
-    original_load, original_warm_up = Worker.load_model, Worker.compile_or_warm_up_model
+    original = Worker.load_model
 
     def load_model(self, *args, **kwargs):
-        original_load(self, *args, **kwargs)
+        original(self, *args, **kwargs)
         config = _config_from_vllm(self.vllm_config) or _config_from_env()
         if config is not None:
             _install(self, config)
 
-    def compile_or_warm_up_model(self, *args, **kwargs):
-        result = original_warm_up(self, *args, **kwargs)
-        state = getattr(self, "_tl_hooks", None)
-        if state is not None:
-            state.forget_warm_up()
-        return result
-
-    load_model.__wrapped__ = original_load
-    compile_or_warm_up_model.__wrapped__ = original_warm_up
+    load_model.__wrapped__ = original
     Worker.load_model = load_model
-    Worker.compile_or_warm_up_model = compile_or_warm_up_model
-    _original_load_model, _original_warm_up = original_load, original_warm_up
+    _original_load_model = original
 
 
 class _HookState:
@@ -345,7 +336,9 @@ class _HookState:
         # hooks read them.
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.capture_buffers: dict[str, torch.Tensor] = {}
-        # 0 = open (the next forward writes its rows), 1 = closed.
+        # 0 = open (the next forward writes its rows), 1 = closed. The
+        # compiled flavour opens them on open_capture, the batched flavour
+        # after each step.
         self.capture_flags: dict[str, torch.Tensor] = {}
         # Edit tables: rows indexed by token position when position edits are
         # on ([max_rows + 1, width]; the last row serves every position past
@@ -407,12 +400,6 @@ def _install(worker: Any, config: CaptureConfig) -> None:
             "the model, so their activations would be missing; build the engine with "
             "LLM(..., enable_prefix_caching=False)"
         )
-    if config.enable_batching and not worker.vllm_config.model_config.enforce_eager:
-        raise ValueError(
-            "enable_batching=True: the batched hooks run Python on every forward and need "
-            "LLM(enforce_eager=True); use the compiled flavour (enable_batching=False) for a "
-            "compiled engine"
-        )
     _uninstall(worker)
     state = _HookState(config, model, runner)
     modules = dict(model.named_modules())
@@ -439,19 +426,17 @@ def _install(worker: Any, config: CaptureConfig) -> None:
             _edit_table_shape(config, width), dtype=state.edit_dtype, device=state.device
         )
         state.biases[name] = torch.zeros_like(state.scales[name])
+        state.capture_buffers[name] = torch.zeros(
+            config.max_num_batched_tokens, width, dtype=config.dtype, device=state.device
+        )
+        state.capture_flags[name] = torch.zeros(1, dtype=torch.int64, device=state.device)
         pair_output = bool(_DECODER_LAYER.search(path))
         fire_count = state.fire_counts.narrow(0, index, 1)
-        if config.enable_batching:
-            hook = _make_batched_hook(state, name, fire_count, pair_output)
-        else:
-            state.capture_buffers[name] = torch.zeros(
-                config.max_num_batched_tokens, width, dtype=config.dtype, device=state.device
-            )
-            state.capture_flags[name] = torch.ones(1, dtype=torch.int64, device=state.device)
-            hook = _make_compiled_hook(state, name, fire_count, pair_output)
+        hook = _make_capture_hook(state, name, fire_count, pair_output)
         state.handles.append(module.register_forward_hook(hook))
-    if config.enable_batching and not hasattr(runner, "input_batch"):
-        _track_v2_batches(runner)
+    if config.enable_batching:
+        _collect_after_each_step(runner, state)
+    _forget_warm_up_after(worker, state)
     worker._tl_hooks = state
     _key_compile_cache(worker, config)
     logger.info(
@@ -462,6 +447,18 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     )
 
 
+def _forget_warm_up_after(worker: Any, state: _HookState) -> None:
+    # On the instance: platform workers (CPUWorker) override the method.
+    warm_up = worker.compile_or_warm_up_model
+
+    def compile_or_warm_up_model(*args, **kwargs):
+        result = warm_up(*args, **kwargs)
+        state.forget_warm_up()
+        return result
+
+    worker.compile_or_warm_up_model = compile_or_warm_up_model
+
+
 def _uninstall(worker: Any) -> None:
     state = getattr(worker, "_tl_hooks", None)
     if state is not None:
@@ -470,6 +467,7 @@ def _uninstall(worker: Any) -> None:
         for method in ("prepare_inputs", "execute_model"):
             state.runner.__dict__.pop(method, None)
         state.runner.__dict__.pop(_V2_BATCH, None)
+        worker.__dict__.pop("compile_or_warm_up_model", None)
         worker._tl_hooks = None
 
 
@@ -558,7 +556,7 @@ def _edit_output(output, pair_output, scale, bias, positions):
     return output, tensor
 
 
-def _make_compiled_hook(state: _HookState, name: str, fire_count: torch.Tensor, pair_output: bool):
+def _make_capture_hook(state: _HookState, name: str, fire_count: torch.Tensor, pair_output: bool):
     capture_buffer = state.capture_buffers[name]
     capture_flag = state.capture_flags[name]
     scale, bias, positions = state.edit_tensors(name)
@@ -568,7 +566,8 @@ def _make_compiled_hook(state: _HookState, name: str, fire_count: torch.Tensor, 
         fire_count.add_(1)
         output, activation = _edit_output(output, pair_output, scale, bias, positions)
         kept = capture_buffer.narrow(0, 0, activation.shape[0])
-        # First forward after open_capture wins; later ones rewrite what is there.
+        # The first forward after the flag opens wins (open_capture, or each step
+        # in the batched flavour); later ones rewrite what is there.
         kept.copy_(torch.where(capture_flag.bool(), kept, activation))
         capture_flag.fill_(1)
         return output
@@ -577,28 +576,60 @@ def _make_compiled_hook(state: _HookState, name: str, fire_count: torch.Tensor, 
 
 
 # ---------------------------------------------------------------------------
-# Batched hook: eager only. It reads the scheduler's view of the batch on the
-# host every forward, which no graph can replay.
+# Batched flavour. The hooks above write every forward's rows into their
+# buffers; after each step, on the host and outside any graph, the rows are
+# split per request and appended to that request's accumulator. So it runs
+# with torch.compile and CUDA graphs as it does in an eager engine.
 # ---------------------------------------------------------------------------
 
 
-def _make_batched_hook(state: _HookState, name: str, fire_count: torch.Tensor, pair_output: bool):
-    scale, bias, positions = state.edit_tensors(name)
+def _collect_after_each_step(runner: Any, state: _HookState) -> None:
+    """Wrap the runner's execute_model (and Model Runner V2's prepare_inputs) on this instance.
 
-    @torch.no_grad()
-    def hook(_module, _inputs, output):
-        fire_count.add_(1)
-        output, activation = _edit_output(output, pair_output, scale, bias, positions)
-        starts, request_ids = segment_by_request(state.runner)
-        rows = activation.detach().to("cpu", copy=True)
-        row_positions = state.positions[: rows.shape[0]].tolist()
+    V2 builds the step's InputBatch (req_ids, query_start_loc_np) in
+    prepare_inputs and keeps it only in a local variable: the wrapper keeps it
+    on the runner until execute_model returns, then clears it.
+    """
+    execute_model = runner.execute_model
+    tracks_v2 = not hasattr(runner, "input_batch")
+    if tracks_v2:
+        prepare_inputs = runner.prepare_inputs
+        setattr(runner, _V2_BATCH, None)
+
+        def tracked_prepare_inputs(*args, **kwargs):
+            batch = prepare_inputs(*args, **kwargs)
+            setattr(runner, _V2_BATCH, batch)
+            return batch
+
+        runner.prepare_inputs = tracked_prepare_inputs
+
+    def collecting_execute_model(scheduler_output, *args, **kwargs):
+        for flag in state.capture_flags.values():
+            flag.zero_()  # this step's forward writes its rows
+        try:
+            result = execute_model(scheduler_output, *args, **kwargs)
+            if scheduler_output.total_num_scheduled_tokens:
+                _collect_step(state)
+            return result
+        finally:
+            if tracks_v2:
+                setattr(runner, _V2_BATCH, None)
+
+    runner.execute_model = collecting_execute_model
+
+
+def _collect_step(state: _HookState) -> None:
+    starts, request_ids = segment_by_request(state.runner)
+    if not request_ids:
+        return
+    num_rows = starts[-1]  # rows past it are CUDA-graph padding
+    row_positions = state.positions[:num_rows].tolist()
+    for name in state.hook_names:
+        rows = state.capture_buffers[name][:num_rows].to("cpu", copy=True)
         for index, request_id in enumerate(request_ids):
             start, end = starts[index], starts[index + 1]
             if end > start:
                 _accumulate(state, request_id, name, rows[start:end], row_positions[start])
-        return output
-
-    return hook
 
 
 def _accumulate(
@@ -643,7 +674,7 @@ def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
         request_ids = list(input_batch.req_ids)
         starts = query_start_loc.np[: len(request_ids) + 1].tolist()
         return starts, request_ids
-    if hasattr(model_runner, _V2_BATCH):  # Model Runner V2, see _track_v2_batches
+    if hasattr(model_runner, _V2_BATCH):  # Model Runner V2, see _collect_after_each_step
         batch = getattr(model_runner, _V2_BATCH)
         if batch is None:  # a forward vLLM runs without requests (profile, capture)
             return [0], []
@@ -662,32 +693,7 @@ def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
     )
 
 
-_V2_BATCH = "_tl_step_batch"
-
-
-def _track_v2_batches(runner: Any) -> None:
-    """Keep Model Runner V2's per-step batch on the runner while its forward runs.
-
-    V2 builds the step's InputBatch (req_ids, query_start_loc_np) in
-    prepare_inputs and holds it only in a local variable; wrapping the two
-    methods on this instance keeps it reachable, and None outside execute_model.
-    """
-    prepare_inputs, execute_model = runner.prepare_inputs, runner.execute_model
-    setattr(runner, _V2_BATCH, None)
-
-    def tracked_prepare_inputs(*args, **kwargs):
-        batch = prepare_inputs(*args, **kwargs)
-        setattr(runner, _V2_BATCH, batch)
-        return batch
-
-    def tracked_execute_model(*args, **kwargs):
-        setattr(runner, _V2_BATCH, None)
-        try:
-            return execute_model(*args, **kwargs)
-        finally:
-            setattr(runner, _V2_BATCH, None)
-
-    runner.prepare_inputs, runner.execute_model = tracked_prepare_inputs, tracked_execute_model
+_V2_BATCH = "_tl_step_batch"  # set by _collect_after_each_step
 
 
 # ---------------------------------------------------------------------------
