@@ -2,10 +2,16 @@
 
     python bench_tl_vllm_hooks.py --out bench.json   # GPU: random bf16 Llama-3.2-1B shape
     python bench_tl_vllm_hooks.py --tiny             # CPU smoke run, about 5 minutes
+    python bench_tl_vllm_hooks.py --rounds 2 --devices 0,1   # two engines per case, one per GPU
+    python bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2
 
 Each case builds a fresh engine in a fresh subprocess (this file with ``--run-case``),
 which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
 with ``VLLM_DISABLE_COMPILE_CACHE=1``, so no case is served another's compiled graph.
+Throughput differs more between two engines of one case than between timed runs of one
+engine, so ``--rounds`` builds several engines per case (cases interleaved, every other
+round reversed) and reports the median engine. A timed run ends when every GPU stream is
+idle, so rows the batched cases still copy to host memory count against them.
 
 Peak memory covers the whole case, start-up included. On a GPU the worker runs in the
 case's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``torch.cuda.max_memory_allocated``
@@ -25,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 _MARKER = "@@BENCH_TL_VLLM_HOOKS@@ "
 
@@ -35,12 +42,16 @@ CASES = {
     "c": "compiled capture: resid_post + attn_out + mlp_out",
     "d": "(b) + identity edit on blocks.0.hook_resid_post",
     "e": "batched eager capture of resid_post, read_batched",
+    "f": "batched, compiled: resid_post of prompt tokens, every request",
+    "g": "(f) keeping only each request's last prompt token",
     "plain-eager": "plain vLLM, enforce_eager=True",
 }
-_SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",)}
+_SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",),
+          "f": ("resid_post",), "g": ("resid_post",)}
+_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token"}  # case -> request_args(capture=...)
 _EAGER = ("e", "plain-eager")
 _PLAIN = ("plain", "plain-eager")
-_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d")  # hooks at identity must not change greedy tokens
+_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g")  # hooks at identity: greedy tokens unchanged
 
 # Llama-3.2-1B's shape, and a tiny one whose head_dim (64) vLLM's CPU attention accepts.
 _FULL_MODEL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -49,9 +60,10 @@ _TINY_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, 
                    intermediate_size=256, vocab_size=512, dtype="float32")
 # 16384 batched tokens is vLLM's own default for the LLM class on large GPUs, fixed here so
 # that every case schedules alike and the capture buffers match the engine.
-_WORKLOAD_FIELDS = ("num_prompts", "prompt_len", "max_tokens", "max_num_batched_tokens", "repeats")
-_FULL_WORKLOAD = (256, 128, 64, 16384, 5)  # median of 5 timed generates per engine
-_TINY_WORKLOAD = (128, 32, 32, 2048, 1)
+_WORKLOAD_FIELDS = ("num_prompts", "prompt_len", "max_tokens", "max_num_batched_tokens", "repeats",
+                    "tensor_parallel_size")
+_FULL_WORKLOAD = (256, 128, 64, 16384, 5, 1)  # median of 5 timed generates per engine
+_TINY_WORKLOAD = (128, 32, 32, 2048, 1, 1)
 
 
 def _make_model(path: str, shape: dict) -> None:
@@ -89,15 +101,20 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
     rng = random.Random(0)  # the same prompts in every case
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(hf_config.vocab_size) for _ in range(args.prompt_len)])
                for _ in range(args.num_prompts)]
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
     engine_args = dict(model=args.model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
                        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=name in _EAGER,
+                       tensor_parallel_size=args.tensor_parallel_size,
                        gpu_memory_utilization=0.9 if on_gpu else 0.1)  # on the CPU, a fraction of RAM
     sites = _SITES.get(name)
+    extra_args = None
     if sites:
-        tl.configure(tl.capture_specs(hf_config, sites=sites), max_num_batched_tokens=args.max_num_batched_tokens,
-                     dtype=dtype, enable_batching=name == "e")
+        config = tl.configure(tl.capture_specs(hf_config, sites=sites), dtype=dtype,
+                              max_num_batched_tokens=args.max_num_batched_tokens, enable_batching=name in _BATCHED)
         engine_args["worker_extension_cls"] = tl.WORKER_EXTENSION
+        if name in _BATCHED:
+            extra_args = tl.request_args(config, capture=_BATCHED[name])
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
+                            extra_args=extra_args)
     llm = LLM(**engine_args)
     tl.clear_config()
     if name == "d":
@@ -105,12 +122,14 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
 
     def generate():
         """(outputs, generate seconds, read seconds, what was read); reads are not timed."""
-        if sites and name != "e":
+        if sites and name not in _BATCHED:
             tl.open_capture(llm)  # arm the capture gate, as a user reading captures would
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        if on_gpu and args.tensor_parallel_size == 1:
+            torch.cuda.synchronize()  # every stream: captured rows still on their way to host memory too
         elapsed, start = time.perf_counter() - start, time.perf_counter()
-        if name == "e":
+        if name in _BATCHED:
             captured = tl.read_batched(llm, [o.request_id for o in outputs])  # also frees the rows
             rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
             check = f"{len(captured)} requests x {len(captured[outputs[0].request_id])} hooks, rows {rows}"
@@ -128,7 +147,8 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
     seconds = statistics.median(run[1] for run in runs)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     generated, rss = sum(map(len, tokens)), _peak_rss_tree()
-    gpu_peak = torch.cuda.max_memory_allocated() if on_gpu else None
+    # With tensor parallelism the workers are other processes: no peak readable here.
+    gpu_peak = torch.cuda.max_memory_allocated() if on_gpu and args.tensor_parallel_size == 1 else None
     return {
         "case": name, "device": torch.cuda.get_device_name() if on_gpu else _cpu_name(),
         "vllm": vllm.__version__, "torch": torch.__version__,
@@ -175,13 +195,15 @@ def _cpu_name() -> str:
     return f"{names[0] if names else 'CPU'} ({os.cpu_count()} cores)"
 
 
-def _spawn_case(name: str, args: argparse.Namespace) -> dict:
-    """Run one case in a fresh interpreter; its result, or an error with the log's tail."""
+def _spawn_case(name: str, args: argparse.Namespace, device: str | None = None) -> dict:
+    """Run one case in a fresh interpreter (on GPU ``device`` if given); its result, or an error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TL_VLLM_HOOKS_")}  # each case sets its own
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
     env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if name in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
         env["TL_VLLM_HOOKS_DISABLE"] = "1"
-    if args.on_gpu:
+    if args.on_gpu and args.tensor_parallel_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its CUDA peak readable
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it CPU start-up fails or crawls
@@ -198,37 +220,82 @@ def _spawn_case(name: str, args: argparse.Namespace) -> dict:
     return {"case": name, "error": f"exit code {proc.returncode}, {len(lines)} result lines; log tail:\n{tail}"}
 
 
-def _summarise(results: dict[str, dict]) -> None:
-    """Ratios to plain and same-tokens flags, in place; the token lists are dropped."""
+def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """One result per case: the median engine by tok/s, with every engine's tok/s beside it,
+    ratios to plain's median engine, and whether greedy tokens equal plain's (token lists dropped)."""
+    results = {}
+    for name, case_runs in runs.items():
+        good = sorted((r for r in case_runs if "error" not in r), key=lambda r: r["tokens_per_s"])
+        if not good:
+            results[name] = case_runs[0]
+            continue
+        result = dict(good[(len(good) - 1) // 2])
+        result["tokens_per_s_each_engine"] = [r["tokens_per_s"] for r in case_runs if "error" not in r]
+        result["failed_engines"] = [r["error"] for r in case_runs if "error" in r]
+        result["all_tokens"] = [r.pop("tokens") for r in good]
+        results[name] = result
     plain = results.get("plain", {})
-    plain_tokens = plain.get("tokens")
+    plain_tokens = plain.get("all_tokens", [None])[0]
     for r in results.values():
         if "error" in r:
             continue
-        tokens = r.pop("tokens")
-        same = None if plain_tokens is None else [a == b for a, b in zip(tokens, plain_tokens)]
+        all_tokens = r.pop("all_tokens")
+        same = None if plain_tokens is None else [
+            sum(a == b for a, b in zip(tokens, plain_tokens)) for tokens in all_tokens
+        ]
+        r.pop("tokens", None)
         r.update(
             tokens_per_s_ratio=r["tokens_per_s"] / plain["tokens_per_s"] if plain_tokens else None,
-            peak_ratio=r["peak_bytes"] / plain["peak_bytes"] if plain_tokens else None,
-            same_tokens_as_plain=None if same is None else all(same) and len(tokens) == len(plain_tokens),
-            sequences_equal_to_plain=None if same is None else sum(same),
+            peak_ratio=r["peak_bytes"] / plain["peak_bytes"] if r["peak_bytes"] and plain.get("peak_bytes") else None,
+            same_tokens_as_plain=None if same is None else all(n == len(plain_tokens) for n in same),
+            sequences_equal_to_plain=same,
         )
+    return results
 
 
 def _table(results: dict[str, dict]) -> str:
     def fmt(value, spec=""):
         return "n/a" if value is None else format(value, spec)
 
-    rows = ["| case | what | tok/s | ratio | peak mem (GiB) | ratio | KV blocks | same tokens |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| case | what | tok/s (median engine) | each engine | ratio | peak mem (GiB) | ratio | KV blocks "
+            "| same tokens |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {name} | {CASES[name]} | failed: {r['error'].splitlines()[0]} | | | | | |")
+            rows.append(f"| {name} | {CASES[name]} | failed: {r['error'].splitlines()[0]} | | | | | | |")
             continue
         same = fmt(r["same_tokens_as_plain"]) + ("" if name in _SAME_TOKENS_AS_PLAIN else " (not required)")
-        rows.append(f"| {name} | {CASES[name]} | {r['tokens_per_s']:.0f} | {fmt(r['tokens_per_s_ratio'], '.3f')} "
-                    f"| {r['peak_bytes'] / 2**30:.2f} | {fmt(r['peak_ratio'], '.3f')} | {r['kv_blocks']} | {same} |")
+        each = ", ".join(f"{t:.0f}" for t in r["tokens_per_s_each_engine"])
+        peak = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30
+        rows.append(f"| {name} | {CASES[name]} | {r['tokens_per_s']:.0f} | {each} | "
+                    f"{fmt(r['tokens_per_s_ratio'], '.3f')} | {fmt(peak, '.2f')} | {fmt(r['peak_ratio'], '.3f')} "
+                    f"| {r['kv_blocks']} | {same} |")
     return "\n".join(rows)
+
+
+def _run_rounds(cases: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Every case once per round, in fresh engines; odd rounds run the cases in reverse, so
+    drift over the run does not favour one case. With --devices, rounds run concurrently,
+    one device each (round r on device r mod len(devices))."""
+    runs: dict[str, list[dict]] = {name: [] for name in cases}
+    devices = args.devices.split(",") if args.devices else [None]
+
+    def run_device(index: int) -> None:
+        for round_index in range(index, args.rounds, len(devices)):
+            for name in cases if round_index % 2 == 0 else cases[::-1]:
+                start = time.perf_counter()
+                r = _spawn_case(name, args, devices[index])
+                runs[name].append(r)
+                status = "failed" if "error" in r else f"{r['tokens_per_s']:.0f} tok/s"
+                where = "" if devices[index] is None else f" on device {devices[index]}"
+                print(f"[{name} round {round_index}{where}] {status}, case took {time.perf_counter() - start:.0f} s",
+                      file=sys.stderr, flush=True)
+                # The whole result too, so a run stopped part-way still leaves its numbers in the log.
+                print(f"[{name}] {json.dumps({k: v for k, v in r.items() if k != 'tokens'})}",
+                      file=sys.stderr, flush=True)
+
+    with ThreadPoolExecutor(len(devices)) as pool:
+        list(pool.map(run_device, range(len(devices))))
+    return runs
 
 
 def main() -> None:
@@ -240,6 +307,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, help="generated tokens per prompt")
     parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's, and the capture buffers' rows")
     parser.add_argument("--repeats", type=int, help="timed generates after the warm-up; tok/s from their median")
+    parser.add_argument("--tensor-parallel-size", type=int, help="GPUs per engine")
+    parser.add_argument("--rounds", type=int, default=1, help="fresh engines per case; the median engine is reported")
+    parser.add_argument("--devices", help="comma list of GPU indices: rounds run concurrently, one per device")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--run-case", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -259,30 +329,23 @@ def main() -> None:
 
     args.on_gpu = torch.cuda.is_available()
     shape = _TINY_MODEL if args.tiny else _FULL_MODEL
-    results = {}
     with tempfile.TemporaryDirectory(prefix="bench_tl_vllm_hooks_") as root:
         args.model, args.plugin_dir = os.path.join(root, "model"), _plugin_dir(os.path.join(root, "plugin"))
         _make_model(args.model, shape)
-        for name in cases:
-            start = time.perf_counter()
-            r = results[name] = _spawn_case(name, args)
-            status = "failed" if "error" in r else f"{r['tokens_per_s']:.0f} tok/s"
-            print(f"[{name}] {status}, case took {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-            # The whole result too, so a run stopped part-way still leaves its numbers in the log.
-            print(f"[{name}] {json.dumps(r)}", file=sys.stderr, flush=True)
-    _summarise(results)
+        results = _summarise(_run_rounds(cases, args))
     first = next((r for r in results.values() if "error" not in r), {})
     report = {key: first.get(key) for key in ("device", "vllm", "torch")}
-    report.update(model=shape, workload={k: getattr(args, k) for k in _WORKLOAD_FIELDS}, cases=results)
+    report.update(model=shape, workload={k: getattr(args, k) for k in _WORKLOAD_FIELDS},
+                  rounds=args.rounds, devices=args.devices, cases=results)
     print(f"\n{report['device']}, vLLM {report['vllm']}, torch {report['torch']}\n"
-          f"model {shape}\nworkload {report['workload']}\n\n{_table(results)}")
+          f"model {shape}\nworkload {report['workload']}, {args.rounds} engine(s) per case\n\n{_table(results)}")
     for name, r in results.items():
-        if "error" in r:
-            print(f"\n[{name}] {r['error']}", file=sys.stderr)
+        for error in ([r["error"]] if "error" in r else r.get("failed_engines", [])):
+            print(f"\n[{name}] {error}", file=sys.stderr)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-    sys.exit(1 if any("error" in r for r in results.values()) else 0)
+    sys.exit(1 if any("error" in r or r.get("failed_engines") for r in results.values()) else 0)
 
 
 if __name__ == "__main__":  # vLLM spawns processes that re-import this file

@@ -4,19 +4,20 @@ One self-contained module. It installs PyTorch forward hooks inside vLLM's
 worker processes, after the weights load and before the first (traced) forward,
 so the hooks become part of the graph that torch.compile and CUDA graphs run.
 
-Two hook flavours, chosen by ``configure(enable_batching=...)``:
+Two hook flavours, chosen by ``configure(enable_batching=...)``; both run
+under torch.compile and CUDA graphs (or eager):
 
 * compiled (default): each hook writes its module's output rows into a buffer
   allocated once at install time, gated so that the first forward after
   ``open_capture`` wins (a multi-token generate keeps its prompt's rows), and
   applies an edit ``out * scale + bias`` whose tables the driver rewrites
-  between forwards. Pure tensor work, so it runs under torch.compile and CUDA
-  graphs. One prompt per capture.
-* batched (``enable_batching=True``): the same hooks write every forward's
-  rows; after each step, outside the graph, the rows are split into requests
-  and appended to each request's accumulator, so many prompts, chunked prefill
-  and decode steps all come back whole, keyed by the request id the user sees,
-  with torch.compile and CUDA graphs on or off.
+  between forwards. One prompt per capture.
+* batched (``enable_batching=True``): many requests per generate. Before each
+  step the host writes, outside the graph, which edit-table row each token row
+  uses (so each request can carry its own edits, ``request_args``); after it,
+  the rows each request asked for (all, its prompt, its last prompt token,
+  given positions) are gathered and copied to host memory, keyed by request
+  id, whole across chunked prefill, preemption and decode steps.
 
 Hook names follow TransformerLens: ``hook_embed``, ``blocks.{i}.hook_attn_out``,
 ``blocks.{i}.hook_mlp_out``, ``blocks.{i}.hook_resid_post`` and
@@ -46,9 +47,10 @@ import logging
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 __version__ = "0.1.0"
@@ -71,6 +73,7 @@ __all__ = [
     "read_fire_counts",
     "register",
     "remove_hooks",
+    "request_args",
     "reset_batched",
     "reset_edits",
     "reset_fire_counts",
@@ -110,7 +113,8 @@ class CaptureConfig:
         per-position edit tables; at least the engine's own
         ``max_num_batched_tokens``.
     dtype: dtype of the capture buffers (a floating dtype).
-    enable_batching: batched hooks (eager engine) instead of compiled ones.
+    enable_batching: the batched flavour (many requests per generate, each
+        with its own rows and edits) instead of the compiled one.
     enable_position_interventions: edits may be limited to token positions.
     """
 
@@ -315,62 +319,83 @@ def register() -> None:
 
 
 class _HookState:
-    """Everything one worker's hooks share: buffers, handles, accumulators.
+    """Everything one worker's hooks share: buffers, handles, per-request records.
 
     Buffers are allocated once, here, before the profile run, torch.compile and
     CUDA-graph capture, so compiled code always sees the same tensors; between
     forwards only their contents are rewritten, never the tensors themselves.
     """
 
-    def __init__(self, config: CaptureConfig, model: torch.nn.Module, runner: Any):
+    def __init__(self, config: CaptureConfig, model: torch.nn.Module, runner: Any, num_slots: int):
         self.config = config
         self.runner = runner
         device = next(model.parameters()).device
-        edit_dtype = next(model.parameters()).dtype
         max_rows = config.max_num_batched_tokens
+        self.device = device
+        self.edit_dtype = next(model.parameters()).dtype
         self.hook_names: list[str] = []
         self.absent: list[str] = []
         self.handles: list[Any] = []
         # Positions of the tokens in the forward in flight, written by a
-        # pre-hook on the whole model; edits by position and the batched
-        # hooks read them.
+        # pre-hook on the whole model; the compiled flavour's edits by
+        # position read them.
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.capture_buffers: dict[str, torch.Tensor] = {}
         # 0 = open (the next forward writes its rows), 1 = closed. The
         # compiled flavour opens them on open_capture, the batched flavour
-        # after each step.
+        # before each step.
         self.capture_flags: dict[str, torch.Tensor] = {}
-        # Edit tables: rows indexed by token position when position edits are
-        # on ([max_rows + 1, width]; the last row serves every position past
-        # max_rows, so it carries an edit without positions and is identity
-        # under one limited to positions), a single row otherwise ([width]).
+        # Edit tables, out = out * scale + bias; see _edit_table_shape.
         self.scales: dict[str, torch.Tensor] = {}
         self.biases: dict[str, torch.Tensor] = {}
         self.fire_counts: torch.Tensor | None = None
-        # Batched flavour: (worker request id, hook) -> rows so far, and the
-        # position the next row must have.
-        self.accumulators: dict[tuple[str, str], list[torch.Tensor]] = {}
-        self.next_position: dict[tuple[str, str], int] = {}
+        # Batched flavour. Row r of the forward in flight uses row
+        # row_edit_index[k, r] of hook k's edit tables; the host writes it
+        # before each forward. Requests with their own edits hold one of
+        # num_slots table rows while they run.
+        self.num_slots = num_slots
+        self.row_edit_index = torch.zeros(0, max_rows, dtype=torch.int64, device=device)
+        self.row_edit_index_dirty = False
+        self.slots: dict[str, int] = {}
+        self.plans: dict[str, _RequestPlan] = {}
+        self.first_positions: dict[str, int] | None = None  # of the step being prepared
+        self.step: _StepLayout | None = None  # of the step whose forward is in flight
+        self.records: dict[str, _RequestRows] = {}
         self.incomplete: dict[str, str] = {}
-        self.device = device
-        self.edit_dtype = edit_dtype
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def forget_warm_up(self) -> None:
         """Drop what vLLM's own warm-up and graph-capture forwards left behind."""
         self.fire_counts.zero_()
         for flag in self.capture_flags.values():
             flag.fill_(1)
+        self.plans.clear()
+        self.slots.clear()
         self.clear_batched()
 
     def clear_batched(self) -> None:
-        self.accumulators.clear()
-        self.next_position.clear()
+        self.records.clear()
         self.incomplete.clear()
 
     def edit_tensors(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        positions = self.positions if self.config.enable_position_interventions else None
-        return self.scales[name], self.biases[name], positions
+        """(scale table, bias table, the [max_rows] index of each row into them, or None)."""
+        if self.config.enable_batching:
+            index = self.row_edit_index[self.hook_names.index(name)]
+        elif self.config.enable_position_interventions:
+            index = self.positions
+        else:
+            index = None
+        return self.scales[name], self.biases[name], index
 
+    @property
+    def identity_row(self) -> int:
+        """Batched flavour: the edit-table row that is always identity."""
+        return _global_rows(self.config)
+
+    def host_rows_ready(self) -> None:
+        """Wait for the copies of captured rows to host memory still in flight."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
 
 
 _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
@@ -378,9 +403,25 @@ _DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
 _RESIDUAL_WIDTH_SITE = re.compile(r"(^|\.)(layers\.\d+(\.self_attn|\.mlp)?|embed_tokens|norm)$")
 
 
-def _edit_table_shape(config: CaptureConfig, width: int) -> tuple[int, ...]:
+def _global_rows(config: CaptureConfig) -> int:
+    """Rows of the engine-wide part of an edit table: one per position, or one."""
+    return config.max_num_batched_tokens + 1 if config.enable_position_interventions else 1
+
+
+def _edit_table_shape(config: CaptureConfig, width: int, num_slots: int) -> tuple[int, ...]:
+    """Shape of one hook's scale (and bias) table.
+
+    Compiled flavour: ``[width]``, or ``[max_rows + 1, width]`` indexed by
+    token position when edits by position are on (the last row serves every
+    position past max_rows, so it carries an edit without positions and is
+    identity under one limited to positions). Batched flavour: those engine-wide
+    rows (always 2-D), then one identity row, then ``num_slots`` rows that
+    requests with their own edits hold while they run.
+    """
+    if config.enable_batching:
+        return (_global_rows(config) + 1 + num_slots, width)
     if config.enable_position_interventions:
-        return (config.max_num_batched_tokens + 1, width)
+        return (_global_rows(config), width)
     return (width,)
 
 
@@ -401,7 +442,8 @@ def _install(worker: Any, config: CaptureConfig) -> None:
             "LLM(..., enable_prefix_caching=False)"
         )
     _uninstall(worker)
-    state = _HookState(config, model, runner)
+    num_slots = worker.vllm_config.scheduler_config.max_num_seqs
+    state = _HookState(config, model, runner, num_slots)
     modules = dict(model.named_modules())
     hidden_size = worker.vllm_config.model_config.get_hidden_size()
     resolved = {}
@@ -417,13 +459,17 @@ def _install(worker: Any, config: CaptureConfig) -> None:
             )
         resolved[name] = (module, path, width)
     state.fire_counts = torch.zeros(len(resolved), dtype=torch.int64, device=state.device)
-    state.handles.append(
-        model.register_forward_pre_hook(_make_positions_hook(state.positions), with_kwargs=True)
+    if config.enable_position_interventions and not config.enable_batching:
+        state.handles.append(
+            model.register_forward_pre_hook(_make_positions_hook(state.positions), with_kwargs=True)
+        )
+    state.hook_names.extend(resolved)
+    state.row_edit_index = torch.zeros(
+        len(resolved), config.max_num_batched_tokens, dtype=torch.int64, device=state.device
     )
     for index, (name, (module, path, width)) in enumerate(resolved.items()):
-        state.hook_names.append(name)
         state.scales[name] = torch.ones(
-            _edit_table_shape(config, width), dtype=state.edit_dtype, device=state.device
+            _edit_table_shape(config, width, num_slots), dtype=state.edit_dtype, device=state.device
         )
         state.biases[name] = torch.zeros_like(state.scales[name])
         state.capture_buffers[name] = torch.zeros(
@@ -464,7 +510,7 @@ def _uninstall(worker: Any) -> None:
     if state is not None:
         for handle in state.handles:
             handle.remove()
-        for method in ("prepare_inputs", "execute_model"):
+        for method in ("prepare_inputs", "_prepare_inputs", "execute_model"):
             state.runner.__dict__.pop(method, None)
         state.runner.__dict__.pop(_V2_BATCH, None)
         worker.__dict__.pop("compile_or_warm_up_model", None)
@@ -523,19 +569,20 @@ def _make_positions_hook(positions_buffer: torch.Tensor):
     return hook
 
 
-def _edit_rows(scale, bias, positions, num_rows):
+def _edit_rows(scale, bias, index, num_rows):
     """The edit's (scale, bias) for the forward's rows, broadcastable to [num_rows, width].
 
-    scale, bias: [width], or [max_rows + 1, width] indexed by token position
-    when ``positions`` (the forward's [max_rows] positions buffer) is given.
+    scale, bias: [width], or 2-D tables whose row for forward row r is
+    ``index[r]`` (a [max_rows] int64 buffer: token positions in the compiled
+    flavour, clamped to the table's last row; host-written rows in the batched).
     """
-    if positions is None:
+    if index is None:
         return scale, bias
-    index = positions.narrow(0, 0, num_rows).clamp(max=scale.shape[0] - 1)
-    return scale.index_select(0, index), bias.index_select(0, index)
+    rows = index.narrow(0, 0, num_rows).clamp(max=scale.shape[0] - 1)
+    return scale.index_select(0, rows), bias.index_select(0, rows)
 
 
-def _edit_output(output, pair_output, scale, bias, positions):
+def _edit_output(output, pair_output, scale, bias, index):
     """(the module's output edited as ``x * scale + bias``, the edited activation).
 
     A decoder layer returns ``(mlp_out, residual)`` and its activation is their
@@ -546,12 +593,12 @@ def _edit_output(output, pair_output, scale, bias, positions):
     """
     if pair_output:
         hidden, residual = output
-        row_scale, row_bias = _edit_rows(scale, bias, positions, hidden.shape[0])
+        row_scale, row_bias = _edit_rows(scale, bias, index, hidden.shape[0])
         residual = residual * row_scale
         hidden.mul_(row_scale).add_(row_bias)
         return (hidden, residual), hidden + residual
     tensor = output[0] if isinstance(output, tuple) else output
-    row_scale, row_bias = _edit_rows(scale, bias, positions, tensor.shape[0])
+    row_scale, row_bias = _edit_rows(scale, bias, index, tensor.shape[0])
     tensor.mul_(row_scale).add_(row_bias)
     return output, tensor
 
@@ -559,12 +606,12 @@ def _edit_output(output, pair_output, scale, bias, positions):
 def _make_capture_hook(state: _HookState, name: str, fire_count: torch.Tensor, pair_output: bool):
     capture_buffer = state.capture_buffers[name]
     capture_flag = state.capture_flags[name]
-    scale, bias, positions = state.edit_tensors(name)
+    scale, bias, index = state.edit_tensors(name)
 
     @torch.no_grad()
     def hook(_module, _inputs, output):
         fire_count.add_(1)
-        output, activation = _edit_output(output, pair_output, scale, bias, positions)
+        output, activation = _edit_output(output, pair_output, scale, bias, index)
         kept = capture_buffer.narrow(0, 0, activation.shape[0])
         # The first forward after the flag opens wins (open_capture, or each step
         # in the batched flavour); later ones rewrite what is there.
@@ -576,80 +623,295 @@ def _make_capture_hook(state: _HookState, name: str, fire_count: torch.Tensor, p
 
 
 # ---------------------------------------------------------------------------
-# Batched flavour. The hooks above write every forward's rows into their
-# buffers; after each step, on the host and outside any graph, the rows are
-# split per request and appended to that request's accumulator. So it runs
-# with torch.compile and CUDA graphs as it does in an eager engine.
+# Batched flavour. The hooks above run in every forward; what depends on which
+# requests are in a step happens on the host, outside any graph: before the
+# forward, each row's edit-table row is written into row_edit_index; after it,
+# the rows each request asked for are gathered on the device and copied to host
+# memory (asynchronously on CUDA, on a side stream, so the next step's forward
+# overlaps the copy). So it runs with torch.compile and CUDA graphs as it does
+# in an eager engine.
 # ---------------------------------------------------------------------------
+
+_REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
+_CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
+
+
+@dataclass
+class _RequestPlan:
+    """One request's options: which of its rows to keep, and its own edits.
+
+    capture: one of _CAPTURE_MODES, or a sorted int64 array of positions.
+    edits: hook -> (scale row, bias row, positions or None), rows [width] in
+    the model's dtype on the CPU.
+    """
+
+    prompt_len: int
+    capture: str | np.ndarray
+    edits: dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]]
+
+
+@dataclass
+class _StepLayout:
+    """The rows of one forward: request i owns rows starts[i]:starts[i + 1]."""
+
+    starts: np.ndarray  # int64 [num_requests + 1]
+    request_ids: list[str]
+    row_positions: np.ndarray  # int64 [num_rows], each row's token position
+
+
+@dataclass
+class _RequestRows:
+    """What was kept of one request so far, in chunks (one per step that kept rows)."""
+
+    next_position: int = 0  # the position its next row must have
+    positions: list[np.ndarray] = field(default_factory=list)  # per chunk, int64
+    rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # hook -> per chunk
 
 
 def _collect_after_each_step(runner: Any, state: _HookState) -> None:
-    """Wrap the runner's execute_model (and Model Runner V2's prepare_inputs) on this instance.
+    """Wrap the runner's execute_model and its input preparation, on this instance.
 
-    V2 builds the step's InputBatch (req_ids, query_start_loc_np) in
-    prepare_inputs and keeps it only in a local variable: the wrapper keeps it
-    on the runner until execute_model returns, then clears it.
+    The V1 runner prepares a step in ``_prepare_inputs`` and keeps the batch
+    in ``input_batch``; Model Runner V2 builds a fresh InputBatch in
+    ``prepare_inputs`` and keeps it only in a local variable, so the wrapper
+    keeps it on the runner until execute_model returns. Either way the step's
+    layout is known once preparation returns, before the forward.
     """
     execute_model = runner.execute_model
     tracks_v2 = not hasattr(runner, "input_batch")
+    prepare_name = "prepare_inputs" if tracks_v2 else "_prepare_inputs"
+    prepare = getattr(runner, prepare_name)
     if tracks_v2:
-        prepare_inputs = runner.prepare_inputs
         setattr(runner, _V2_BATCH, None)
 
-        def tracked_prepare_inputs(*args, **kwargs):
-            batch = prepare_inputs(*args, **kwargs)
-            setattr(runner, _V2_BATCH, batch)
-            return batch
-
-        runner.prepare_inputs = tracked_prepare_inputs
+    def prepare_then_route_edits(*args, **kwargs):
+        prepared = prepare(*args, **kwargs)
+        if tracks_v2:
+            setattr(runner, _V2_BATCH, prepared)
+        _begin_step(state)
+        return prepared
 
     def collecting_execute_model(scheduler_output, *args, **kwargs):
+        _note_requests(state, scheduler_output)
         for flag in state.capture_flags.values():
             flag.zero_()  # this step's forward writes its rows
         try:
             result = execute_model(scheduler_output, *args, **kwargs)
-            if scheduler_output.total_num_scheduled_tokens:
+            if state.step is not None:
                 _collect_step(state)
             return result
         finally:
+            state.first_positions = None
+            state.step = None
             if tracks_v2:
                 setattr(runner, _V2_BATCH, None)
 
+    setattr(runner, prepare_name, prepare_then_route_edits)
     runner.execute_model = collecting_execute_model
 
 
-def _collect_step(state: _HookState) -> None:
+def _note_requests(state: _HookState, scheduler_output: Any) -> None:
+    """Read the step's new requests' options and every request's first position."""
+    for request_id in scheduler_output.finished_req_ids:
+        state.plans.pop(request_id, None)
+        state.slots.pop(request_id, None)
+    first_positions = {}
+    for new in scheduler_output.scheduled_new_reqs:
+        state.plans[new.req_id] = _plan_for(state, new)
+        first_positions[new.req_id] = new.num_computed_tokens
+    cached = scheduler_output.scheduled_cached_reqs
+    first_positions.update(zip(cached.req_ids, cached.num_computed_tokens))
+    state.first_positions = first_positions
+
+
+def _plan_for(state: _HookState, new_request: Any) -> _RequestPlan:
+    if new_request.prompt_token_ids is not None:
+        prompt_len = len(new_request.prompt_token_ids)
+    else:
+        prompt_len = int(new_request.prompt_embeds.shape[0])
+    extra_args = getattr(new_request.sampling_params, "extra_args", None) or {}
+    options = extra_args.get(_REQUEST_KEY)
+    if options is None:
+        return _RequestPlan(prompt_len, "all", {})
+    try:
+        capture, edits = _parse_request_options(options, state.config, state.edit_dtype)
+    except (ValueError, TypeError) as error:
+        # request_args checks this in the driver; a hand-written extra_args that
+        # fails here must not stop the engine: the request runs unedited and
+        # reading it raises this message.
+        state.incomplete[new_request.req_id] = f"its options were refused: {error}"
+        return _RequestPlan(prompt_len, "none", {})
+    edits = {name: edit for name, edit in edits.items() if name in state.capture_buffers}
+    return _RequestPlan(prompt_len, capture, edits)
+
+
+def _begin_step(state: _HookState) -> None:
+    """After the step is prepared, before its forward: route each row to its edit."""
+    if state.first_positions is None:  # preparation outside execute_model
+        return
     starts, request_ids = segment_by_request(state.runner)
     if not request_ids:
         return
-    num_rows = starts[-1]  # rows past it are CUDA-graph padding
-    row_positions = state.positions[:num_rows].tolist()
-    for name in state.hook_names:
-        rows = state.capture_buffers[name][:num_rows].to("cpu", copy=True)
-        for index, request_id in enumerate(request_ids):
-            start, end = starts[index], starts[index + 1]
-            if end > start:
-                _accumulate(state, request_id, name, rows[start:end], row_positions[start])
+    unplaced = [r for r in request_ids if r not in state.first_positions]
+    if unplaced:
+        # Every request of a step is in its scheduler output; if one is not,
+        # its rows cannot be placed: say so when read rather than guess.
+        for request_id in unplaced:
+            state.incomplete[request_id] = "a step ran it without its scheduler output entry"
+        return
+    starts = np.asarray(starts, dtype=np.int64)
+    counts = np.diff(starts)
+    first = np.array([state.first_positions[r] for r in request_ids], dtype=np.int64)
+    row_positions = np.repeat(first - starts[:-1], counts) + np.arange(starts[-1])
+    state.step = _StepLayout(starts, request_ids, row_positions)
+
+    global_rows = _global_rows(state.config)
+    edited = [i for i, r in enumerate(request_ids) if r in state.plans and state.plans[r].edits]
+    if global_rows == 1 and not edited:
+        # Every row uses the engine-wide row 0: write the index only if a
+        # request's edit changed it since.
+        if state.row_edit_index_dirty:
+            state.row_edit_index.zero_()
+            state.row_edit_index_dirty = False
+        return
+    state.row_edit_index_dirty = True
+    index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(state.hook_names), 0)
+    for i in edited:
+        request_id = request_ids[i]
+        plan = state.plans[request_id]
+        slot_row = global_rows + 1 + _slot_for(state, request_id, plan, request_ids)
+        rows = slice(starts[i], starts[i + 1])
+        for k, name in enumerate(state.hook_names):
+            if name not in plan.edits:
+                continue
+            positions = plan.edits[name][2]
+            if positions is None:
+                index[k, rows] = slot_row
+            else:
+                hit = np.isin(row_positions[rows], positions)
+                index[k, rows] = np.where(hit, slot_row, state.identity_row)
+    _copy_to_device(index, state.row_edit_index[:, : starts[-1]])
+
+
+def _slot_for(state: _HookState, request_id: str, plan: _RequestPlan, step_ids: list[str]) -> int:
+    """The table slot holding this request's edits, written there on first use."""
+    if request_id in state.slots:
+        return state.slots[request_id]
+    taken = set(state.slots.values())
+    free = [slot for slot in range(state.num_slots) if slot not in taken]
+    if not free:
+        # A step holds at most max_num_seqs = num_slots requests, so some slot
+        # belongs to a request outside this step (preempted or finished).
+        in_step = set(step_ids)
+        holder = next(r for r in state.slots if r not in in_step)
+        free = [state.slots.pop(holder)]
+    slot = free[0]
+    state.slots[request_id] = slot
+    row = _global_rows(state.config) + 1 + slot
+    for name, (scale_row, bias_row, _positions) in plan.edits.items():
+        state.scales[name][row].copy_(scale_row)
+        state.biases[name][row].copy_(bias_row)
+    return slot
+
+
+def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
+    source = torch.from_numpy(array)
+    if target.device.type == "cuda":
+        source = source.pin_memory()  # the copy is queued; pinned memory outlives it
+    target.copy_(source, non_blocking=True)
+
+
+def _kept_rows(plan: _RequestPlan | None, positions: np.ndarray) -> np.ndarray:
+    """Boolean mask over a request's rows in this step: which ones it keeps."""
+    capture = "all" if plan is None else plan.capture
+    if isinstance(capture, str):
+        if capture == "all":
+            return np.ones(positions.shape, dtype=bool)
+        if capture == "prompt":
+            return positions < plan.prompt_len
+        if capture == "last_prompt_token":
+            return positions == plan.prompt_len - 1
+        return np.zeros(positions.shape, dtype=bool)
+    return np.isin(positions, capture)
+
+
+def _collect_step(state: _HookState) -> None:
+    """After the forward: send the kept rows to host memory, per request."""
+    step = state.step
+    pieces = []  # (request id, first position, rows run, kept row indices)
+    for i, request_id in enumerate(step.request_ids):
+        start, end = int(step.starts[i]), int(step.starts[i + 1])
+        plan = state.plans.get(request_id)
+        if end == start or (plan is not None and isinstance(plan.capture, str) and plan.capture == "none"):
+            continue
+        kept = np.flatnonzero(_kept_rows(plan, step.row_positions[start:end])) + start
+        pieces.append((request_id, int(step.row_positions[start]), end - start, kept))
+    if not pieces:
+        return
+    kept_rows = np.concatenate([kept for *_, kept in pieces])
+    host_rows = _rows_to_host(state, kept_rows) if kept_rows.size else {}
+    offset = 0
+    for request_id, first_position, num_run, kept in pieces:
+        rows = {name: host[offset : offset + kept.size] for name, host in host_rows.items()}
+        offset += kept.size
+        _accumulate(state, request_id, first_position, num_run, step.row_positions[kept], rows)
+
+
+def _rows_to_host(state: _HookState, kept_rows: np.ndarray) -> dict[str, torch.Tensor]:
+    """{hook: [len(kept_rows), width]} on the host, gathered from the capture buffers.
+
+    On CUDA the gather runs on the compute stream (the next forward rewrites
+    the buffers) and the copy into pinned memory on a side stream: nothing
+    waits for it until the rows are read (host_rows_ready).
+    """
+    buffers = state.capture_buffers
+    if kept_rows.size == kept_rows[-1] + 1:  # rows 0..n-1: a copy of the slice
+        gathered = {name: buffer[: kept_rows.size].clone() for name, buffer in buffers.items()}
+    else:
+        index = torch.empty(kept_rows.size, dtype=torch.int64, device=state.device)
+        _copy_to_device(kept_rows, index)
+        gathered = {name: buffer.index_select(0, index) for name, buffer in buffers.items()}
+    if state.copy_stream is None:
+        return gathered
+    state.copy_stream.wait_stream(torch.cuda.current_stream(state.device))
+    host_rows = {}
+    with torch.cuda.stream(state.copy_stream):
+        for name, rows in gathered.items():
+            host_rows[name] = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host_rows[name].copy_(rows, non_blocking=True)
+            rows.record_stream(state.copy_stream)
+    return host_rows
 
 
 def _accumulate(
-    state: _HookState, request_id: str, name: str, rows: torch.Tensor, first_position: int
+    state: _HookState,
+    request_id: str,
+    first_position: int,
+    num_run: int,
+    kept_positions: Any,
+    rows: dict[str, torch.Tensor],
 ) -> None:
-    key = (request_id, name)
-    chunks = state.accumulators.setdefault(key, [])
-    expected = state.next_position.get(key, 0)
-    if first_position < expected:
-        # The request was preempted and is being recomputed from first_position:
-        # drop the rows it had past that point so none appears twice.
-        kept = torch.cat(chunks)[:first_position] if chunks else rows[:0]
-        chunks[:] = [kept] if kept.shape[0] else []
-    elif first_position > expected:
+    """Append one step's kept rows of a request, which ran num_run rows from first_position."""
+    record = state.records.setdefault(request_id, _RequestRows())
+    if first_position < record.next_position:
+        # Preempted and recomputed from first_position: drop what it kept past
+        # that point, so no row appears twice.
+        for chunk, positions in enumerate(record.positions):
+            keep = int(np.searchsorted(positions, first_position))
+            record.positions[chunk] = positions[:keep]
+            for chunks in record.rows.values():
+                chunks[chunk] = chunks[chunk][:keep]
+    elif first_position > record.next_position:
         state.incomplete[request_id] = (
-            f"rows for positions {expected}..{first_position - 1} never ran through the model "
-            "(prefix caching reused them); build the engine with enable_prefix_caching=False"
+            f"rows for positions {record.next_position}..{first_position - 1} never ran through "
+            "the model (prefix caching reused them); build the engine with "
+            "enable_prefix_caching=False"
         )
-    chunks.append(rows)
-    state.next_position[key] = first_position + rows.shape[0]
+    record.next_position = first_position + num_run
+    if kept_positions.size:
+        record.positions.append(kept_positions)
+        for name, tensor in rows.items():
+            record.rows.setdefault(name, []).append(tensor)
 
 
 # ---------------------------------------------------------------------------
@@ -744,10 +1006,10 @@ def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
 _EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
 
 
-def _edit_tables(
-    edit: dict[str, Any], name: str, width: int, table_shape: tuple[int, ...], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate one wire edit and build its (scale, bias) tables on the CPU."""
+def _edit_row(
+    edit: dict[str, Any], name: str, width: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+    """Validate one wire edit: its (scale, bias) rows, [width] float64, and its positions."""
     if not isinstance(edit, dict):
         raise ValueError(f"edits[{name!r}]: expected a dict with 'op', got {edit!r}")
     allowed = {"op", "value", "positions"}
@@ -765,7 +1027,13 @@ def _edit_tables(
     value = torch.zeros(width, dtype=torch.float64)
     if _EDIT_OPS[op]:
         raw = edit["value"]
-        vector = decode_tensor(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64)
+        try:
+            vector = decode_tensor(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64)
+        except (TypeError, RuntimeError):
+            raise ValueError(
+                f"edits[{name!r}]: value must be a number or a float vector of width {width}, "
+                f"got {raw!r:.100}"
+            ) from None
         if vector.dim() == 0:
             vector = vector.expand(width)
         if vector.dim() != 1 or vector.shape[0] != width or not vector.is_floating_point():
@@ -786,28 +1054,91 @@ def _edit_tables(
         scale_row.zero_()
         bias_row = value
     positions = edit.get("positions")
-    if positions is None:
-        # Every row, the last (every position past the table) included.
-        return scale_row.expand(table_shape).to(dtype), bias_row.expand(table_shape).to(dtype)
-    if len(table_shape) != 2:
-        raise ValueError(
-            f"edits[{name!r}]: positions need configure(enable_position_interventions=True)"
-        )
-    limit = table_shape[0] - 1
-    if (
+    if positions is not None and (
         not isinstance(positions, (list, tuple))
         or not positions
-        or not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < limit for p in positions)
+        or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in positions)
     ):
         raise ValueError(
-            f"edits[{name!r}]: positions must be a non-empty list of ints in [0, {limit}), "
-            f"got {positions!r}"
+            f"edits[{name!r}]: positions must be a non-empty list of token positions "
+            f"(ints >= 0), got {positions!r}"
         )
-    scale = torch.ones(table_shape, dtype=torch.float64)
-    bias = torch.zeros(table_shape, dtype=torch.float64)
-    scale[list(positions)] = scale_row
-    bias[list(positions)] = bias_row
+    return scale_row, bias_row, None if positions is None else list(positions)
+
+
+def _edit_tables(
+    edit: dict[str, Any], name: str, config: CaptureConfig, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An engine-wide edit as (scale, bias) tables: [width], or [max_rows + 1, width] by position."""
+    width = config.capture_specs[name][1]
+    scale_row, bias_row, positions = _edit_row(edit, name, width)
+    if not config.enable_position_interventions:
+        if positions is not None:
+            raise ValueError(
+                f"edits[{name!r}]: positions need configure(enable_position_interventions=True)"
+                + (" or, per request, request_args(edits=...)" if config.enable_batching else "")
+            )
+        return scale_row.to(dtype), bias_row.to(dtype)
+    shape = (_global_rows(config), width)
+    if positions is None:
+        # Every row, the last (every position past the table) included.
+        return scale_row.expand(shape).to(dtype), bias_row.expand(shape).to(dtype)
+    limit = shape[0] - 1
+    if max(positions) >= limit:
+        raise ValueError(
+            f"edits[{name!r}]: positions must be < {limit} (max_num_batched_tokens) for an "
+            f"engine-wide edit, got {positions!r}"
+            + ("; request_args(edits=...) takes any position" if config.enable_batching else "")
+        )
+    scale = torch.ones(shape, dtype=torch.float64)
+    bias = torch.zeros(shape, dtype=torch.float64)
+    scale[positions] = scale_row
+    bias[positions] = bias_row
     return scale.to(dtype), bias.to(dtype)
+
+
+def _check_hook_name(name: Any, config: CaptureConfig) -> None:
+    if name not in config.capture_specs:
+        close = difflib.get_close_matches(str(name), list(config.capture_specs), n=3)
+        raise ValueError(
+            f"edits: {name!r} is not a configured hook"
+            + (f"; close matches: {close}" if close else "")
+            + f"; configured: {sorted(config.capture_specs)}"
+        )
+
+
+def _parse_request_options(
+    options: Any, config: CaptureConfig, dtype: torch.dtype
+) -> tuple[str | np.ndarray, dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]]]:
+    """Validate one request's wire options (see request_args): (capture, edits by hook)."""
+    if not isinstance(options, dict) or not set(options) <= {"capture", "edits"}:
+        raise ValueError(
+            f"request options: expected a dict with keys 'capture' and 'edits', got {options!r:.200}"
+        )
+    capture = options.get("capture", "all")
+    if isinstance(capture, (list, tuple)):
+        if not capture or not all(
+            isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in capture
+        ):
+            raise ValueError(
+                f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}"
+            )
+        capture = np.unique(np.asarray(capture, dtype=np.int64))
+    elif capture not in _CAPTURE_MODES:
+        raise ValueError(
+            f"capture: expected one of {list(_CAPTURE_MODES)} or a list of token positions, "
+            f"got {capture!r}"
+        )
+    edits = options.get("edits") or {}
+    if not isinstance(edits, dict):
+        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
+    parsed = {}
+    for name, edit in edits.items():
+        _check_hook_name(name, config)
+        scale_row, bias_row, positions = _edit_row(edit, name, config.capture_specs[name][1])
+        positions = None if positions is None else np.unique(np.asarray(positions, dtype=np.int64))
+        parsed[name] = (scale_row.to(dtype), bias_row.to(dtype), positions)
+    return capture, parsed
 
 
 # ---------------------------------------------------------------------------
@@ -876,6 +1207,7 @@ class WorkerExtension:
             "config": state.config.to_json(),
             "hooks": list(state.hook_names),
             "absent": list(state.absent),
+            "unread_requests": len(state.records),
         }
 
     @_errors_as_data
@@ -884,21 +1216,22 @@ class WorkerExtension:
         unknown = sorted(set(edits) - set(state.hook_names) - set(state.absent))
         if unknown:
             raise ValueError(f"edits: unknown hooks {unknown}; configured: {state.hook_names}")
-        tables = {}
+        tables = {
+            name: _edit_tables(edits[name], name, state.config, state.edit_dtype)
+            for name in state.hook_names
+            if name in edits
+        }
+        global_rows = _global_rows(state.config) if state.config.enable_batching else None
         for name in state.hook_names:
-            width = state.config.capture_specs[name][1]
-            shape = _edit_table_shape(state.config, width)
-            if name in edits:
-                tables[name] = _edit_tables(edits[name], name, width, shape, state.edit_dtype)
+            scale, bias = state.scales[name], state.biases[name]
+            if global_rows is not None:  # the engine-wide rows of a batched table
+                scale, bias = scale[:global_rows], bias[:global_rows]
+            if name in tables:
+                scale.copy_(tables[name][0])
+                bias.copy_(tables[name][1])
             else:
-                tables[name] = (None, None)
-        for name, (scale, bias) in tables.items():
-            if scale is None:
-                state.scales[name].fill_(1)
-                state.biases[name].zero_()
-            else:
-                state.scales[name].copy_(scale)
-                state.biases[name].copy_(bias)
+                scale.fill_(1)
+                bias.zero_()
 
     @_errors_as_data
     def tl_open_capture(self) -> None:
@@ -942,17 +1275,23 @@ class WorkerExtension:
         state = self._tl_state()
         if not state.hook_names:  # a pipeline rank that holds none of the hooks
             return {}
-        matches = _match_request_ids(request_ids, sorted({rid for rid, _ in state.accumulators}))
+        known = sorted(set(state.records) | set(state.incomplete))
+        matches = _match_request_ids(request_ids, known)
         for user_id, worker_id in matches.items():
             if worker_id in state.incomplete:
                 raise RuntimeError(f"read_batched: request {user_id!r}: {state.incomplete[worker_id]}")
+        state.host_rows_ready()
         results: dict[str, dict[str, Any]] = {}
         for user_id, worker_id in matches.items():
+            record = state.records.pop(worker_id)
+            results[user_id] = {}
             for name in state.hook_names:
-                chunks = state.accumulators.pop((worker_id, name), None)
-                state.next_position.pop((worker_id, name), None)
+                chunks = record.rows.get(name)
                 if chunks:
-                    results.setdefault(user_id, {})[name] = encode_tensor(torch.cat(chunks))
+                    rows = torch.cat(chunks)
+                else:  # the request kept no row (capture positions it never reached)
+                    rows = torch.empty(0, state.config.capture_specs[name][1], dtype=state.config.dtype)
+                results[user_id][name] = encode_tensor(rows)
         return results
 
     @_errors_as_data
@@ -1050,7 +1389,7 @@ def read_captures(llm: Any, num_rows: int) -> dict[str, torch.Tensor]:
 
 
 def set_edits(llm: Any, edits: dict[str, dict[str, Any]]) -> None:
-    """Replace every edit: hooks not named go back to identity.
+    """Replace every engine-wide edit: hooks not named go back to identity.
 
     edits: ``{hook_name: {"op": op, "value": v, "positions": [p, ...]}}`` with op
     one of ``suppress`` (no value), ``scale``, ``add`` or ``set``; v a number or
@@ -1058,16 +1397,59 @@ def set_edits(llm: Any, edits: dict[str, dict[str, Any]]) -> None:
     the sequence, needing ``enable_position_interventions=True``. Applies to
     every forward from the next one on.
     """
-    wire = {}
-    for name, edit in edits.items():
-        edit = dict(edit)
-        if isinstance(edit.get("value"), torch.Tensor):
-            edit["value"] = encode_tensor(edit["value"])
-        if isinstance(edit.get("positions"), torch.Tensor):
-            edit["positions"] = edit["positions"].tolist()
-        wire[name] = edit
+    wire = _edits_to_wire(edits)
     _check_edits(llm, wire)
     _rpc(llm, "tl_set_edits", wire)
+
+
+def _edits_to_wire(edits: Any) -> Any:
+    if not isinstance(edits, dict):
+        return edits  # the checks name the problem
+    wire = {}
+    for name, edit in edits.items():
+        if isinstance(edit, dict):
+            edit = dict(edit)
+            if isinstance(edit.get("value"), torch.Tensor):
+                edit["value"] = encode_tensor(edit["value"])
+            if isinstance(edit.get("positions"), torch.Tensor):
+                edit["positions"] = edit["positions"].tolist()
+        wire[name] = edit
+    return wire
+
+
+def request_args(
+    config: CaptureConfig,
+    capture: str | list[int] = "all",
+    edits: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One request's options in the batched flavour: ``SamplingParams(extra_args=request_args(...))``.
+
+    config: the engine's config (what ``configure`` returned).
+    capture: which of the request's rows are kept and returned by
+        ``read_batched``: ``"all"`` (prompt and generated tokens, the default
+        for requests without options), ``"prompt"``, ``"last_prompt_token"``,
+        ``"none"``, or a list of token positions. Rows not kept never leave
+        the device.
+    edits: as in ``set_edits``, applied to this request's rows only; a hook
+        edited here ignores the engine-wide edit on that hook for this
+        request. Positions may be any token position.
+
+    Validated here (ValueError naming the problem) before anything is sent. The
+    options ride with the request to the workers as JSON-like values (tensors
+    as dtype, shape and bytes). Merge the result into any extra_args of your own.
+    """
+    if not isinstance(config, CaptureConfig):
+        raise ValueError(f"request_args: config must be the CaptureConfig of the engine, got {config!r:.100}")
+    if not config.enable_batching:
+        raise ValueError(
+            "request_args: per-request options need the batched flavour: "
+            "configure(..., enable_batching=True)"
+        )
+    options: dict[str, Any] = {"capture": list(capture) if isinstance(capture, tuple) else capture}
+    if edits:
+        options["edits"] = _edits_to_wire(edits)
+    _parse_request_options(options, config, torch.float32)
+    return {_REQUEST_KEY: options}
 
 
 def _check_edits(llm: Any, edits: dict[str, Any]) -> None:
@@ -1078,15 +1460,8 @@ def _check_edits(llm: Any, edits: dict[str, Any]) -> None:
     if not isinstance(edits, dict):
         raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r}")
     for name, edit in edits.items():
-        if name not in config.capture_specs:
-            close = difflib.get_close_matches(str(name), list(config.capture_specs), n=3)
-            raise ValueError(
-                f"edits: {name!r} is not a configured hook"
-                + (f"; close matches: {close}" if close else "")
-                + f"; configured: {sorted(config.capture_specs)}"
-            )
-        width = config.capture_specs[name][1]
-        _edit_tables(edit, name, width, _edit_table_shape(config, width), torch.float32)
+        _check_hook_name(name, config)
+        _edit_tables(edit, name, config, torch.float32)
 
 
 def reset_edits(llm: Any) -> None:
@@ -1114,9 +1489,11 @@ def absent_hooks(llm: Any) -> list[str]:
 def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """Batched captures: ``{request_id: {hook_name: [rows, width]}}``, then freed.
 
-    request_ids: the ids the user sees (``RequestOutput.request_id``). Rows are
-    every token that ran through the model for that request, in position order:
-    its prompt, then each generated token but the last.
+    request_ids: the ids the user sees (``RequestOutput.request_id``). Rows, in
+    position order, are those the request's ``request_args(capture=...)`` kept;
+    by default every token that ran through the model for it: its prompt, then
+    each generated token but the last. Tensors are CPU, in the config's dtype;
+    a request that kept no row gets ``[0, width]``.
     """
     if isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids):
         raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")

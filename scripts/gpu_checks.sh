@@ -1,25 +1,54 @@
 #!/usr/bin/env bash
-# The GPU checks, for a machine with an NVIDIA GPU and vLLM: the CUDA tests
-# (FULL and PIECEWISE CUDA graphs, Model Runner V2 and V1, the batched flavour)
-# and the benchmark. Run from the project root:
-#   bash scripts/gpu_checks.sh [tests|bench|all] [extra benchmark flags]
-# Results land in $OUT (default ./gpu-results): the test log and summary, bench.json.
+# The GPU checks, for a machine with NVIDIA GPUs and vLLM. Run from the project root:
+#   bash scripts/gpu_checks.sh tests      # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
+#                                         # both flavours; split over two GPUs when there are two
+#   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
+#   bash scripts/gpu_checks.sh bench [flags]     # benchmark; two engines per case on two GPUs
+#   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
+# Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
 set -uo pipefail
 out="${OUT:-gpu-results}"
-what="${1:-all}"
+what="${1:-tests}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # pytest touches CUDA before vLLM starts its workers: forked workers cannot use it.
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
+# All-reduce without NVLink multicast (symmetric memory); NCCL and vLLM's own kernels stay.
+export VLLM_ALLREDUCE_USE_SYMM_MEM=0
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+tests() {  # tests LOG_NAME PYTEST_K [CUDA_VISIBLE_DEVICES]
+  CUDA_VISIBLE_DEVICES="${3:-${CUDA_VISIBLE_DEVICES:-}}" python3 -m pytest -q -s -p no:cacheprovider \
+    -k "$2" test_tl_vllm_hooks.py > "$out/$1.log" 2>&1
+  local status=$?
+  grep -E "worst relative error|passed|failed|Error" "$out/$1.log" | grep -v "^E  " > "$out/$1-summary.txt"
+  return $status
+}
 status=0
-if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -s -p no:cacheprovider -k "Cuda or cuda" test_tl_vllm_hooks.py \
-    > "$out/gpu-tests.log" 2>&1 || status=1
-  grep -E "worst relative error|passed|failed|Error" "$out/gpu-tests.log" | grep -v "^E  " \
-    | tee "$out/gpu-tests-summary.txt"
-fi
-if [[ $what == all || $what == bench ]]; then
-  python3 bench_tl_vllm_hooks.py --out "$out/bench.json" "${@:2}" > "$out/bench.log" 2>&1 || status=1
-  tail -n 20 "$out/bench.log"
-fi
+case "$what" in
+  tests)
+    if [[ $gpus -ge 2 ]]; then
+      tests gpu-tests-graphs "TestCudaGraphs" 0 & first=$!
+      tests gpu-tests-batched "TestCudaBatched" 1 || status=1
+      wait $first || status=1
+    else
+      tests gpu-tests-graphs "TestCudaGraphs" || status=1
+      tests gpu-tests-batched "TestCudaBatched" || status=1
+    fi
+    cat "$out"/gpu-tests-*-summary.txt ;;
+  parallel)
+    tests gpu-tests-parallel "parallel_layout" || status=1
+    cat "$out/gpu-tests-parallel-summary.txt" ;;
+  bench)
+    devices=$(python3 -c "print(','.join(map(str, range($gpus))))")
+    python3 bench_tl_vllm_hooks.py --rounds "$gpus" --devices "$devices" --out "$out/bench.json" "${@:2}" \
+      > "$out/bench.log" 2>&1 || status=1
+    tail -n 20 "$out/bench.log" ;;
+  bench-tp)
+    python3 bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2 --out "$out/bench-tp.json" "${@:2}" \
+      > "$out/bench-tp.log" 2>&1 || status=1
+    tail -n 12 "$out/bench-tp.log" ;;
+  *)
+    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp [benchmark flags]" >&2
+    exit 2 ;;
+esac
 exit $status
