@@ -17,7 +17,7 @@ export VLLM_WORKER_MULTIPROC_METHOD=spawn
 export VLLM_ALLREDUCE_USE_SYMM_MEM=0
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 tests() {  # tests LOG_NAME PYTEST_K [CUDA_VISIBLE_DEVICES]
-  CUDA_VISIBLE_DEVICES="${3:-${CUDA_VISIBLE_DEVICES:-}}" python3 -m pytest -q -s -p no:cacheprovider \
+  CUDA_VISIBLE_DEVICES="${3:-${CUDA_VISIBLE_DEVICES:-}}" python3 -m pytest -q -s -p no:cacheprovider --basetemp="/tmp/pytest-$1" \
     -k "$2" test_tl_vllm_hooks.py > "$out/$1.log" 2>&1
   local status=$?
   grep -E "worst relative error|passed|failed|Error" "$out/$1.log" | grep -v "^E  " > "$out/$1-summary.txt"
