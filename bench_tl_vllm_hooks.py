@@ -2,7 +2,7 @@
 
     python bench_tl_vllm_hooks.py --out bench.json   # GPU: random bf16 Llama-3.2-1B shape
     python bench_tl_vllm_hooks.py --tiny             # CPU smoke run, about 5 minutes
-    python bench_tl_vllm_hooks.py --rounds 2 --devices 0,1   # two engines per case, one per GPU
+    python bench_tl_vllm_hooks.py --rounds 3                 # three engines per case, interleaved
     python bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2
 
 Each case builds a fresh engine in a fresh subprocess (this file with ``--run-case``),
@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 _MARKER = "@@BENCH_TL_VLLM_HOOKS@@ "
 
@@ -195,11 +194,9 @@ def _cpu_name() -> str:
     return f"{names[0] if names else 'CPU'} ({os.cpu_count()} cores)"
 
 
-def _spawn_case(name: str, args: argparse.Namespace, device: str | None = None) -> dict:
-    """Run one case in a fresh interpreter (on GPU ``device`` if given); its result, or an error."""
+def _spawn_case(name: str, args: argparse.Namespace) -> dict:
+    """Run one case in a fresh interpreter; its result, or an error with the log's tail."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TL_VLLM_HOOKS_")}  # each case sets its own
-    if device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = device
     env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if name in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
         env["TL_VLLM_HOOKS_DISABLE"] = "1"
@@ -273,28 +270,21 @@ def _table(results: dict[str, dict]) -> str:
 
 
 def _run_rounds(cases: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
-    """Every case once per round, in fresh engines; odd rounds run the cases in reverse, so
-    drift over the run does not favour one case. With --devices, rounds run concurrently,
-    one device each (round r on device r mod len(devices))."""
+    """Every case once per round, in fresh engines, one engine at a time; odd rounds run the
+    cases in reverse, so drift over the run does not favour one case. (Engines run side by
+    side on two GPUs of one host read 28k and 37k tok/s for the same case: never in parallel.)"""
     runs: dict[str, list[dict]] = {name: [] for name in cases}
-    devices = args.devices.split(",") if args.devices else [None]
-
-    def run_device(index: int) -> None:
-        for round_index in range(index, args.rounds, len(devices)):
-            for name in cases if round_index % 2 == 0 else cases[::-1]:
-                start = time.perf_counter()
-                r = _spawn_case(name, args, devices[index])
-                runs[name].append(r)
-                status = "failed" if "error" in r else f"{r['tokens_per_s']:.0f} tok/s"
-                where = "" if devices[index] is None else f" on device {devices[index]}"
-                print(f"[{name} round {round_index}{where}] {status}, case took {time.perf_counter() - start:.0f} s",
-                      file=sys.stderr, flush=True)
-                # The whole result too, so a run stopped part-way still leaves its numbers in the log.
-                print(f"[{name}] {json.dumps({k: v for k, v in r.items() if k != 'tokens'})}",
-                      file=sys.stderr, flush=True)
-
-    with ThreadPoolExecutor(len(devices)) as pool:
-        list(pool.map(run_device, range(len(devices))))
+    for round_index in range(args.rounds):
+        for name in cases if round_index % 2 == 0 else cases[::-1]:
+            start = time.perf_counter()
+            r = _spawn_case(name, args)
+            runs[name].append(r)
+            status = "failed" if "error" in r else f"{r['tokens_per_s']:.0f} tok/s"
+            print(f"[{name} round {round_index}] {status}, case took {time.perf_counter() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+            # The whole result too, so a run stopped part-way still leaves its numbers in the log.
+            print(f"[{name}] {json.dumps({k: v for k, v in r.items() if k != 'tokens'})}",
+                  file=sys.stderr, flush=True)
     return runs
 
 
@@ -309,7 +299,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="timed generates after the warm-up; tok/s from their median")
     parser.add_argument("--tensor-parallel-size", type=int, help="GPUs per engine")
     parser.add_argument("--rounds", type=int, default=1, help="fresh engines per case; the median engine is reported")
-    parser.add_argument("--devices", help="comma list of GPU indices: rounds run concurrently, one per device")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--run-case", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -336,7 +325,7 @@ def main() -> None:
     first = next((r for r in results.values() if "error" not in r), {})
     report = {key: first.get(key) for key in ("device", "vllm", "torch")}
     report.update(model=shape, workload={k: getattr(args, k) for k in _WORKLOAD_FIELDS},
-                  rounds=args.rounds, devices=args.devices, cases=results)
+                  rounds=args.rounds, cases=results)
     print(f"\n{report['device']}, vLLM {report['vllm']}, torch {report['torch']}\n"
           f"model {shape}\nworkload {report['workload']}, {args.rounds} engine(s) per case\n\n{_table(results)}")
     for name, r in results.items():

@@ -2,10 +2,11 @@
 
     python stress_tl_vllm_hooks.py [--requests 2000] [--batch 100] [--plain]
 
-Sends --requests prompts to a tiny random Llama in batches, reads (and so frees)
-each batch's rows, and prints the resident memory of the driver and of vLLM's
-processes after each batch; the last lines compare the first and the second
-quarter with the last.
+Sends --requests prompts to a tiny random Llama (compiled engine) in batches, with
+per-request options in rotation (every row, prompt rows, the last prompt token, none;
+every third request with its own edit), reads (and so frees) each batch's rows, and
+prints the resident memory of the driver and of vLLM's processes after each batch;
+the last lines compare the first and the second quarter with the last.
 --plain runs the same without hooks, for vLLM's own growth.
 """
 
@@ -46,23 +47,34 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = tempfile.mkdtemp(prefix="tiny_llama_")
     tlh.tiny_model(model)
+    config = None
     if not args.plain:
-        tlh.configure(tlh.capture_specs(AutoConfig.from_pretrained(model), sites=("resid_post", "mlp_out")),
-                      max_num_batched_tokens=1024, dtype=torch.float32, enable_batching=True)
+        config = tlh.configure(
+            tlh.capture_specs(AutoConfig.from_pretrained(model), sites=("resid_post", "mlp_out")),
+            max_num_batched_tokens=1024, dtype=torch.float32, enable_batching=True)
     try:
-        llm = LLM(model, dtype="float32", max_num_batched_tokens=1024, enforce_eager=True,
+        llm = LLM(model, dtype="float32", max_num_batched_tokens=1024,
                   enable_prefix_caching=False, skip_tokenizer_init=True, gpu_memory_utilization=0.1,
                   worker_extension_cls=tlh.WORKER_EXTENSION)
     finally:
         tlh.clear_config()
-    params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
+    captures = ("all", "prompt", "last_prompt_token", "none")
+    edit = {"blocks.0.hook_mlp_out": {"op": "scale", "value": 0.5, "positions": [3, 20]}}
+
+    def params(r: int) -> SamplingParams:
+        options = None if config is None else tlh.request_args(config, captures[r % 4], edit if r % 3 == 0 else None)
+        return SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True, extra_args=options)
+
     driver, samples = os.getpid(), []
     for start in range(0, args.requests, args.batch):
-        prompts = [[(7 * i + r) % 512 for i in range(16 + r % 48)] for r in range(start, start + args.batch)]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        requests = range(start, start + args.batch)
+        prompts = [TokensPrompt(prompt_token_ids=[(7 * i + r) % 512 for i in range(16 + r % 48)]) for r in requests]
+        outputs = llm.generate(prompts, [params(r) for r in requests], use_tqdm=False)
         if not args.plain:
-            captured = tlh.read_batched(llm, [o.request_id for o in outputs])
-            assert len(captured) == len(outputs)
+            kept = [o.request_id for o, r in zip(outputs, requests) if captures[r % 4] != "none"]
+            captured = tlh.read_batched(llm, kept)
+            assert len(captured) == len(kept)
+            assert [s["unread_requests"] for s in tlh._status(llm)] == [0]
         engine = sum(_rss_mib(pid) for pid in _children(driver))
         samples.append((_rss_mib(driver), engine))
         print(f"{start + args.batch:5d} requests: driver {samples[-1][0]:7.1f} MiB, vLLM processes {engine:7.1f} MiB",

@@ -804,6 +804,10 @@ def test_installed_entry_point_installs_hooks_in_spawned_worker(tmp_path, models
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16_TOLERANCE = 2e-2
+# A single row (128 wide) does not average the rounding over a prompt's rows:
+# measured on the H200, worst 2.4e-2 (blocks.2.hook_mlp_out, the last token of
+# 29- and 31-token prompts). Another position's row would be ~1 off.
+BF16_ROW_TOLERANCE = 4e-2
 RUNNERS = {"v2": (("VLLM_USE_V2_MODEL_RUNNER", "1"),), "v1": (("VLLM_USE_V2_MODEL_RUNNER", "0"),)}
 
 
@@ -888,7 +892,7 @@ class TestCudaBatched:
         # 40 requests of 1..79 tokens in one generate: batches of every size,
         # padded for CUDA graphs; each request keeps exactly its last prompt row.
         requests = [([(31 * i + 7 * r) % 512 for i in range(1 + 2 * r)], "last_prompt_token", None) for r in range(40)]
-        check_per_request(llm, llm.reference_model, requests, max_tokens=4, tolerance=BF16_TOLERANCE)
+        check_per_request(llm, llm.reference_model, requests, max_tokens=4, tolerance=BF16_ROW_TOLERANCE)
         assert [status["unread_requests"] for status in tlh._status(llm)] == [0]
 
 

@@ -341,10 +341,10 @@ class _HookState:
         # position read them.
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.capture_buffers: dict[str, torch.Tensor] = {}
-        # 0 = open (the next forward writes its rows), 1 = closed. The
-        # compiled flavour opens them on open_capture, the batched flavour
-        # before each step.
-        self.capture_flags: dict[str, torch.Tensor] = {}
+        # One int64 per hook: 0 = open (the next forward writes its rows),
+        # 1 = closed. The compiled flavour opens them on open_capture, the
+        # batched flavour before each step: one fill for all hooks.
+        self.capture_flags = torch.zeros(0, dtype=torch.int64, device=device)
         # Edit tables, out = out * scale + bias; see _edit_table_shape.
         self.scales: dict[str, torch.Tensor] = {}
         self.biases: dict[str, torch.Tensor] = {}
@@ -367,8 +367,7 @@ class _HookState:
     def forget_warm_up(self) -> None:
         """Drop what vLLM's own warm-up and graph-capture forwards left behind."""
         self.fire_counts.zero_()
-        for flag in self.capture_flags.values():
-            flag.fill_(1)
+        self.capture_flags.fill_(1)
         self.plans.clear()
         self.slots.clear()
         self.clear_batched()
@@ -467,6 +466,7 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     state.row_edit_index = torch.zeros(
         len(resolved), config.max_num_batched_tokens, dtype=torch.int64, device=state.device
     )
+    state.capture_flags = torch.zeros(len(resolved), dtype=torch.int64, device=state.device)
     for index, (name, (module, path, width)) in enumerate(resolved.items()):
         state.scales[name] = torch.ones(
             _edit_table_shape(config, width, num_slots), dtype=state.edit_dtype, device=state.device
@@ -475,7 +475,6 @@ def _install(worker: Any, config: CaptureConfig) -> None:
         state.capture_buffers[name] = torch.zeros(
             config.max_num_batched_tokens, width, dtype=config.dtype, device=state.device
         )
-        state.capture_flags[name] = torch.zeros(1, dtype=torch.int64, device=state.device)
         pair_output = bool(_DECODER_LAYER.search(path))
         fire_count = state.fire_counts.narrow(0, index, 1)
         hook = _make_capture_hook(state, name, fire_count, pair_output)
@@ -605,7 +604,7 @@ def _edit_output(output, pair_output, scale, bias, index):
 
 def _make_capture_hook(state: _HookState, name: str, fire_count: torch.Tensor, pair_output: bool):
     capture_buffer = state.capture_buffers[name]
-    capture_flag = state.capture_flags[name]
+    capture_flag = state.capture_flags.narrow(0, state.hook_names.index(name), 1)
     scale, bias, index = state.edit_tensors(name)
 
     @torch.no_grad()
@@ -661,11 +660,18 @@ class _StepLayout:
 
 @dataclass
 class _RequestRows:
-    """What was kept of one request so far, in chunks (one per step that kept rows)."""
+    """What was kept of one request so far: one chunk per step that kept rows.
+
+    A chunk is (that step's host rows by hook, first row, end row, the kept
+    rows' positions as int64): rows are sliced out only when read, so a step
+    costs each request one append, not one tensor per hook.
+    """
 
     next_position: int = 0  # the position its next row must have
-    positions: list[np.ndarray] = field(default_factory=list)  # per chunk, int64
-    rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # hook -> per chunk
+    chunks: list[tuple[dict[str, torch.Tensor], int, int, np.ndarray]] = field(default_factory=list)
+
+    def rows(self, name: str) -> list[torch.Tensor]:
+        return [step_rows[name][start:end] for step_rows, start, end, _positions in self.chunks]
 
 
 def _collect_after_each_step(runner: Any, state: _HookState) -> None:
@@ -693,8 +699,7 @@ def _collect_after_each_step(runner: Any, state: _HookState) -> None:
 
     def collecting_execute_model(scheduler_output, *args, **kwargs):
         _note_requests(state, scheduler_output)
-        for flag in state.capture_flags.values():
-            flag.zero_()  # this step's forward writes its rows
+        state.capture_flags.zero_()  # this step's forward writes its rows
         try:
             result = execute_model(scheduler_output, *args, **kwargs)
             if state.step is not None:
@@ -821,40 +826,64 @@ def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
     target.copy_(source, non_blocking=True)
 
 
-def _kept_rows(plan: _RequestPlan | None, positions: np.ndarray) -> np.ndarray:
-    """Boolean mask over a request's rows in this step: which ones it keeps."""
-    capture = "all" if plan is None else plan.capture
-    if isinstance(capture, str):
-        if capture == "all":
-            return np.ones(positions.shape, dtype=bool)
-        if capture == "prompt":
-            return positions < plan.prompt_len
-        if capture == "last_prompt_token":
-            return positions == plan.prompt_len - 1
-        return np.zeros(positions.shape, dtype=bool)
-    return np.isin(positions, capture)
+def _kept_rows(state: _HookState, step: _StepLayout) -> np.ndarray:
+    """Boolean mask over the step's rows: which ones their request keeps."""
+    counts = np.diff(step.starts)
+    plans = [state.plans.get(request_id) for request_id in step.request_ids]
+    # Per request: the first and last position kept by a range mode.
+    low = np.zeros(len(plans), dtype=np.int64)
+    high = np.full(len(plans), np.iinfo(np.int64).max)
+    listed = []
+    for i, plan in enumerate(plans):
+        capture = "all" if plan is None else plan.capture
+        if isinstance(capture, np.ndarray):
+            listed.append(i)
+        elif capture == "prompt":
+            high[i] = plan.prompt_len - 1
+        elif capture == "last_prompt_token":
+            low[i] = high[i] = plan.prompt_len - 1
+        elif capture == "none":
+            high[i] = -1
+    positions = step.row_positions
+    kept = (positions >= np.repeat(low, counts)) & (positions <= np.repeat(high, counts))
+    for i in listed:
+        rows = slice(step.starts[i], step.starts[i + 1])
+        kept[rows] = np.isin(positions[rows], plans[i].capture)
+    return kept
 
 
 def _collect_step(state: _HookState) -> None:
-    """After the forward: send the kept rows to host memory, per request."""
+    """After the forward: send the kept rows to host memory, per request.
+
+    Runs every step for every request in it, so the per-request work is a
+    few dict operations; the rest is numpy over the step's rows.
+    """
     step = state.step
-    pieces = []  # (request id, first position, rows run, kept row indices)
-    for i, request_id in enumerate(step.request_ids):
-        start, end = int(step.starts[i]), int(step.starts[i + 1])
-        plan = state.plans.get(request_id)
-        if end == start or (plan is not None and isinstance(plan.capture, str) and plan.capture == "none"):
-            continue
-        kept = np.flatnonzero(_kept_rows(plan, step.row_positions[start:end])) + start
-        pieces.append((request_id, int(step.row_positions[start]), end - start, kept))
-    if not pieces:
-        return
-    kept_rows = np.concatenate([kept for *_, kept in pieces])
+    kept = _kept_rows(state, step)
+    starts = step.starts
+    num_run = np.diff(starts)
+    kept_per_request = np.zeros(len(num_run), dtype=np.int64)
+    running = num_run > 0  # reduceat would read one row for an empty segment
+    if running.any():
+        kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), starts[:-1][running])
+    kept_rows = np.flatnonzero(kept)
     host_rows = _rows_to_host(state, kept_rows) if kept_rows.size else {}
     offset = 0
-    for request_id, first_position, num_run, kept in pieces:
-        rows = {name: host[offset : offset + kept.size] for name, host in host_rows.items()}
-        offset += kept.size
-        _accumulate(state, request_id, first_position, num_run, step.row_positions[kept], rows)
+    for i, request_id in enumerate(step.request_ids):
+        num_kept = int(kept_per_request[i])
+        if num_run[i] == 0:
+            continue
+        first_position = int(step.row_positions[starts[i]])
+        if num_kept == 0:
+            record = state.records.get(request_id)
+            if record is None:
+                continue  # nothing kept so far: nothing a preemption could duplicate
+            if first_position == record.next_position:  # the common case, kept short
+                record.next_position += int(num_run[i])
+                continue
+        chunk = (host_rows, offset, offset + num_kept, step.row_positions[kept_rows[offset : offset + num_kept]])
+        offset += num_kept
+        _accumulate(state, request_id, first_position, int(num_run[i]), chunk)
 
 
 def _rows_to_host(state: _HookState, kept_rows: np.ndarray) -> dict[str, torch.Tensor]:
@@ -888,19 +917,18 @@ def _accumulate(
     request_id: str,
     first_position: int,
     num_run: int,
-    kept_positions: Any,
-    rows: dict[str, torch.Tensor],
+    chunk: tuple[dict[str, torch.Tensor], int, int, np.ndarray],
 ) -> None:
-    """Append one step's kept rows of a request, which ran num_run rows from first_position."""
+    """Add one step's chunk of a request, which ran num_run rows from first_position."""
     record = state.records.setdefault(request_id, _RequestRows())
     if first_position < record.next_position:
         # Preempted and recomputed from first_position: drop what it kept past
         # that point, so no row appears twice.
-        for chunk, positions in enumerate(record.positions):
-            keep = int(np.searchsorted(positions, first_position))
-            record.positions[chunk] = positions[:keep]
-            for chunks in record.rows.values():
-                chunks[chunk] = chunks[chunk][:keep]
+        record.chunks = [
+            (rows, start, start + keep, positions[:keep])
+            for rows, start, _end, positions in record.chunks
+            if (keep := int(np.searchsorted(positions, first_position)))
+        ]
     elif first_position > record.next_position:
         state.incomplete[request_id] = (
             f"rows for positions {record.next_position}..{first_position - 1} never ran through "
@@ -908,10 +936,8 @@ def _accumulate(
             "enable_prefix_caching=False"
         )
     record.next_position = first_position + num_run
-    if kept_positions.size:
-        record.positions.append(kept_positions)
-        for name, tensor in rows.items():
-            record.rows.setdefault(name, []).append(tensor)
+    if chunk[2] > chunk[1]:
+        record.chunks.append(chunk)
 
 
 # ---------------------------------------------------------------------------
@@ -1235,8 +1261,7 @@ class WorkerExtension:
 
     @_errors_as_data
     def tl_open_capture(self) -> None:
-        for flag in self._tl_state().capture_flags.values():
-            flag.zero_()
+        self._tl_state().capture_flags.zero_()
 
     @_errors_as_data
     def tl_read_captures(self, num_rows: int) -> dict[str, Any]:
@@ -1249,7 +1274,8 @@ class WorkerExtension:
                 f"{state.config.max_num_batched_tokens}] (the capture buffer), got {num_rows!r}; "
                 "a longer prompt is split by chunked prefill and only its first chunk is kept"
             )
-        still_open = [n for n, flag in state.capture_flags.items() if int(flag.item()) == 0]
+        flags = state.capture_flags.tolist()
+        still_open = [n for n, flag in zip(state.hook_names, flags) if flag == 0]
         if still_open:
             raise RuntimeError(
                 f"read_captures: no forward ran since open_capture for hooks {still_open}"
@@ -1286,7 +1312,7 @@ class WorkerExtension:
             record = state.records.pop(worker_id)
             results[user_id] = {}
             for name in state.hook_names:
-                chunks = record.rows.get(name)
+                chunks = record.rows(name)
                 if chunks:
                     rows = torch.cat(chunks)
                 else:  # the request kept no row (capture positions it never reached)

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_checks.sh tests      # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
 #                                         # both flavours; split over two GPUs when there are two
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
-#   bash scripts/gpu_checks.sh bench [flags]     # benchmark; two engines per case on two GPUs
+#   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
 set -uo pipefail
@@ -16,9 +16,10 @@ export VLLM_WORKER_MULTIPROC_METHOD=spawn
 # All-reduce without NVLink multicast (symmetric memory); NCCL and vLLM's own kernels stay.
 export VLLM_ALLREDUCE_USE_SYMM_MEM=0
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-tests() {  # tests LOG_NAME PYTEST_K [CUDA_VISIBLE_DEVICES]
-  CUDA_VISIBLE_DEVICES="${3:-${CUDA_VISIBLE_DEVICES:-}}" python3 -m pytest -q -s -p no:cacheprovider --basetemp="/tmp/pytest-$1" \
-    -k "$2" test_tl_vllm_hooks.py > "$out/$1.log" 2>&1
+tests() {  # tests LOG_NAME PYTEST_K [GPU_INDEX]
+  (if [[ -n ${3:-} ]]; then export CUDA_VISIBLE_DEVICES=$3; fi
+   python3 -m pytest -q -s -p no:cacheprovider --basetemp="/tmp/pytest-$1" \
+     -k "$2" test_tl_vllm_hooks.py > "$out/$1.log" 2>&1)
   local status=$?
   grep -E "worst relative error|passed|failed|Error" "$out/$1.log" | grep -v "^E  " > "$out/$1-summary.txt"
   return $status
@@ -39,9 +40,7 @@ case "$what" in
     tests gpu-tests-parallel "parallel_layout" || status=1
     cat "$out/gpu-tests-parallel-summary.txt" ;;
   bench)
-    devices=$(python3 -c "print(','.join(map(str, range($gpus))))")
-    python3 bench_tl_vllm_hooks.py --rounds "$gpus" --devices "$devices" --out "$out/bench.json" "${@:2}" \
-      > "$out/bench.log" 2>&1 || status=1
+    python3 bench_tl_vllm_hooks.py --out "$out/bench.json" "${@:2}" > "$out/bench.log" 2>&1 || status=1
     tail -n 20 "$out/bench.log" ;;
   bench-tp)
     python3 bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2 --out "$out/bench-tp.json" "${@:2}" \
