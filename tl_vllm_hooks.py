@@ -31,10 +31,11 @@ registers itself when imported in a process that has a capture config, which
 spawned workers do when ``LLM(worker_extension_cls=WORKER_EXTENSION)`` makes
 them import it. Set ``TL_VLLM_HOOKS_DISABLE=1`` to switch the plugin off.
 
-Tested with vLLM 0.32 (CPU build, V1 model runner) and vLLM 0.24 on an NVIDIA
-H200 (Model Runner V2 and V1, FULL and PIECEWISE CUDA graphs). Nothing crosses a
-process boundary as pickle: the config is JSON and tensors travel as dtype,
-shape and raw bytes.
+Tested with vLLM 0.32 (CPU build, V1 model runner, tensor parallel 2) and vLLM
+0.24 on NVIDIA H200s (Model Runner V2 and V1, FULL and PIECEWISE CUDA graphs,
+tensor and pipeline parallel 2). Nothing crosses a process boundary as pickle:
+the config is JSON, tensors travel as dtype, shape and raw bytes, and a
+request's options ride in its SamplingParams.extra_args as plain values.
 """
 
 from __future__ import annotations
@@ -361,6 +362,8 @@ class _HookState:
         self.first_positions: dict[str, int] | None = None  # of the step being prepared
         self.step: _StepLayout | None = None  # of the step whose forward is in flight
         self.records: dict[str, _RequestRows] = {}
+        # Running requests: the position each one's next row must have.
+        self.next_positions: dict[str, int] = {}
         self.incomplete: dict[str, str] = {}
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -370,6 +373,7 @@ class _HookState:
         self.capture_flags.fill_(1)
         self.plans.clear()
         self.slots.clear()
+        self.next_positions.clear()
         self.clear_batched()
 
     def clear_batched(self) -> None:
@@ -667,7 +671,6 @@ class _RequestRows:
     costs each request one append, not one tensor per hook.
     """
 
-    next_position: int = 0  # the position its next row must have
     chunks: list[tuple[dict[str, torch.Tensor], int, int, np.ndarray]] = field(default_factory=list)
 
     def rows(self, name: str) -> list[torch.Tensor]:
@@ -720,6 +723,7 @@ def _note_requests(state: _HookState, scheduler_output: Any) -> None:
     for request_id in scheduler_output.finished_req_ids:
         state.plans.pop(request_id, None)
         state.slots.pop(request_id, None)
+        state.next_positions.pop(request_id, None)
     first_positions = {}
     for new in scheduler_output.scheduled_new_reqs:
         state.plans[new.req_id] = _plan_for(state, new)
@@ -870,20 +874,17 @@ def _collect_step(state: _HookState) -> None:
     host_rows = _rows_to_host(state, kept_rows) if kept_rows.size else {}
     offset = 0
     for i, request_id in enumerate(step.request_ids):
-        num_kept = int(kept_per_request[i])
         if num_run[i] == 0:
             continue
         first_position = int(step.row_positions[starts[i]])
-        if num_kept == 0:
-            record = state.records.get(request_id)
-            if record is None:
-                continue  # nothing kept so far: nothing a preemption could duplicate
-            if first_position == record.next_position:  # the common case, kept short
-                record.next_position += int(num_run[i])
-                continue
+        expected = state.next_positions.get(request_id, 0)
+        state.next_positions[request_id] = first_position + int(num_run[i])
+        num_kept = int(kept_per_request[i])
+        if first_position == expected and num_kept == 0:
+            continue  # the common decode step of a request keeping no row
         chunk = (host_rows, offset, offset + num_kept, step.row_positions[kept_rows[offset : offset + num_kept]])
         offset += num_kept
-        _accumulate(state, request_id, first_position, int(num_run[i]), chunk)
+        _accumulate(state, request_id, expected, first_position, chunk)
 
 
 def _rows_to_host(state: _HookState, kept_rows: np.ndarray) -> dict[str, torch.Tensor]:
@@ -915,29 +916,29 @@ def _rows_to_host(state: _HookState, kept_rows: np.ndarray) -> dict[str, torch.T
 def _accumulate(
     state: _HookState,
     request_id: str,
+    expected: int,
     first_position: int,
-    num_run: int,
     chunk: tuple[dict[str, torch.Tensor], int, int, np.ndarray],
 ) -> None:
-    """Add one step's chunk of a request, which ran num_run rows from first_position."""
-    record = state.records.setdefault(request_id, _RequestRows())
-    if first_position < record.next_position:
+    """Add one step's chunk of a request whose rows ran from first_position; expected
+    is the position its rows should have started at, had they followed on."""
+    if first_position < expected:
         # Preempted and recomputed from first_position: drop what it kept past
         # that point, so no row appears twice.
-        record.chunks = [
-            (rows, start, start + keep, positions[:keep])
-            for rows, start, _end, positions in record.chunks
-            if (keep := int(np.searchsorted(positions, first_position)))
-        ]
-    elif first_position > record.next_position:
+        record = state.records.get(request_id)
+        if record is not None:
+            record.chunks = [
+                (rows, start, start + keep, positions[:keep])
+                for rows, start, _end, positions in record.chunks
+                if (keep := int(np.searchsorted(positions, first_position)))
+            ]
+    elif first_position > expected:
         state.incomplete[request_id] = (
-            f"rows for positions {record.next_position}..{first_position - 1} never ran through "
-            "the model (prefix caching reused them); build the engine with "
-            "enable_prefix_caching=False"
+            f"rows for positions {expected}..{first_position - 1} never ran through the model "
+            "(prefix caching reused them); build the engine with enable_prefix_caching=False"
         )
-    record.next_position = first_position + num_run
     if chunk[2] > chunk[1]:
-        record.chunks.append(chunk)
+        state.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
 
 
 # ---------------------------------------------------------------------------
