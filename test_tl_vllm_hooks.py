@@ -581,7 +581,7 @@ def check_per_request(llm, hf_model, requests, engine_edits=None, max_tokens=3, 
 
 # Mixed per-request options in one batch: lengths 9, 300 (chunked prefill over
 # three steps; its edit at position 200 lands in the second chunk), 57, 20, 30,
-# 200, 170 and 15 tokens, 3 generated tokens each.
+# 200, 170, 9 and 15 tokens, 3 generated tokens each.
 MIXED_REQUESTS = [
     (BATCH[0], None, None),
     (BATCH[1], "prompt", {"blocks.1.hook_resid_post": {"op": "scale", "value": 0.5, "positions": [5, 200]}}),
@@ -599,6 +599,7 @@ MIXED_REQUESTS = [
     # Chunked prefill where the first chunks keep nothing.
     ([(29 * i + 8) % 512 for i in range(200)], "last_prompt_token", None),
     ([(37 * i + 9) % 512 for i in range(170)], [150, 171], None),
+    (BATCH[0], [900], None),  # never reached: [0, width] per hook
     ([(23 * i + 6) % 512 for i in range(15)], "none", {"ln_final.hook_normalized": {"op": "suppress"}}),
 ]
 

@@ -726,7 +726,9 @@ def _note_requests(state: _HookState, scheduler_output: Any) -> None:
         state.next_positions.pop(request_id, None)
     first_positions = {}
     for new in scheduler_output.scheduled_new_reqs:
-        state.plans[new.req_id] = _plan_for(state, new)
+        plan = state.plans[new.req_id] = _plan_for(state, new)
+        if not (isinstance(plan.capture, str) and plan.capture == "none"):
+            state.records.setdefault(new.req_id, _RequestRows())  # read_batched knows it from now on
         first_positions[new.req_id] = new.num_computed_tokens
     cached = scheduler_output.scheduled_cached_reqs
     first_positions.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -937,7 +939,7 @@ def _accumulate(
             f"rows for positions {expected}..{first_position - 1} never ran through the model "
             "(prefix caching reused them); build the engine with enable_prefix_caching=False"
         )
-    if chunk[2] > chunk[1]:
+    if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
         state.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
 
 
@@ -1314,10 +1316,14 @@ class WorkerExtension:
             results[user_id] = {}
             for name in state.hook_names:
                 chunks = record.rows(name)
+                # Ordinary memory, not the pinned pages the chunks live in.
+                rows = torch.empty(
+                    sum(chunk.shape[0] for chunk in chunks),
+                    state.config.capture_specs[name][1],
+                    dtype=state.config.dtype,
+                )
                 if chunks:
-                    rows = torch.cat(chunks)
-                else:  # the request kept no row (capture positions it never reached)
-                    rows = torch.empty(0, state.config.capture_specs[name][1], dtype=state.config.dtype)
+                    torch.cat(chunks, out=rows)
                 results[user_id][name] = encode_tensor(rows)
         return results
 
