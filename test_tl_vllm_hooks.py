@@ -1164,6 +1164,7 @@ def test_command_line_errors_are_one_line(tmp_path, models, arguments, message):
         ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
         ("steer.py", "after reset:"),
         ("parity.py", "worst "),
+        ("per_request.py", "last-token row matches the unedited request's row 29: True"),
     ],
 )
 def test_example_runs_on_the_built_in_model(tmp_path, example, expected):

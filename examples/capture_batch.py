@@ -2,8 +2,10 @@
 
     python examples/capture_batch.py [--model DIR]
 
-Without --model it builds a tiny random Llama. The batched flavour needs an
-eager engine; each request comes back whole, however vLLM chunked or batched it.
+Without --model it builds a tiny random Llama. The batched flavour runs compiled
+or eager (eager here: it starts faster on a CPU); each request comes back whole,
+however vLLM chunked or batched it. examples/per_request.py gives requests their
+own edits and keeps only some rows.
 """
 
 import argparse
