@@ -212,11 +212,15 @@ def shutdown(llm, in_process):
         cleanup_dist_env_and_memory()
 
 
-def generate(llm, prompts, max_tokens=1):
+def generate(llm, prompts, max_tokens=1, extra_args=None):
+    """Greedy outputs of `prompts`; extra_args: one SamplingParams.extra_args per prompt, or None."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, extra_args=extra)
+        for extra in extra_args or [None] * len(prompts)
+    ]
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
 
@@ -518,7 +522,12 @@ BATCH = [
 
 
 def check_batched(llm, hf_model, edits=None, max_tokens=3, tolerance=TOLERANCE, prompts=BATCH):
-    outputs = generate(llm, prompts, max_tokens=max_tokens)
+    """Every request's rows equal its transformers run; edits: engine-wide, set for this call."""
+    tlh.set_edits(llm, edits or {})
+    try:
+        outputs = generate(llm, prompts, max_tokens=max_tokens)
+    finally:
+        tlh.reset_edits(llm)
     captured = tlh.read_batched(llm, [o.request_id for o in outputs])
     worst = 0.0
     for output in outputs:
@@ -543,26 +552,22 @@ def kept_rows(capture, prompt_len: int, num_rows: int) -> list[int]:
 
 
 def check_per_request(llm, hf_model, requests, engine_edits=None, max_tokens=3, tolerance=TOLERANCE):
-    """requests: [(prompt, capture or None, edits or None)], one generate call.
+    """requests: [(prompt, capture or None, edits or None)], one generate call, with
+    engine_edits set engine-wide for it.
 
     Each request's kept rows must equal its own transformers run with its own
     edits, which replace the engine-wide edit on the hooks they name.
     Returns the outputs.
     """
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = []
-    for _prompt, capture, edits in requests:
-        options = None
-        if capture is not None or edits is not None:
-            options = tlh.request_args(llm.config, capture or "all", edits)
-        params.append(
-            SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
-                           ignore_eos=True, extra_args=options)
-        )
-    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _c, _e in requests]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    options = [
+        None if capture is None and edits is None else tlh.request_args(llm.config, capture or "all", edits)
+        for _prompt, capture, edits in requests
+    ]
+    tlh.set_edits(llm, engine_edits or {})
+    try:
+        outputs = generate(llm, [prompt for prompt, _c, _e in requests], max_tokens, options)
+    finally:
+        tlh.reset_edits(llm)
     read = [o.request_id for o, (_p, c, _e) in zip(outputs, requests) if c != "none"]
     captured = tlh.read_batched(llm, read)
     assert sorted(captured) == sorted(read)
@@ -605,12 +610,7 @@ MIXED_REQUESTS = [
 
 
 def check_mixed_requests(llm, hf_model, engine_edits=None, tolerance=TOLERANCE):
-    if engine_edits:
-        tlh.set_edits(llm, engine_edits)
-    try:
-        outputs = check_per_request(llm, hf_model, MIXED_REQUESTS, engine_edits, tolerance=tolerance)
-    finally:
-        tlh.reset_edits(llm)
+    outputs = check_per_request(llm, hf_model, MIXED_REQUESTS, engine_edits, tolerance=tolerance)
     suppressed = list(outputs[-1].outputs[0].token_ids)
     assert suppressed == [0, 0, 0], "a suppressed final norm gives all-zero logits: token 0"
     plain = list(generate(llm, [MIXED_REQUESTS[-1][0]], max_tokens=3)[0].outputs[0].token_ids)
@@ -630,11 +630,7 @@ class TestBatchedLlamaSeparateProcesses:
 
     def test_edit_applies_to_every_request(self, llm, models):
         edits = {"blocks.0.hook_mlp_out": {"op": "scale", "value": -2.0}}
-        tlh.set_edits(llm, edits)
-        try:
-            check_batched(llm, models["llama"][1], edits)
-        finally:
-            tlh.reset_edits(llm)
+        check_batched(llm, models["llama"][1], edits)
 
     def test_per_request_options_match_transformers(self, llm, models):
         check_mixed_requests(llm, models["llama"][1])
@@ -672,11 +668,7 @@ class TestBatchedCompiledLlamaInProcess:
 
     def test_position_edit_in_batch(self, llm, models):
         edits = {"blocks.1.hook_attn_out": {"op": "add", "value": torch.linspace(-1, 1, 128), "positions": [0, 60]}}
-        tlh.set_edits(llm, edits)
-        try:
-            check_batched(llm, models["llama"][1], edits)
-        finally:
-            tlh.reset_edits(llm)
+        check_batched(llm, models["llama"][1], edits)
 
     def test_per_request_options_match_transformers_beside_engine_wide_edits(self, llm, models):
         engine_edits = {
@@ -686,11 +678,7 @@ class TestBatchedCompiledLlamaInProcess:
         check_mixed_requests(llm, models["llama"][1], engine_edits)
 
     def test_hand_written_options_the_worker_refuses_surface_when_read(self, llm, models):
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        bad = SamplingParams(max_tokens=2, detokenize=False, extra_args={"tl_vllm_hooks": {"capture": "most"}})
-        (output,) = llm.generate([TokensPrompt(prompt_token_ids=BATCH[0])], bad, use_tqdm=False)
+        (output,) = generate(llm, [BATCH[0]], 2, [{"tl_vllm_hooks": {"capture": "most"}}])
         with pytest.raises(RuntimeError, match=r"options were refused: capture: expected one of \['all'"):
             tlh.read_batched(llm, [output.request_id])
         tlh.reset_batched(llm)
@@ -709,11 +697,7 @@ class TestBatchedQwen2InProcess:
 
     def test_position_edit_in_batch(self, llm, models):
         edits = {"blocks.2.hook_resid_post": {"op": "set", "value": 1.0, "positions": [4, 100]}}
-        tlh.set_edits(llm, edits)
-        try:
-            check_batched(llm, models["qwen2"][1], edits)
-        finally:
-            tlh.reset_edits(llm)
+        check_batched(llm, models["qwen2"][1], edits)
 
     def test_per_request_options_match_transformers(self, llm, models):
         check_mixed_requests(llm, models["qwen2"][1], {"blocks.2.hook_resid_post": {"op": "scale", "value": 1.5}})
@@ -916,18 +900,9 @@ def one_gpu_rows(models):
     with engine(models["llama"][0], in_process=False, eager=False, batching=True, dtype="bfloat16") as llm:
         rows = {}
         for key, edits in (("plain", None), ("edited", EDIT)):
-            (output,) = generate_with(llm, PROMPT, tlh.request_args(llm.config, "prompt", edits))
+            (output,) = generate(llm, [PROMPT], extra_args=[tlh.request_args(llm.config, "prompt", edits)])
             rows[key] = tlh.read_batched(llm, [output.request_id])[output.request_id]
         return rows
-
-
-def generate_with(llm, prompt, options, max_tokens=1):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True,
-                            extra_args=options)
-    return llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
 
 
 def rows_per_rank(llm, flavour, edits):
@@ -941,7 +916,7 @@ def rows_per_rank(llm, flavour, edits):
             tlh.reset_edits(llm)
         replies = llm.collective_rpc("tl_read_captures", args=(len(PROMPT),))
         return [{n: tlh.decode_tensor(m) for n, m in reply["result"].items()} for reply in replies]
-    (output,) = generate_with(llm, PROMPT, tlh.request_args(llm.config, "prompt", edits))
+    (output,) = generate(llm, [PROMPT], extra_args=[tlh.request_args(llm.config, "prompt", edits)])
     replies = llm.collective_rpc("tl_read_batched", args=([output.request_id],))
     return [
         {n: tlh.decode_tensor(m) for n, m in reply["result"].get(output.request_id, {}).items()}

@@ -221,6 +221,15 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _is_position_list(value: Any) -> bool:
+    """A non-empty list (or tuple) of token positions: ints >= 0."""
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in value)
+    )
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -380,20 +389,17 @@ class _HookState:
         self.records.clear()
         self.incomplete.clear()
 
-    def edit_tensors(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(scale table, bias table, the [max_rows] index of each row into them, or None)."""
+    def edit_tensors(self, hook_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(scale table, bias table, the [max_rows] index of each row into them, or None)
+        of the hook at ``hook_index`` in hook_names."""
+        name = self.hook_names[hook_index]
         if self.config.enable_batching:
-            index = self.row_edit_index[self.hook_names.index(name)]
+            index = self.row_edit_index[hook_index]
         elif self.config.enable_position_interventions:
             index = self.positions
         else:
             index = None
         return self.scales[name], self.biases[name], index
-
-    @property
-    def identity_row(self) -> int:
-        """Batched flavour: the edit-table row that is always identity."""
-        return _global_rows(self.config)
 
     def host_rows_ready(self) -> None:
         """Wait for the copies of captured rows to host memory still in flight."""
@@ -479,9 +485,7 @@ def _install(worker: Any, config: CaptureConfig) -> None:
         state.capture_buffers[name] = torch.zeros(
             config.max_num_batched_tokens, width, dtype=config.dtype, device=state.device
         )
-        pair_output = bool(_DECODER_LAYER.search(path))
-        fire_count = state.fire_counts.narrow(0, index, 1)
-        hook = _make_capture_hook(state, name, fire_count, pair_output)
+        hook = _make_capture_hook(state, index, pair_output=bool(_DECODER_LAYER.search(path)))
         state.handles.append(module.register_forward_hook(hook))
     if config.enable_batching:
         _collect_after_each_step(runner, state)
@@ -606,10 +610,11 @@ def _edit_output(output, pair_output, scale, bias, index):
     return output, tensor
 
 
-def _make_capture_hook(state: _HookState, name: str, fire_count: torch.Tensor, pair_output: bool):
-    capture_buffer = state.capture_buffers[name]
-    capture_flag = state.capture_flags.narrow(0, state.hook_names.index(name), 1)
-    scale, bias, index = state.edit_tensors(name)
+def _make_capture_hook(state: _HookState, hook_index: int, pair_output: bool):
+    capture_buffer = state.capture_buffers[state.hook_names[hook_index]]
+    capture_flag = state.capture_flags.narrow(0, hook_index, 1)
+    fire_count = state.fire_counts.narrow(0, hook_index, 1)
+    scale, bias, index = state.edit_tensors(hook_index)
 
     @torch.no_grad()
     def hook(_module, _inputs, output):
@@ -790,7 +795,7 @@ def _begin_step(state: _HookState) -> None:
     for i in edited:
         request_id = request_ids[i]
         plan = state.plans[request_id]
-        slot_row = global_rows + 1 + _slot_for(state, request_id, plan, request_ids)
+        slot_row = _slot_row(state, request_id, plan, request_ids)
         rows = slice(starts[i], starts[i + 1])
         for k, name in enumerate(state.hook_names):
             if name not in plan.edits:
@@ -800,14 +805,15 @@ def _begin_step(state: _HookState) -> None:
                 index[k, rows] = slot_row
             else:
                 hit = np.isin(row_positions[rows], positions)
-                index[k, rows] = np.where(hit, slot_row, state.identity_row)
+                index[k, rows] = np.where(hit, slot_row, global_rows)  # identity row
     _copy_to_device(index, state.row_edit_index[:, : starts[-1]])
 
 
-def _slot_for(state: _HookState, request_id: str, plan: _RequestPlan, step_ids: list[str]) -> int:
-    """The table slot holding this request's edits, written there on first use."""
+def _slot_row(state: _HookState, request_id: str, plan: _RequestPlan, step_ids: list[str]) -> int:
+    """The edit-table row of the slot holding this request's edits, written there on first use."""
+    first_slot_row = _global_rows(state.config) + 1  # past the engine-wide rows and identity
     if request_id in state.slots:
-        return state.slots[request_id]
+        return first_slot_row + state.slots[request_id]
     taken = set(state.slots.values())
     free = [slot for slot in range(state.num_slots) if slot not in taken]
     if not free:
@@ -818,11 +824,11 @@ def _slot_for(state: _HookState, request_id: str, plan: _RequestPlan, step_ids: 
         free = [state.slots.pop(holder)]
     slot = free[0]
     state.slots[request_id] = slot
-    row = _global_rows(state.config) + 1 + slot
+    row = first_slot_row + slot
     for name, (scale_row, bias_row, _positions) in plan.edits.items():
         state.scales[name][row].copy_(scale_row)
         state.biases[name][row].copy_(bias_row)
-    return slot
+    return row
 
 
 def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
@@ -1083,11 +1089,7 @@ def _edit_row(
         scale_row.zero_()
         bias_row = value
     positions = edit.get("positions")
-    if positions is not None and (
-        not isinstance(positions, (list, tuple))
-        or not positions
-        or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in positions)
-    ):
+    if positions is not None and not _is_position_list(positions):
         raise ValueError(
             f"edits[{name!r}]: positions must be a non-empty list of token positions "
             f"(ints >= 0), got {positions!r}"
@@ -1146,9 +1148,7 @@ def _parse_request_options(
         )
     capture = options.get("capture", "all")
     if isinstance(capture, (list, tuple)):
-        if not capture or not all(
-            isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in capture
-        ):
+        if not _is_position_list(capture):
             raise ValueError(
                 f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}"
             )
