@@ -4,10 +4,14 @@
     python bench_tl_vllm_hooks.py --tiny             # CPU smoke run, about 5 minutes
     python bench_tl_vllm_hooks.py --rounds 3                 # three engines per case, interleaved
     python bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2
+    python bench_tl_vllm_hooks.py --cases plain,b --repeats 1 --compiled-code code/  # then diff -r
 
 Each case builds a fresh engine in a fresh subprocess (this file with ``--run-case``),
 which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
-with ``VLLM_DISABLE_COMPILE_CACHE=1``, so no case is served another's compiled graph.
+with ``VLLM_DISABLE_COMPILE_CACHE=1``, so no case is served another's compiled graph, or,
+with ``--compiled-code DIR``, with a compile cache of its own in ``DIR/<case>/round<N>``, which
+keeps the code inductor generated (Python wrappers holding the Triton or C++ kernels) to
+compare a hooked case's kernels with plain vLLM's.
 Throughput differs more between two engines of one case than between timed runs of one
 engine, so ``--rounds`` builds several engines per case (cases interleaved, every other
 round reversed) and reports the median engine. Beside it stands the fastest timed run of
@@ -197,10 +201,13 @@ def _cpu_name() -> str:
     return f"{names[0] if names else 'CPU'} ({os.cpu_count()} cores)"
 
 
-def _spawn_case(name: str, args: argparse.Namespace) -> dict:
+def _spawn_case(name: str, round_index: int, args: argparse.Namespace) -> dict:
     """Run one case in a fresh interpreter; its result, or an error with the log's tail."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TL_VLLM_HOOKS_")}  # each case sets its own
-    env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    if args.compiled_code:
+        env["VLLM_CACHE_ROOT"] = os.path.join(os.path.abspath(args.compiled_code), name, f"round{round_index}")
+    else:
+        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if name in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
         env["TL_VLLM_HOOKS_DISABLE"] = "1"
     if args.on_gpu and args.tensor_parallel_size == 1:
@@ -283,7 +290,7 @@ def _run_rounds(cases: list[str], args: argparse.Namespace) -> dict[str, list[di
     for round_index in range(args.rounds):
         for name in cases if round_index % 2 == 0 else cases[::-1]:
             start = time.perf_counter()
-            r = _spawn_case(name, args)
+            r = _spawn_case(name, round_index, args)
             runs[name].append(r)
             status = "failed" if "error" in r else f"{r['tokens_per_s']:.0f} tok/s"
             print(f"[{name} round {round_index}] {status}, case took {time.perf_counter() - start:.0f} s",
@@ -306,6 +313,7 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, help="GPUs per engine")
     parser.add_argument("--rounds", type=int, default=1, help="fresh engines per case; the median engine is reported")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--compiled-code", metavar="DIR", help="keep each engine's compile cache in DIR/<case>/round<N>")
     parser.add_argument("--run-case", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()

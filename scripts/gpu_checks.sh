@@ -3,7 +3,8 @@
 #   bash scripts/gpu_checks.sh tests      # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
 #                                         # both flavours; split over two GPUs when there are two
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
-#   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2
+#   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
+#                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code"
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
 set -uo pipefail
