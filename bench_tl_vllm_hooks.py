@@ -9,15 +9,18 @@
 Each case builds a fresh engine in a fresh subprocess (this file with ``--run-case``),
 which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
 with ``VLLM_DISABLE_COMPILE_CACHE=1``, so no case is served another's compiled graph, or,
-with ``--compiled-code DIR``, with a compile cache of its own in ``DIR/<case>/round<N>``, which
-keeps the code inductor generated (Python wrappers holding the Triton or C++ kernels) to
-compare a hooked case's kernels with plain vLLM's.
+with ``--compiled-code DIR``, with a compile cache of its own in ``DIR/<case>/round<N>``,
+which keeps the code inductor generated (Python wrappers holding the Triton or C++
+kernels) to compare a hooked case's kernels with plain vLLM's.
+
 Throughput differs more between two engines of one case than between timed runs of one
 engine, so ``--rounds`` builds several engines per case (cases interleaved, every other
 round reversed) and reports the median engine. Beside it stands the fastest timed run of
-any engine of the case: on a host whose other load only ever slows a run down, that is
-the steadier estimate of what the case itself costs. A timed run ends when every GPU stream is
-idle, so rows the batched cases still copy to host memory count against them.
+any engine of the case: on a host whose other load only ever slows a run down, that is the
+steadier estimate of what the case itself costs; on a GPU each timed run also records the
+median SM clock during it (NVML), to tell a slowed GPU from a busy host. A timed run ends
+when every GPU stream is idle, so rows the batched cases still copy to host memory count
+against them.
 
 Peak memory covers the whole case, start-up included. On a GPU the worker runs in the
 case's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``torch.cuda.max_memory_allocated``
@@ -86,6 +89,48 @@ def _make_model(path: str, shape: dict) -> None:
         torch.set_default_dtype(torch.float32)
 
 
+class _SmClockSamples:
+    """SM clock of the first visible GPU (MHz, through NVML) every 20 ms while in a with block.
+
+    On the H200 host one engine's timed runs take either ~0.42 s or ~0.68 s; the clock
+    during each run says whether the GPU itself ran slower (power or thermal limits).
+    """
+
+    def __init__(self, on_gpu: bool):
+        import torch
+
+        self.samples: list[int] = []
+        self.readable = on_gpu
+        if on_gpu:
+            try:
+                torch.cuda.clock_rate()
+            except Exception:  # NVML absent (no nvidia-ml-py) or not permitted on this host
+                self.readable = False
+
+    def __enter__(self) -> "_SmClockSamples":
+        import threading
+
+        self.samples, self._stop = [], threading.Event()
+        if self.readable:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        import torch
+
+        while not self._stop.wait(0.02):
+            self.samples.append(torch.cuda.clock_rate())
+
+    def __exit__(self, *_exc) -> None:
+        self._stop.set()
+        if self.readable:
+            self._thread.join()
+
+    def median(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
+
+
 def _run_case(name: str, args: argparse.Namespace) -> dict:
     """Build one engine, warm up, time ``repeats`` generates; the result the parent parses."""
     import random
@@ -125,15 +170,19 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
     if name == "d":
         tl.set_edits(llm, {"blocks.0.hook_resid_post": {"op": "scale", "value": 1.0}})
 
+    clock = _SmClockSamples(on_gpu)
+
     def generate():
-        """(outputs, generate seconds, read seconds, what was read); reads are not timed."""
+        """(outputs, generate seconds, read seconds, what was read, median SM clock in MHz);
+        reads are not timed."""
         if sites and name not in _BATCHED:
             tl.open_capture(llm)  # arm the capture gate, as a user reading captures would
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        if on_gpu and args.tensor_parallel_size == 1:
-            torch.cuda.synchronize()  # every stream: captured rows still on their way to host memory too
-        elapsed, start = time.perf_counter() - start, time.perf_counter()
+        with clock:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            if on_gpu and args.tensor_parallel_size == 1:
+                torch.cuda.synchronize()  # every stream: captured rows still on their way to host memory too
+            elapsed, start = time.perf_counter() - start, time.perf_counter()
         if name in _BATCHED:
             captured = tl.read_batched(llm, [o.request_id for o in outputs])  # also frees the rows
             rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
@@ -144,11 +193,11 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
             check = f"{len(captured)} hooks x {args.prompt_len} rows, finite={finite}"
         else:
             check = None
-        return outputs, elapsed, time.perf_counter() - start if sites else None, check
+        return outputs, elapsed, time.perf_counter() - start if sites else None, check, clock.median()
 
     generate()  # warm-up: first-request paths, caches, lazily compiled kernels
     runs = [generate() for _ in range(args.repeats)]
-    outputs, _, read_s, check = runs[-1]
+    outputs, _, read_s, check, _ = runs[-1]
     seconds = statistics.median(run[1] for run in runs)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     generated, rss = sum(map(len, tokens)), _peak_rss_tree()
@@ -160,6 +209,7 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
         "generated_tokens": generated, "seconds": seconds, "seconds_each": [run[1] for run in runs],
         "tokens_per_s": generated / seconds,
         "tokens_per_s_fastest": generated / min(run[1] for run in runs),
+        "sm_clock_mhz_each": [run[4] for run in runs],  # None without a readable NVML
         "peak_bytes": gpu_peak if on_gpu else rss, "peak_gpu_bytes": gpu_peak, "peak_rss_bytes": rss,
         "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
         "read_s": read_s, "capture_check": check,
