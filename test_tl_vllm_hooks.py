@@ -522,21 +522,10 @@ BATCH = [
 
 
 def check_batched(llm, hf_model, edits=None, max_tokens=3, tolerance=TOLERANCE, prompts=BATCH):
-    """Every request's rows equal its transformers run; edits: engine-wide, set for this call."""
-    tlh.set_edits(llm, edits or {})
-    try:
-        outputs = generate(llm, prompts, max_tokens=max_tokens)
-    finally:
-        tlh.reset_edits(llm)
-    captured = tlh.read_batched(llm, [o.request_id for o in outputs])
-    worst = 0.0
-    for output in outputs:
-        # Rows: the prompt, then every generated token but the last (it never
-        # runs through the model); transformers reads the same sequence.
-        sequence = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
-        expected = reference(hf_model, sequence, llm.hook_paths, edits)
-        actual = captured[output.request_id]
-        worst = max(worst, assert_matches(actual, expected, output.request_id, tolerance))
+    """Every request's rows (its prompt, then every generated token but the last, which
+    never runs through the model) equal its transformers run; edits: engine-wide, set for
+    this call. Returns the worst relative error."""
+    _outputs, worst = check_per_request(llm, hf_model, [(p, None, None) for p in prompts], edits, max_tokens, tolerance)
     return worst
 
 
@@ -560,7 +549,7 @@ def check_per_request(
     Each request's kept rows must equal its own transformers run with its own
     edits, which replace the engine-wide edit on the hooks they name, within
     tolerance (row_tolerance, if given, for a request that keeps one row).
-    Returns the outputs.
+    Returns the outputs and the worst relative error.
     """
     options = [
         None if capture is None and edits is None else tlh.request_args(llm.config, capture or "all", edits)
@@ -574,6 +563,7 @@ def check_per_request(
     read = [o.request_id for o, (_p, c, _e) in zip(outputs, requests) if c != "none"]
     captured = tlh.read_batched(llm, read)
     assert sorted(captured) == sorted(read)
+    worst = 0.0
     for output, (prompt, capture, edits) in zip(outputs, requests):
         if capture == "none":
             with pytest.raises(KeyError, match="no captured request"):
@@ -584,13 +574,14 @@ def check_per_request(
         rows = kept_rows(capture or "all", len(prompt), len(sequence))
         expected = {name: tensor[rows] for name, tensor in expected.items()}
         one_row = row_tolerance is not None and len(next(iter(expected.values()))) == 1
-        assert_matches(
+        error = assert_matches(
             captured[output.request_id],
             expected,
             f"{output.request_id} {capture}",
             row_tolerance if one_row else tolerance,
         )
-    return outputs
+        worst = max(worst, error)
+    return outputs, worst
 
 
 # Mixed per-request options in one batch: lengths 9, 300 (chunked prefill over
@@ -619,7 +610,7 @@ MIXED_REQUESTS = [
 
 
 def check_mixed_requests(llm, hf_model, engine_edits=None, tolerance=TOLERANCE, row_tolerance=None):
-    outputs = check_per_request(
+    outputs, _worst = check_per_request(
         llm, hf_model, MIXED_REQUESTS, engine_edits, tolerance=tolerance, row_tolerance=row_tolerance
     )
     suppressed = list(outputs[-1].outputs[0].token_ids)
