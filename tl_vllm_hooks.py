@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -368,6 +369,7 @@ class _HookState:
         self.row_edit_index_dirty = False
         self.slots: dict[str, int] = {}
         self.plans: dict[str, _RequestPlan] = {}
+        self.edited_requests: set[str] = set()  # those whose plan has edits
         self.first_positions: dict[str, int] | None = None  # of the step being prepared
         self.step: _StepLayout | None = None  # of the step whose forward is in flight
         self.records: dict[str, _RequestRows] = {}
@@ -381,6 +383,7 @@ class _HookState:
         self.fire_counts.zero_()
         self.capture_flags.fill_(1)
         self.plans.clear()
+        self.edited_requests.clear()
         self.slots.clear()
         self.next_positions.clear()
         self.clear_batched()
@@ -642,6 +645,8 @@ def _make_capture_hook(state: _HookState, hook_index: int, pair_output: bool):
 
 _REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
 _CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
+_NO_LAST_POSITION = np.iinfo(np.int64).max
+_KEEP_ALL = (0, _NO_LAST_POSITION)  # kept_range of a request without options
 
 
 @dataclass
@@ -656,6 +661,20 @@ class _RequestPlan:
     prompt_len: int
     capture: str | np.ndarray
     edits: dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]]
+    # (first, last) position kept; first == -1 marks a list of positions.
+    kept_range: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        last_prompt = self.prompt_len - 1
+        if isinstance(self.capture, np.ndarray):
+            self.kept_range = (-1, _NO_LAST_POSITION)
+        else:
+            self.kept_range = {
+                "all": (0, _NO_LAST_POSITION),
+                "prompt": (0, last_prompt),
+                "last_prompt_token": (last_prompt, last_prompt),
+                "none": (0, -1),
+            }[self.capture]
 
 
 @dataclass
@@ -727,11 +746,16 @@ def _note_requests(state: _HookState, scheduler_output: Any) -> None:
     """Read the step's new requests' options and every request's first position."""
     for request_id in scheduler_output.finished_req_ids:
         state.plans.pop(request_id, None)
+        state.edited_requests.discard(request_id)
         state.slots.pop(request_id, None)
         state.next_positions.pop(request_id, None)
     first_positions = {}
     for new in scheduler_output.scheduled_new_reqs:
         plan = state.plans[new.req_id] = _plan_for(state, new)
+        if plan.edits:
+            state.edited_requests.add(new.req_id)
+        else:
+            state.edited_requests.discard(new.req_id)
         if not (isinstance(plan.capture, str) and plan.capture == "none"):
             state.records.setdefault(new.req_id, _RequestRows())  # read_batched knows it from now on
         first_positions[new.req_id] = new.num_computed_tokens
@@ -768,21 +792,23 @@ def _begin_step(state: _HookState) -> None:
     starts, request_ids = segment_by_request(state.runner)
     if not request_ids:
         return
-    unplaced = [r for r in request_ids if r not in state.first_positions]
-    if unplaced:
+    first = np.fromiter(
+        map(state.first_positions.get, request_ids, itertools.repeat(-1)), dtype=np.int64, count=len(request_ids)
+    )
+    if (first < 0).any():
         # Every request of a step is in its scheduler output; if one is not,
         # its rows cannot be placed: say so when read rather than guess.
-        for request_id in unplaced:
-            state.incomplete[request_id] = "a step ran it without its scheduler output entry"
+        for i in np.flatnonzero(first < 0):
+            state.incomplete[request_ids[i]] = "a step ran it without its scheduler output entry"
         return
     starts = np.asarray(starts, dtype=np.int64)
     counts = np.diff(starts)
-    first = np.array([state.first_positions[r] for r in request_ids], dtype=np.int64)
     row_positions = np.repeat(first - starts[:-1], counts) + np.arange(starts[-1])
     state.step = _StepLayout(starts, request_ids, row_positions)
 
     global_rows = _global_rows(state.config)
-    edited = [i for i, r in enumerate(request_ids) if r in state.plans and state.plans[r].edits]
+    edited_requests = state.edited_requests
+    edited = [i for i, r in enumerate(request_ids) if r in edited_requests] if edited_requests else []
     if global_rows == 1 and not edited:
         # Every row uses the engine-wide row 0: write the index only if a
         # request's edit changed it since.
@@ -842,23 +868,11 @@ def _kept_rows(state: _HookState, step: _StepLayout) -> np.ndarray:
     """Boolean mask over the step's rows: which ones their request keeps."""
     counts = np.diff(step.starts)
     plans = [state.plans.get(request_id) for request_id in step.request_ids]
-    # Per request: the first and last position kept by a range mode.
-    low = np.zeros(len(plans), dtype=np.int64)
-    high = np.full(len(plans), np.iinfo(np.int64).max)
-    listed = []
-    for i, plan in enumerate(plans):
-        capture = "all" if plan is None else plan.capture
-        if isinstance(capture, np.ndarray):
-            listed.append(i)
-        elif capture == "prompt":
-            high[i] = plan.prompt_len - 1
-        elif capture == "last_prompt_token":
-            low[i] = high[i] = plan.prompt_len - 1
-        elif capture == "none":
-            high[i] = -1
+    ranges = itertools.chain.from_iterable(_KEEP_ALL if plan is None else plan.kept_range for plan in plans)
+    first, last = np.fromiter(ranges, dtype=np.int64, count=2 * len(plans)).reshape(-1, 2).T
     positions = step.row_positions
-    kept = (positions >= np.repeat(low, counts)) & (positions <= np.repeat(high, counts))
-    for i in listed:
+    kept = (positions >= np.repeat(first, counts)) & (positions <= np.repeat(last, counts))
+    for i in np.flatnonzero(first < 0):  # requests keeping a list of positions
         rows = slice(step.starts[i], step.starts[i + 1])
         kept[rows] = np.isin(positions[rows], plans[i].capture)
     return kept
@@ -867,32 +881,34 @@ def _kept_rows(state: _HookState, step: _StepLayout) -> np.ndarray:
 def _collect_step(state: _HookState) -> None:
     """After the forward: send the kept rows to host memory, per request.
 
-    Runs every step for every request in it, so the per-request work is a
-    few dict operations; the rest is numpy over the step's rows.
+    Runs every step for every request in it: numpy over the step's rows and
+    requests, and Python work only for the requests that kept rows or whose
+    rows did not follow on from their last step's.
     """
     step = state.step
-    kept = _kept_rows(state, step)
     starts = step.starts
+    if starts[-1] == 0:
+        return
+    kept = _kept_rows(state, step)
     num_run = np.diff(starts)
+    running = num_run > 0  # (reduceat would read one row for an empty segment)
     kept_per_request = np.zeros(len(num_run), dtype=np.int64)
-    running = num_run > 0  # reduceat would read one row for an empty segment
     if running.any():
         kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), starts[:-1][running])
     kept_rows = np.flatnonzero(kept)
     host_rows = _rows_to_host(state, kept_rows) if kept_rows.size else {}
-    offset = 0
-    for i, request_id in enumerate(step.request_ids):
-        if num_run[i] == 0:
-            continue
-        first_position = int(step.row_positions[starts[i]])
-        expected = state.next_positions.get(request_id, 0)
-        state.next_positions[request_id] = first_position + int(num_run[i])
-        num_kept = int(kept_per_request[i])
-        if first_position == expected and num_kept == 0:
-            continue  # the common decode step of a request keeping no row
-        chunk = (host_rows, offset, offset + num_kept, step.row_positions[kept_rows[offset : offset + num_kept]])
-        offset += num_kept
-        _accumulate(state, request_id, expected, first_position, chunk)
+    request_ids = step.request_ids
+    first_positions = step.row_positions[np.minimum(starts[:-1], starts[-1] - 1)]
+    expected = np.fromiter(
+        map(state.next_positions.get, request_ids, itertools.repeat(0)), dtype=np.int64, count=len(request_ids)
+    )
+    running_ids = list(itertools.compress(request_ids, running))
+    state.next_positions.update(zip(running_ids, (first_positions + num_run)[running].tolist()))
+    offsets = np.cumsum(kept_per_request) - kept_per_request
+    for i in np.flatnonzero(running & ((kept_per_request > 0) | (first_positions != expected))):
+        start, end = int(offsets[i]), int(offsets[i] + kept_per_request[i])
+        chunk = (host_rows, start, end, step.row_positions[kept_rows[start:end]])
+        _accumulate(state, request_ids[i], int(expected[i]), int(first_positions[i]), chunk)
 
 
 def _rows_to_host(state: _HookState, kept_rows: np.ndarray) -> dict[str, torch.Tensor]:
