@@ -279,7 +279,8 @@ def _spawn_case(name: str, round_index: int, args: argparse.Namespace) -> dict:
 
 def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
     """One result per case: the median engine by tok/s, with every engine's tok/s beside it and
-    the fastest timed run of any engine, ratios to plain's, and whether greedy tokens equal plain's (token lists dropped)."""
+    the fastest timed run of any engine, ratios to plain's, and whether greedy tokens equal plain's. The median
+    engine's greedy tokens stay in the result, so that engines of different runs can be compared too."""
     results = {}
     for name, case_runs in runs.items():
         good = sorted((r for r in case_runs if "error" not in r), key=lambda r: r["tokens_per_s"])
@@ -290,7 +291,7 @@ def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
         result["tokens_per_s_each_engine"] = [r["tokens_per_s"] for r in case_runs if "error" not in r]
         result["tokens_per_s_fastest"] = max(r["tokens_per_s_fastest"] for r in good)  # over every engine
         result["failed_engines"] = [r["error"] for r in case_runs if "error" in r]
-        result["all_tokens"] = [r.pop("tokens") for r in good]
+        result["all_tokens"] = [r["tokens"] for r in good]
         results[name] = result
     plain = results.get("plain", {})
     plain_tokens = plain.get("all_tokens", [None])[0]
@@ -301,7 +302,6 @@ def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
         same = None if plain_tokens is None else [
             sum(a == b for a, b in zip(tokens, plain_tokens)) for tokens in all_tokens
         ]
-        r.pop("tokens", None)
         r.update(
             tokens_per_s_ratio=r["tokens_per_s"] / plain["tokens_per_s"] if plain_tokens else None,
             fastest_ratio=r["tokens_per_s_fastest"] / plain["tokens_per_s_fastest"] if plain_tokens else None,

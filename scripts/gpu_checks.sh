@@ -6,6 +6,8 @@
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
 #                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code"
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
+#   bash scripts/gpu_checks.sh probe [flags]     # batched flavour: capture modes and copy variants
+#                                                # in one engine, with profiles (scripts/probe_batched_copies.py)
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -47,8 +49,11 @@ case "$what" in
     python3 bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2 --out "$out/bench-tp.json" "${@:2}" \
       > "$out/bench-tp.log" 2>&1 || status=1
     tail -n 12 "$out/bench-tp.log" ;;
+  probe)
+    python3 scripts/probe_batched_copies.py --out "$out/probe" "${@:2}" > "$out/probe.log" 2>&1 || status=1
+    tail -n 8 "$out/probe.log" ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp [benchmark flags]" >&2
+    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp|probe [flags]" >&2
     exit 2 ;;
 esac
 exit $status

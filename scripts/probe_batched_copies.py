@@ -1,0 +1,258 @@
+"""Where the batched flavour's time goes: one engine, capture modes and ways of copying rows to host.
+
+A developer's probe, for a GPU (--tiny runs it on a CPU). One child process runs plain vLLM,
+another the batched flavour (compiled, every layer's residual stream), both in-process
+engines and the benchmark's workload. The hooked engine alternates, generate by generate,
+between keeping nothing, the last prompt token, and every prompt row, the last with the
+module's copy to host and with variants that replace it for the comparison (rows kept on
+the device; the copy issued after vLLM's own output copy, whole or in chunks). Alternating
+inside one engine puts every variant through the same host conditions. It then profiles one
+generate of some variants (torch.profiler, Chrome traces). Seconds include waiting for the
+copies.
+    python3 scripts/probe_batched_copies.py --out DIR [--tiny] [--rounds 6]
+"""
+import argparse
+import collections
+import gzip
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _engine(model, hooked):
+    import torch
+    from transformers import AutoConfig
+    from vllm import LLM
+
+    import tl_vllm_hooks as tl
+
+    hf_config = AutoConfig.from_pretrained(model)
+    dtype = getattr(torch, str(getattr(hf_config, "dtype", None) or hf_config.torch_dtype).removeprefix("torch."))
+    kwargs = dict(model=model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
+                  max_num_batched_tokens=16384, gpu_memory_utilization=0.9 if torch.cuda.is_available() else 0.1)
+    config = None
+    if hooked:
+        config = tl.configure(tl.capture_specs(hf_config, sites=("resid_post",)), dtype=dtype,
+                              max_num_batched_tokens=16384, enable_batching=True)
+        kwargs["worker_extension_cls"] = tl.WORKER_EXTENSION
+    llm = LLM(**kwargs)
+    tl.clear_config()
+    return llm, config, hf_config
+
+
+def _prompts(hf_config, num_prompts):
+    import random
+
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(0)
+    return [TokensPrompt(prompt_token_ids=[rng.randrange(hf_config.vocab_size) for _ in range(128)])
+            for _ in range(num_prompts)]
+
+
+class _Copies:
+    """Stands in for tl._rows_to_host: gather as it does, then keep the rows on the device
+    (no_d2h) or queue their copy to host, issued after vLLM's sample_tokens (deferred), all
+    of it or chunk_bytes at a time with one chunk in flight."""
+
+    def __init__(self, state, mode, chunk_bytes=None):
+        import torch
+
+        self.torch, self.state, self.mode, self.chunk_bytes = torch, state, mode, chunk_bytes
+        self.pending = collections.deque()
+        self.last_event = None
+
+    def rows_to_host(self, state, kept_rows):
+        torch = self.torch
+        buffers = state.capture_buffers
+        if kept_rows.size == kept_rows[-1] + 1:
+            gathered = {name: buffer[: kept_rows.size].clone() for name, buffer in buffers.items()}
+        else:
+            index = torch.from_numpy(kept_rows).to(state.device)
+            gathered = {name: buffer.index_select(0, index) for name, buffer in buffers.items()}
+        if self.mode == "no_d2h":
+            return gathered
+        host_rows = {}
+        for name, rows in gathered.items():
+            host = host_rows[name] = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+            if self.chunk_bytes:
+                step = max(1, self.chunk_bytes // (rows.shape[1] * rows.element_size()))
+                for start in range(0, rows.shape[0], step):
+                    self.pending.append((host[start:start + step], rows[start:start + step]))
+            else:
+                self.pending.append((host, rows))
+        return host_rows
+
+    def issue(self, budget=None):
+        torch, state = self.torch, self.state
+        if not self.pending:
+            return
+        if state.copy_stream is None:  # a CPU engine
+            while self.pending:
+                host, rows = self.pending.popleft()
+                host.copy_(rows)
+            return
+        if budget is not None and self.last_event is not None and not self.last_event.query():
+            return
+        state.copy_stream.wait_stream(torch.cuda.current_stream(state.device))
+        sent = 0
+        with torch.cuda.stream(state.copy_stream):
+            while self.pending and (budget is None or sent < budget):
+                host, rows = self.pending.popleft()
+                host.copy_(rows, non_blocking=True)
+                rows.record_stream(state.copy_stream)
+                sent += rows.numel() * rows.element_size()
+            self.last_event = torch.cuda.Event()
+            self.last_event.record(state.copy_stream)
+
+    def after_sample(self):
+        self.issue(self.chunk_bytes)
+
+
+def _child(kind, model, out, rounds, num_prompts):
+    import numpy as np
+    import torch
+    from vllm import SamplingParams
+
+    import tl_vllm_hooks as tl
+
+    def _sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    llm, config, hf_config = _engine(model, kind == "hooked")
+    prompts = _prompts(hf_config, num_prompts)
+    results = collections.defaultdict(list)
+
+    def params(capture):
+        extra = tl.request_args(config, capture=capture) if config else None
+        return SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0, detokenize=False, extra_args=extra)
+
+    if kind == "plain":
+        variants = {"plain": (None, None)}
+    else:
+        state = llm.collective_rpc(lambda worker: getattr(worker, "worker", worker)._tl_hooks)[0]
+        runner = state.runner
+        original_rows_to_host = tl._rows_to_host
+        original_sample = runner.sample_tokens
+        current = {"copies": None}
+
+        def sample_tokens(*args, **kwargs):
+            result = original_sample(*args, **kwargs)
+            if current["copies"] is not None:
+                current["copies"].after_sample()
+            return result
+
+        runner.sample_tokens = sample_tokens
+        variants = {
+            "none": ("none", None),
+            "g_current": ("last_prompt_token", None),
+            "f_current": ("prompt", None),
+            "f_no_d2h": ("prompt", ("no_d2h", None)),
+            "f_deferred": ("prompt", ("deferred", None)),
+            "f_chunk128": ("prompt", ("deferred", 128 << 20)),
+            "f_chunk32": ("prompt", ("deferred", 32 << 20)),
+        }
+
+    def run(name, profile=False):
+        capture, copy_mode = variants[name]
+        if kind == "hooked":
+            if copy_mode is None:
+                tl._rows_to_host, current["copies"] = original_rows_to_host, None
+            else:
+                copies = current["copies"] = _Copies(state, *copy_mode)
+                tl._rows_to_host = copies.rows_to_host
+        sampling = params(capture)
+        _sync()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        generated = time.perf_counter() - start
+        if kind == "hooked" and current["copies"] is not None:
+            current["copies"].issue()
+        _sync()
+        total = time.perf_counter() - start
+        if kind == "hooked":
+            tl.reset_batched(llm)
+        return generated, total, outputs
+
+    names = list(variants)
+    for name in names:
+        run(name)  # warm-up
+    for round_index in range(rounds):
+        for name in names if round_index % 2 == 0 else reversed(names):
+            generated, total, _ = run(name)
+            results[name].append((generated, total))
+    summary = {}
+    for name, runs in results.items():
+        totals = [t for _, t in runs]
+        summary[name] = {"median_total_s": statistics.median(totals), "fastest_total_s": min(totals),
+                         "median_generate_s": statistics.median(g for g, _ in runs), "runs": runs}
+    profiled = ["plain"] if kind == "plain" else ["f_current", "f_chunk32", "g_current"]
+    from torch.profiler import ProfilerActivity, profile
+
+    for name in profiled:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as prof:
+            run(name)
+        path = os.path.join(out, f"trace-{name}.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(path)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        table += "\n" + prof.key_averages().table(sort_by="self_device_time_total", row_limit=20)
+        print(f"==== profile {name}\n{table}", flush=True)
+    print("@@PROBE@@ " + json.dumps(summary), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tiny", action="store_true", help="the benchmark's tiny fp32 model, 16 prompts")
+    parser.add_argument("--rounds", type=int, default=6, help="timed generates of each variant")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    num_prompts = 16 if args.tiny else 256
+    if args.child:
+        _child(args.child, args.model, args.out, args.rounds, num_prompts)
+        return
+    import bench_tl_vllm_hooks as bench
+
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_DISABLE_COMPILE_CACHE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    summary = {}
+    with tempfile.TemporaryDirectory() as root:
+        model = os.path.join(root, "model")
+        bench._make_model(model, bench._TINY_MODEL if args.tiny else bench._FULL_MODEL)
+        for kind in ("plain", "hooked"):
+            child_env = dict(env, TL_VLLM_HOOKS_DISABLE="1") if kind == "plain" else env
+            log_path = os.path.join(args.out, f"probe-{kind}.log")
+            with open(log_path, "w") as log:
+                command = [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model,
+                           "--out", args.out, f"--rounds={args.rounds}"] + (["--tiny"] if args.tiny else [])
+                subprocess.run(command, env=child_env, stdout=log, stderr=subprocess.STDOUT)
+            with open(log_path) as log:
+                for line in log:
+                    if line.startswith("@@PROBE@@ "):
+                        summary.update(json.loads(line[len("@@PROBE@@ "):]))
+    plain = summary.get("plain", {}).get("median_total_s")
+    for name, r in summary.items():
+        ratio = plain / r["median_total_s"] if plain else float("nan")
+        fastest = summary["plain"]["fastest_total_s"] / r["fastest_total_s"] if plain else float("nan")
+        print(f"{name:12s} median {r['median_total_s']:.3f} s (generate {r['median_generate_s']:.3f}) "
+              f"fastest {r['fastest_total_s']:.3f} s  vs plain: median {ratio:.3f} fastest {fastest:.3f}")
+    with open(os.path.join(args.out, "probe.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
