@@ -5,6 +5,7 @@
     python bench_tl_vllm_hooks.py --rounds 3                 # three engines per case, interleaved
     python bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2
     python bench_tl_vllm_hooks.py --cases plain,b --repeats 1 --compiled-code code/  # then diff -r
+    python bench_tl_vllm_hooks.py --cases plain,b,f --side-by-side   # one process, generates alternate
 
 Each case builds a fresh engine in a fresh subprocess (this file with ``--run-case``),
 which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
@@ -21,6 +22,12 @@ steadier estimate of what the case itself costs; on a GPU each timed run also re
 median SM clock during it (NVML), to tell a slowed GPU from a busy host. A timed run ends
 when every GPU stream is idle, so rows the batched cases still copy to host memory count
 against them.
+
+On a host whose speed drifts over a minute or more, engines timed one after another can
+land in different states. ``--side-by-side`` builds every case's engine in one process (the
+device's memory split between them) and times one generate per engine per round, cases
+alternating, so each round compares the cases under the same conditions; it reports no peak
+memory (one process holds every engine).
 
 Peak memory covers the whole case, start-up included. On a GPU the worker runs in the
 case's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``torch.cuda.max_memory_allocated``
@@ -131,94 +138,149 @@ class _SmClockSamples:
         return statistics.median(self.samples) if self.samples else None
 
 
-def _run_case(name: str, args: argparse.Namespace) -> dict:
-    """Build one engine, warm up, time ``repeats`` generates; the result the parent parses."""
-    import random
+class _Engine:
+    """One case's engine and workload in this process: timed generates and the case's result."""
 
-    import torch
-    import vllm
-    from transformers import AutoConfig
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.v1.worker.gpu_worker import Worker
+    def __init__(self, name: str, args: argparse.Namespace, gpu_memory_utilization: float):
+        import random
 
-    import tl_vllm_hooks as tl
+        import torch
+        from transformers import AutoConfig
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.worker.gpu_worker import Worker
 
-    hf_config = AutoConfig.from_pretrained(args.model)
-    # transformers 5 says dtype, older releases torch_dtype; a torch.dtype or its name.
-    dtype = getattr(torch, str(getattr(hf_config, "dtype", None) or hf_config.torch_dtype).removeprefix("torch."))
-    on_gpu = torch.cuda.is_available()
-    rng = random.Random(0)  # the same prompts in every case
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(hf_config.vocab_size) for _ in range(args.prompt_len)])
-               for _ in range(args.num_prompts)]
-    engine_args = dict(model=args.model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
-                       max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=name in _EAGER,
-                       tensor_parallel_size=args.tensor_parallel_size,
-                       gpu_memory_utilization=0.9 if on_gpu else 0.1)  # on the CPU, a fraction of RAM
-    sites = _SITES.get(name)
-    extra_args = None
-    if sites:
-        config = tl.configure(tl.capture_specs(hf_config, sites=sites), dtype=dtype,
-                              max_num_batched_tokens=args.max_num_batched_tokens, enable_batching=name in _BATCHED)
-        engine_args["worker_extension_cls"] = tl.WORKER_EXTENSION
-        if name in _BATCHED:
-            extra_args = tl.request_args(config, capture=_BATCHED[name])
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
-                            extra_args=extra_args)
-    llm = LLM(**engine_args)
-    tl.clear_config()
-    if name == "d":
-        tl.set_edits(llm, {"blocks.0.hook_resid_post": {"op": "scale", "value": 1.0}})
+        import tl_vllm_hooks as tl
 
-    clock = _SmClockSamples(on_gpu)
+        hf_config = AutoConfig.from_pretrained(args.model)
+        # transformers 5 says dtype, older releases torch_dtype; a torch.dtype or its name.
+        dtype = getattr(torch, str(getattr(hf_config, "dtype", None) or hf_config.torch_dtype).removeprefix("torch."))
+        self.name, self.args, self.tl = name, args, tl
+        self.on_gpu = torch.cuda.is_available()
+        rng = random.Random(0)  # the same prompts in every case
+        self.prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(hf_config.vocab_size)
+                                                       for _ in range(args.prompt_len)])
+                        for _ in range(args.num_prompts)]
+        engine_args = dict(model=args.model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
+                           seed=0, max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=name in _EAGER,
+                           tensor_parallel_size=args.tensor_parallel_size,
+                           gpu_memory_utilization=gpu_memory_utilization)
+        self.sites = _SITES.get(name)
+        extra_args = None
+        if self.sites:
+            config = tl.configure(tl.capture_specs(hf_config, sites=self.sites), dtype=dtype,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_batching=name in _BATCHED)
+            engine_args["worker_extension_cls"] = tl.WORKER_EXTENSION
+            if name in _BATCHED:
+                extra_args = tl.request_args(config, capture=_BATCHED[name])
+        self.params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
+                                     detokenize=False, extra_args=extra_args)
+        self.llm = LLM(**engine_args)
+        # register() had run in this process (configure() or vLLM's plugin loader): False for plain.
+        self.load_model_wrapped = hasattr(Worker.load_model, "__wrapped__")
+        tl.clear_config()
+        if name == "d":
+            tl.set_edits(self.llm, {"blocks.0.hook_resid_post": {"op": "scale", "value": 1.0}})
+        self.clock = _SmClockSamples(self.on_gpu)
 
-    def generate():
+    def generate(self) -> tuple:
         """(outputs, generate seconds, read seconds, what was read, median SM clock in MHz);
         reads are not timed."""
-        if sites and name not in _BATCHED:
+        import torch
+
+        tl, llm, name, args = self.tl, self.llm, self.name, self.args
+        if self.sites and name not in _BATCHED:
             tl.open_capture(llm)  # arm the capture gate, as a user reading captures would
-        with clock:
+        with self.clock:
             start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            if on_gpu and args.tensor_parallel_size == 1:
+            outputs = llm.generate(self.prompts, self.params, use_tqdm=False)
+            if self.on_gpu and args.tensor_parallel_size == 1:
                 torch.cuda.synchronize()  # every stream: captured rows still on their way to host memory too
             elapsed, start = time.perf_counter() - start, time.perf_counter()
         if name in _BATCHED:
             captured = tl.read_batched(llm, [o.request_id for o in outputs])  # also frees the rows
             rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
             check = f"{len(captured)} requests x {len(captured[outputs[0].request_id])} hooks, rows {rows}"
-        elif sites:
+        elif self.sites:
             captured = tl.read_captures(llm, args.prompt_len)
             finite = all(bool(t.isfinite().all()) for t in captured.values())
             check = f"{len(captured)} hooks x {args.prompt_len} rows, finite={finite}"
         else:
             check = None
-        return outputs, elapsed, time.perf_counter() - start if sites else None, check, clock.median()
+        return outputs, elapsed, time.perf_counter() - start if self.sites else None, check, self.clock.median()
 
-    generate()  # warm-up: first-request paths, caches, lazily compiled kernels
-    runs = [generate() for _ in range(args.repeats)]
-    outputs, _, read_s, check, _ = runs[-1]
-    seconds = statistics.median(run[1] for run in runs)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    generated, rss = sum(map(len, tokens)), _peak_rss_tree()
+    def result(self, runs: list[tuple], peak_bytes_readable: bool) -> dict:
+        """The case's result from its timed runs (generate()'s tuples)."""
+        import torch
+        import vllm
+
+        outputs, _, read_s, check, _ = runs[-1]
+        seconds = statistics.median(run[1] for run in runs)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        generated, rss = sum(map(len, tokens)), _peak_rss_tree()
+        gpu_peak = torch.cuda.max_memory_allocated() if self.on_gpu and peak_bytes_readable else None
+        return {
+            "case": self.name, "device": torch.cuda.get_device_name() if self.on_gpu else _cpu_name(),
+            "vllm": vllm.__version__, "torch": torch.__version__,
+            "generated_tokens": generated, "seconds": seconds, "seconds_each": [run[1] for run in runs],
+            "tokens_per_s": generated / seconds,
+            "tokens_per_s_fastest": generated / min(run[1] for run in runs),
+            "sm_clock_mhz_each": [run[4] for run in runs],  # None without a readable NVML
+            "peak_bytes": (gpu_peak if self.on_gpu else rss) if peak_bytes_readable else None,
+            "peak_gpu_bytes": gpu_peak, "peak_rss_bytes": rss,
+            "kv_blocks": self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+            "read_s": read_s, "capture_check": check,
+            "load_model_wrapped": self.load_model_wrapped,
+            # Forwards each hook saw in our generates; 0 would mean a hook never ran.
+            "min_hook_fires": min(self.tl.read_fire_counts(self.llm).values()) if self.sites else None,
+            "tokens": tokens,
+        }
+
+
+def _run_case(name: str, args: argparse.Namespace) -> dict:
+    """Build one engine, warm up, time ``repeats`` generates; the result the parent parses."""
+    import torch
+
+    engine = _Engine(name, args, 0.9 if torch.cuda.is_available() else 0.1)  # on the CPU, a fraction of RAM
+    engine.generate()  # warm-up: first-request paths, caches, lazily compiled kernels
+    runs = [engine.generate() for _ in range(args.repeats)]
     # With tensor parallelism the workers are other processes: no peak readable here.
-    gpu_peak = torch.cuda.max_memory_allocated() if on_gpu and args.tensor_parallel_size == 1 else None
-    return {
-        "case": name, "device": torch.cuda.get_device_name() if on_gpu else _cpu_name(),
-        "vllm": vllm.__version__, "torch": torch.__version__,
-        "generated_tokens": generated, "seconds": seconds, "seconds_each": [run[1] for run in runs],
-        "tokens_per_s": generated / seconds,
-        "tokens_per_s_fastest": generated / min(run[1] for run in runs),
-        "sm_clock_mhz_each": [run[4] for run in runs],  # None without a readable NVML
-        "peak_bytes": gpu_peak if on_gpu else rss, "peak_gpu_bytes": gpu_peak, "peak_rss_bytes": rss,
-        "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-        "read_s": read_s, "capture_check": check,
-        # register() ran in this process (configure() or vLLM's plugin loader): False for plain.
-        "load_model_wrapped": hasattr(Worker.load_model, "__wrapped__"),
-        # Forwards each hook saw in our generates; 0 would mean a hook never ran.
-        "min_hook_fires": min(tl.read_fire_counts(llm).values()) if sites else None,
-        "tokens": tokens,
-    }
+    return engine.result(runs, peak_bytes_readable=args.tensor_parallel_size == 1)
+
+
+def _run_side_by_side(cases: list[str], args: argparse.Namespace) -> list[dict]:
+    """Every case's engine in this one process, sharing the device; then ``repeats`` rounds of one
+    timed generate per engine, odd rounds in reverse order. Whatever slows the host for a while
+    slows the cases of those rounds alike, so round by round the ratios stay comparable.
+
+    Plain engines are built first, with the plugin off; then register() (case (a)); then each
+    configured case. One process's peak memory covers every engine: none is reported."""
+    import torch
+
+    import tl_vllm_hooks as tl
+
+    order = sorted(cases, key=lambda name: (name not in _PLAIN, name != "a"))
+    share = (0.9 if torch.cuda.is_available() else 0.1) / len(cases)
+    engines = {}
+    for name in order:
+        if name in _PLAIN:
+            os.environ["TL_VLLM_HOOKS_DISABLE"] = "1"
+        else:
+            os.environ.pop("TL_VLLM_HOOKS_DISABLE", None)
+            tl.register()
+        engines[name] = _Engine(name, args, share)
+        engines[name].generate()  # warm-up
+    runs: dict[str, list[tuple]] = {name: [] for name in cases}
+    for round_index in range(args.repeats):
+        for name in cases if round_index % 2 == 0 else cases[::-1]:
+            runs[name].append(engines[name].generate())
+    results = []
+    for name in cases:
+        result = engines[name].result(runs[name], peak_bytes_readable=False)
+        result["side_by_side"] = True
+        results.append(result)
+    return results
 
 
 def _peak_rss_tree() -> int:
@@ -251,36 +313,42 @@ def _cpu_name() -> str:
     return f"{names[0] if names else 'CPU'} ({os.cpu_count()} cores)"
 
 
-def _spawn_case(name: str, round_index: int, args: argparse.Namespace) -> dict:
-    """Run one case in a fresh interpreter; its result, or an error with the log's tail."""
+def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -> list[dict]:
+    """Run one case (or, side by side, several) in a fresh interpreter; a result per case, or
+    errors with the log's tail."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TL_VLLM_HOOKS_")}  # each case sets its own
+    alone = names[0] if len(names) == 1 else None  # side by side, the child sets up each case itself
     if args.compiled_code:
-        env["VLLM_CACHE_ROOT"] = os.path.join(os.path.abspath(args.compiled_code), name, f"round{round_index}")
+        env["VLLM_CACHE_ROOT"] = os.path.join(os.path.abspath(args.compiled_code), alone, f"round{round_index}")
     else:
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-    if name in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
+    if alone in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
         env["TL_VLLM_HOOKS_DISABLE"] = "1"
     if args.on_gpu and args.tensor_parallel_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its CUDA peak readable
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it CPU start-up fails or crawls
-    if name == "a":  # registered in every vLLM process, configured nowhere
+    if alone == "a":  # registered in every vLLM process, configured nowhere
         paths = [args.plugin_dir, os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    command = [sys.executable, os.path.abspath(__file__), "--run-case", name, "--model", args.model]
+    command = [sys.executable, os.path.abspath(__file__), "--run-cases", ",".join(names), "--model", args.model]
     command += [f"--{field.replace('_', '-')}={getattr(args, field)}" for field in _WORKLOAD_FIELDS]
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
     if proc.returncode == 0 and len(lines) == 1:
         return json.loads(lines[0][len(_MARKER):])
     tail = "\n".join(proc.stdout.splitlines()[-25:])
-    return {"case": name, "error": f"exit code {proc.returncode}, {len(lines)} result lines; log tail:\n{tail}"}
+    error = f"exit code {proc.returncode}, {len(lines)} result lines; log tail:\n{tail}"
+    return [{"case": name, "error": error} for name in names]
 
 
 def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
     """One result per case: the median engine by tok/s, with every engine's tok/s beside it and
     the fastest timed run of any engine, ratios to plain's, and whether greedy tokens equal plain's. The median
-    engine's greedy tokens stay in the result, so that engines of different runs can be compared too."""
+    engine's greedy tokens stay in the result, so that engines of different runs can be compared too.
+    Side by side, each generate is also set against plain's generate of the same turn in the same
+    process: the median of those ratios is ``paired_ratio``."""
+    plain_seconds = {r["round"]: r["seconds_each"] for r in runs.get("plain", []) if "error" not in r}
     results = {}
     for name, case_runs in runs.items():
         good = sorted((r for r in case_runs if "error" not in r), key=lambda r: r["tokens_per_s"])
@@ -292,6 +360,9 @@ def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
         result["tokens_per_s_fastest"] = max(r["tokens_per_s_fastest"] for r in good)  # over every engine
         result["failed_engines"] = [r["error"] for r in case_runs if "error" in r]
         result["all_tokens"] = [r["tokens"] for r in good]
+        paired = [plain_s / case_s for r in good if r.get("side_by_side") and r["round"] in plain_seconds
+                  for plain_s, case_s in zip(plain_seconds[r["round"]], r["seconds_each"])]
+        result["paired_ratio"] = statistics.median(paired) if paired else None
         results[name] = result
     plain = results.get("plain", {})
     plain_tokens = plain.get("all_tokens", [None])[0]
@@ -316,18 +387,19 @@ def _table(results: dict[str, dict]) -> str:
     def fmt(value, spec=""):
         return "n/a" if value is None else format(value, spec)
 
-    rows = ["| case | what | tok/s (median engine) | each engine | ratio | fastest run | ratio | peak mem (GiB) "
-            "| ratio | KV blocks | same tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| case | what | tok/s (median engine) | each engine | ratio | fastest run | ratio | paired ratio "
+            "| peak mem (GiB) | ratio | KV blocks | same tokens |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {name} | {CASES[name]} | failed: {r['error'].splitlines()[0]} | | | | | | | | |")
+            rows.append(f"| {name} | {CASES[name]} | failed: {r['error'].splitlines()[0]} | | | | | | | | | |")
             continue
         same = fmt(r["same_tokens_as_plain"]) + ("" if name in _SAME_TOKENS_AS_PLAIN else " (not required)")
         each = ", ".join(f"{t:.0f}" for t in r["tokens_per_s_each_engine"])
         peak = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30
         rows.append(f"| {name} | {CASES[name]} | {r['tokens_per_s']:.0f} | {each} | "
                     f"{fmt(r['tokens_per_s_ratio'], '.3f')} | {r['tokens_per_s_fastest']:.0f} | "
-                    f"{fmt(r['fastest_ratio'], '.3f')} | {fmt(peak, '.2f')} | {fmt(r['peak_ratio'], '.3f')} "
+                    f"{fmt(r['fastest_ratio'], '.3f')} | {fmt(r['paired_ratio'], '.3f')} | {fmt(peak, '.2f')} "
+                    f"| {fmt(r['peak_ratio'], '.3f')} "
                     f"| {r['kv_blocks']} | {same} |")
     return "\n".join(rows)
 
@@ -335,19 +407,22 @@ def _table(results: dict[str, dict]) -> str:
 def _run_rounds(cases: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
     """Every case once per round, in fresh engines, one engine at a time; odd rounds run the
     cases in reverse, so drift over the run does not favour one case. (Engines run side by
-    side on two GPUs of one host read 28k and 37k tok/s for the same case: never in parallel.)"""
+    side on two GPUs of one host read 28k and 37k tok/s for the same case: never in parallel.)
+    With --side-by-side, a round is one process holding every case's engine."""
     runs: dict[str, list[dict]] = {name: [] for name in cases}
     for round_index in range(args.rounds):
-        for name in cases if round_index % 2 == 0 else cases[::-1]:
+        ordered = cases if round_index % 2 == 0 else cases[::-1]
+        for names in [ordered] if args.side_by_side else [[name] for name in ordered]:
             start = time.perf_counter()
-            r = _spawn_case(name, round_index, args)
-            runs[name].append(r)
-            status = "failed" if "error" in r else f"{r['tokens_per_s']:.0f} tok/s"
-            print(f"[{name} round {round_index}] {status}, case took {time.perf_counter() - start:.0f} s",
-                  file=sys.stderr, flush=True)
-            # The whole result too, so a run stopped part-way still leaves its numbers in the log.
-            print(f"[{name}] {json.dumps({k: v for k, v in r.items() if k != 'tokens'})}",
-                  file=sys.stderr, flush=True)
+            for r in _spawn_cases(names, round_index, args):
+                r["round"] = round_index
+                runs[r["case"]].append(r)
+                status = "failed" if "error" in r else f"{r['tokens_per_s']:.0f} tok/s"
+                print(f"[{r['case']} round {round_index}] {status}, took {time.perf_counter() - start:.0f} s",
+                      file=sys.stderr, flush=True)
+                # The whole result too, so a run stopped part-way still leaves its numbers in the log.
+                print(f"[{r['case']}] {json.dumps({k: v for k, v in r.items() if k != 'tokens'})}",
+                      file=sys.stderr, flush=True)
     return runs
 
 
@@ -364,20 +439,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="fresh engines per case; the median engine is reported")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--compiled-code", metavar="DIR", help="keep each engine's compile cache in DIR/<case>/round<N>")
-    parser.add_argument("--run-case", choices=list(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="every case's engine in one process, sharing the device; generates alternate")
+    parser.add_argument("--run-cases", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for field, default in zip(_WORKLOAD_FIELDS, _TINY_WORKLOAD if args.tiny else _FULL_WORKLOAD):
         if getattr(args, field) is None:
             setattr(args, field, default)
-    if args.run_case:
-        print(_MARKER + json.dumps(_run_case(args.run_case, args)), flush=True)
+    if args.run_cases:
+        names = args.run_cases.split(",")
+        results = [_run_case(names[0], args)] if len(names) == 1 else _run_side_by_side(names, args)
+        print(_MARKER + json.dumps(results), flush=True)
         return
 
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; valid: {list(CASES)}")
+    if args.side_by_side and (args.compiled_code or args.tensor_parallel_size != 1 or "plain" not in cases):
+        parser.error("--side-by-side: needs 'plain' among --cases, one device per engine "
+                     "(--tensor-parallel-size 1) and no --compiled-code (one process shares one cache)")
     import torch
 
     args.on_gpu = torch.cuda.is_available()

@@ -4,7 +4,8 @@
 #                                         # both flavours; split over two GPUs when there are two
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
-#                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code"
+#                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code", or
+#                                                # --cases plain,a,b,c,d --side-by-side (one process, alternating)
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
 #   bash scripts/gpu_checks.sh probe [flags]     # batched flavour: capture modes and copy variants
 #                                                # in one engine, with profiles (scripts/probe_batched_copies.py)
