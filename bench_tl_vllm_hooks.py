@@ -210,16 +210,19 @@ class _Engine:
             check = None
         return outputs, elapsed, time.perf_counter() - start if self.sites else None, check, self.clock.median()
 
-    def result(self, runs: list[tuple], peak_bytes_readable: bool) -> dict:
-        """The case's result from its timed runs (generate()'s tuples)."""
+    def result(self, runs: list[tuple], alone: bool) -> dict:
+        """The case's result from its timed runs (generate()'s tuples); alone: the only engine in
+        this process, so that the process's peak memory is the case's."""
         import torch
         import vllm
 
         outputs, _, read_s, check, _ = runs[-1]
         seconds = statistics.median(run[1] for run in runs)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        generated, rss = sum(map(len, tokens)), _peak_rss_tree()
-        gpu_peak = torch.cuda.max_memory_allocated() if self.on_gpu and peak_bytes_readable else None
+        generated, rss = sum(map(len, tokens)), _peak_rss_tree() if alone else None
+        # With tensor parallelism the workers are other processes: no peak readable here.
+        gpu_peak = (torch.cuda.max_memory_allocated()
+                    if self.on_gpu and alone and self.args.tensor_parallel_size == 1 else None)
         return {
             "case": self.name, "device": torch.cuda.get_device_name() if self.on_gpu else _cpu_name(),
             "vllm": vllm.__version__, "torch": torch.__version__,
@@ -227,7 +230,7 @@ class _Engine:
             "tokens_per_s": generated / seconds,
             "tokens_per_s_fastest": generated / min(run[1] for run in runs),
             "sm_clock_mhz_each": [run[4] for run in runs],  # None without a readable NVML
-            "peak_bytes": (gpu_peak if self.on_gpu else rss) if peak_bytes_readable else None,
+            "peak_bytes": gpu_peak if self.on_gpu else rss,
             "peak_gpu_bytes": gpu_peak, "peak_rss_bytes": rss,
             "kv_blocks": self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
             "read_s": read_s, "capture_check": check,
@@ -245,8 +248,7 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
     engine = _Engine(name, args, 0.9 if torch.cuda.is_available() else 0.1)  # on the CPU, a fraction of RAM
     engine.generate()  # warm-up: first-request paths, caches, lazily compiled kernels
     runs = [engine.generate() for _ in range(args.repeats)]
-    # With tensor parallelism the workers are other processes: no peak readable here.
-    return engine.result(runs, peak_bytes_readable=args.tensor_parallel_size == 1)
+    return engine.result(runs, alone=True)
 
 
 def _run_side_by_side(cases: list[str], args: argparse.Namespace) -> list[dict]:
@@ -277,7 +279,7 @@ def _run_side_by_side(cases: list[str], args: argparse.Namespace) -> list[dict]:
             runs[name].append(engines[name].generate())
     results = []
     for name in cases:
-        result = engines[name].result(runs[name], peak_bytes_readable=False)
+        result = engines[name].result(runs[name], alone=False)
         result["side_by_side"] = True
         results.append(result)
     return results
@@ -317,18 +319,18 @@ def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -
     """Run one case (or, side by side, several) in a fresh interpreter; a result per case, or
     errors with the log's tail."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TL_VLLM_HOOKS_")}  # each case sets its own
-    alone = names[0] if len(names) == 1 else None  # side by side, the child sets up each case itself
+    single = names[0] if len(names) == 1 else None  # side by side, the child sets up each case itself
     if args.compiled_code:
-        env["VLLM_CACHE_ROOT"] = os.path.join(os.path.abspath(args.compiled_code), alone, f"round{round_index}")
+        env["VLLM_CACHE_ROOT"] = os.path.join(os.path.abspath(args.compiled_code), single, f"round{round_index}")
     else:
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-    if alone in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
+    if single in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
         env["TL_VLLM_HOOKS_DISABLE"] = "1"
     if args.on_gpu and args.tensor_parallel_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its CUDA peak readable
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it CPU start-up fails or crawls
-    if alone == "a":  # registered in every vLLM process, configured nowhere
+    if single == "a":  # registered in every vLLM process, configured nowhere
         paths = [args.plugin_dir, os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     command = [sys.executable, os.path.abspath(__file__), "--run-cases", ",".join(names), "--model", args.model]

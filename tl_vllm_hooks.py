@@ -898,6 +898,7 @@ def _collect_step(state: _HookState) -> None:
     kept_rows = np.flatnonzero(kept)
     host_rows = _rows_to_host(state, kept_rows) if kept_rows.size else {}
     request_ids = step.request_ids
+    # (A request that ran no row reads another's first row here; `running` masks it out.)
     first_positions = step.row_positions[np.minimum(starts[:-1], starts[-1] - 1)]
     expected = np.fromiter(
         map(state.next_positions.get, request_ids, itertools.repeat(0)), dtype=np.int64, count=len(request_ids)
