@@ -6,6 +6,7 @@
     python bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2
     python bench_tl_vllm_hooks.py --cases plain,b --repeats 1 --compiled-code code/  # then diff -r
     python bench_tl_vllm_hooks.py --cases plain,b,f --side-by-side   # one process, generates alternate
+    python bench_tl_vllm_hooks.py --compilation-config '{"inductor_compile_config": {"combo_kernels": false}}'
 
 Each case builds a fresh engine in a fresh subprocess (this file with ``--run-case``),
 which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
@@ -165,6 +166,8 @@ class _Engine:
                            seed=0, max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=name in _EAGER,
                            tensor_parallel_size=args.tensor_parallel_size,
                            gpu_memory_utilization=gpu_memory_utilization)
+        if args.compilation_config:
+            engine_args["compilation_config"] = json.loads(args.compilation_config)
         self.sites = _SITES.get(name)
         extra_args = None
         if self.sites:
@@ -335,6 +338,8 @@ def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     command = [sys.executable, os.path.abspath(__file__), "--run-cases", ",".join(names), "--model", args.model]
     command += [f"--{field.replace('_', '-')}={getattr(args, field)}" for field in _WORKLOAD_FIELDS]
+    if args.compilation_config:
+        command += ["--compilation-config", args.compilation_config]
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
     if proc.returncode == 0 and len(lines) == 1:
@@ -441,6 +446,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="fresh engines per case; the median engine is reported")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--compiled-code", metavar="DIR", help="keep each engine's compile cache in DIR/<case>/round<N>")
+    parser.add_argument("--compilation-config", metavar="JSON",
+                        help="vLLM's compilation_config for every engine, e.g. "
+                             "'{\"inductor_compile_config\": {\"combo_kernels\": false}}'")
     parser.add_argument("--side-by-side", action="store_true",
                         help="every case's engine in one process, sharing the device; generates alternate")
     parser.add_argument("--run-cases", help=argparse.SUPPRESS)
@@ -459,6 +467,12 @@ def main() -> None:
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; valid: {list(CASES)}")
+    if args.compilation_config:
+        try:
+            if not isinstance(json.loads(args.compilation_config), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as error:
+            parser.error(f"--compilation-config: {error}; give a JSON object of vLLM's CompilationConfig fields")
     if args.side_by_side and (args.compiled_code or args.tensor_parallel_size != 1 or "plain" not in cases):
         parser.error("--side-by-side: needs 'plain' among --cases, one device per engine "
                      "(--tensor-parallel-size 1) and no --compiled-code (one process shares one cache)")
@@ -473,9 +487,13 @@ def main() -> None:
     first = next((r for r in results.values() if "error" not in r), {})
     report = {key: first.get(key) for key in ("device", "vllm", "torch")}
     report.update(model=shape, workload={k: getattr(args, k) for k in _WORKLOAD_FIELDS},
-                  rounds=args.rounds, cases=results)
+                  rounds=args.rounds, side_by_side=args.side_by_side,
+                  compilation_config=json.loads(args.compilation_config or "null"), cases=results)
     print(f"\n{report['device']}, vLLM {report['vllm']}, torch {report['torch']}\n"
-          f"model {shape}\nworkload {report['workload']}, {args.rounds} engine(s) per case\n\n{_table(results)}")
+          f"model {shape}\nworkload {report['workload']}, {args.rounds} engine(s) per case"
+          f"{', side by side' if args.side_by_side else ''}"
+          f"{', compilation_config ' + args.compilation_config if args.compilation_config else ''}"
+          f"\n\n{_table(results)}")
     for name, r in results.items():
         for error in ([r["error"]] if "error" in r else r.get("failed_engines", [])):
             print(f"\n[{name}] {error}", file=sys.stderr)
