@@ -365,6 +365,58 @@ def test_request_ids_join_exactly():
         match(["1"], ["1-0123abcd", "1-89abcdef"])
 
 
+def test_step_collection_keeps_each_requests_rows():
+    """The batched flavour's per-step bookkeeping on hand-made steps, no engine: which rows each
+    request keeps, across chunks, decode steps, a preemption and a prefix-cache gap."""
+    import types
+
+    import numpy as np
+
+    buffer = torch.zeros(32, 2)
+    plan = tlh._RequestPlan
+    state = types.SimpleNamespace(
+        plans={
+            "A": plan(6, "prompt", {}),
+            "B": plan(4, "last_prompt_token", {}),
+            "C": plan(3, np.array([1, 5]), {}),
+            "G": plan(3, "last_prompt_token", {}),
+            "N": plan(2, "none", {}),
+        },  # D, E and F have no options: every row
+        next_positions={}, records={}, incomplete={}, capture_buffers={"h": buffer},
+        copy_stream=None, device=torch.device("cpu"), step=None,
+    )
+
+    def step(number, layout):
+        """layout: (request id, first position, rows) in row order."""
+        counts = np.array([rows for _, _, rows in layout])
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        first = np.array([position for _, position, _ in layout])
+        positions = np.repeat(first - starts[:-1], counts) + np.arange(starts[-1])
+        owners = np.repeat(np.arange(len(layout)), counts)
+        buffer.zero_()
+        buffer[: starts[-1], 0] = torch.from_numpy(positions).float()  # what the row is ...
+        buffer[: starts[-1], 1] = torch.from_numpy(1000 * number + owners).float()  # ... and when, whose
+        state.step = tlh._StepLayout(starts, [request for request, _, _ in layout], positions)
+        tlh._collect_step(state)
+
+    step(1, [("A", 0, 4), ("B", 0, 4), ("C", 0, 3), ("D", 0, 2), ("F", 2, 2), ("N", 0, 2)])
+    step(2, [("A", 4, 2), ("B", 4, 1), ("E", 0, 0), ("C", 3, 1), ("D", 2, 1), ("G", 4, 1)])
+    step(3, [("A", 6, 1), ("C", 4, 1), ("D", 3, 1)])
+    step(4, [("C", 5, 1), ("D", 1, 4)])  # D preempted after position 3, recomputed from 1
+
+    def kept(request):
+        rows = torch.cat(state.records[request].rows("h"))
+        return rows[:, 0].int().tolist(), (rows[:, 1] // 1000).int().tolist()
+
+    assert kept("A") == ([0, 1, 2, 3, 4, 5], [1, 1, 1, 1, 2, 2])
+    assert kept("B") == ([3], [1])
+    assert kept("C") == ([1, 5], [1, 4])
+    assert kept("D") == ([0, 1, 2, 3, 4], [1, 4, 4, 4, 4])  # each position once, the recomputed rows
+    assert set(state.records) == {"A", "B", "C", "D", "F"}
+    assert set(state.incomplete) == {"F", "G"} and "prefix caching" in state.incomplete["G"]
+    assert state.next_positions == {"A": 7, "B": 5, "C": 6, "D": 5, "F": 4, "G": 5, "N": 2}
+
+
 # --- compiled flavour ----------------------------------------------------------
 
 
