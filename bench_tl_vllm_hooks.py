@@ -8,7 +8,7 @@
     python bench_tl_vllm_hooks.py --cases plain,b,f --side-by-side   # one process, generates alternate
     python bench_tl_vllm_hooks.py --compilation-config '{"inductor_compile_config": {"combo_kernels": false}}'
 
-Each case builds a fresh engine in a fresh subprocess (this file with ``--run-case``),
+Each case builds a fresh engine in a fresh subprocess (this file with ``--run-cases``),
 which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
 with ``VLLM_DISABLE_COMPILE_CACHE=1``, so no case is served another's compiled graph, or,
 with ``--compiled-code DIR``, with a compile cache of its own in ``DIR/<case>/round<N>``,
