@@ -391,12 +391,11 @@ def test_step_collection_keeps_each_requests_rows():
         counts = np.array([rows for _, _, rows in layout])
         starts = np.concatenate([[0], np.cumsum(counts)])
         first = np.array([position for _, position, _ in layout])
-        positions = np.repeat(first - starts[:-1], counts) + np.arange(starts[-1])
+        state.step = tlh._StepLayout(starts, [request for request, _, _ in layout], first)
         owners = np.repeat(np.arange(len(layout)), counts)
         buffer.zero_()
-        buffer[: starts[-1], 0] = torch.from_numpy(positions).float()  # what the row is ...
+        buffer[: starts[-1], 0] = torch.from_numpy(state.step.row_positions).float()  # what the row is ...
         buffer[: starts[-1], 1] = torch.from_numpy(1000 * number + owners).float()  # ... and when, whose
-        state.step = tlh._StepLayout(starts, [request for request, _, _ in layout], positions)
         tlh._collect_step(state)
 
     step(1, [("A", 0, 4), ("B", 0, 4), ("C", 0, 3), ("D", 0, 2), ("F", 2, 2), ("N", 0, 2)])

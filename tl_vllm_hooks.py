@@ -679,11 +679,17 @@ class _RequestPlan:
 
 @dataclass
 class _StepLayout:
-    """The rows of one forward: request i owns rows starts[i]:starts[i + 1]."""
+    """The rows of one forward: request i owns rows starts[i]:starts[i + 1], the first of
+    them at token position first_positions[i]."""
 
     starts: np.ndarray  # int64 [num_requests + 1]
     request_ids: list[str]
-    row_positions: np.ndarray  # int64 [num_rows], each row's token position
+    first_positions: np.ndarray  # int64 [num_requests]
+    row_positions: np.ndarray = field(init=False)  # int64 [num_rows], each row's token position
+
+    def __post_init__(self) -> None:
+        counts = np.diff(self.starts)
+        self.row_positions = np.repeat(self.first_positions - self.starts[:-1], counts) + np.arange(self.starts[-1])
 
 
 @dataclass
@@ -802,9 +808,8 @@ def _begin_step(state: _HookState) -> None:
             state.incomplete[request_ids[i]] = "a step ran it without its scheduler output entry"
         return
     starts = np.asarray(starts, dtype=np.int64)
-    counts = np.diff(starts)
-    row_positions = np.repeat(first - starts[:-1], counts) + np.arange(starts[-1])
-    state.step = _StepLayout(starts, request_ids, row_positions)
+    state.step = _StepLayout(starts, request_ids, first)
+    row_positions = state.step.row_positions
 
     global_rows = _global_rows(state.config)
     edited_requests = state.edited_requests
@@ -887,8 +892,6 @@ def _collect_step(state: _HookState) -> None:
     """
     step = state.step
     starts = step.starts
-    if starts[-1] == 0:
-        return
     kept = _kept_rows(state, step)
     num_run = np.diff(starts)
     running = num_run > 0  # (reduceat would read one row for an empty segment)
@@ -897,9 +900,7 @@ def _collect_step(state: _HookState) -> None:
         kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), starts[:-1][running])
     kept_rows = np.flatnonzero(kept)
     host_rows = _rows_to_host(state, kept_rows) if kept_rows.size else {}
-    request_ids = step.request_ids
-    # (A request that ran no row reads another's first row here; `running` masks it out.)
-    first_positions = step.row_positions[np.minimum(starts[:-1], starts[-1] - 1)]
+    request_ids, first_positions = step.request_ids, step.first_positions
     expected = np.fromiter(
         map(state.next_positions.get, request_ids, itertools.repeat(0)), dtype=np.int64, count=len(request_ids)
     )
