@@ -169,9 +169,10 @@ class _Engine:
         if args.compilation_config:
             engine_args["compilation_config"] = json.loads(args.compilation_config)
         self.sites = _SITES.get(name)
+        self.config = None
         extra_args = None
         if self.sites:
-            config = tl.configure(tl.capture_specs(hf_config, sites=self.sites), dtype=dtype,
+            config = self.config = tl.configure(tl.capture_specs(hf_config, sites=self.sites), dtype=dtype,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_batching=name in _BATCHED)
             engine_args["worker_extension_cls"] = tl.WORKER_EXTENSION

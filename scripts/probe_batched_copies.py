@@ -2,7 +2,7 @@
 
 A developer's probe, for a GPU (--tiny runs it on a CPU). One child process runs plain vLLM,
 another the batched flavour (compiled, every layer's residual stream), both in-process
-engines and the benchmark's workload. The hooked engine alternates, generate by generate,
+engines built as the benchmark builds them (its _Engine), with its workload. The hooked engine alternates, generate by generate,
 between keeping nothing, the last prompt token, and every prompt row, the last with the
 module's copy to host and with variants that replace it for the comparison (rows kept on
 the device; the copy issued after vLLM's own output copy, whole or in chunks). Alternating
@@ -27,35 +27,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _engine(model, hooked):
-    import torch
-    from transformers import AutoConfig
-    from vllm import LLM
+def _workload(model, tiny):
+    """The benchmark's workload on this model, as _Engine reads it from its arguments."""
+    import bench_tl_vllm_hooks as bench
 
-    import tl_vllm_hooks as tl
-
-    hf_config = AutoConfig.from_pretrained(model)
-    dtype = getattr(torch, str(getattr(hf_config, "dtype", None) or hf_config.torch_dtype).removeprefix("torch."))
-    kwargs = dict(model=model, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
-                  max_num_batched_tokens=16384, gpu_memory_utilization=0.9 if torch.cuda.is_available() else 0.1)
-    config = None
-    if hooked:
-        config = tl.configure(tl.capture_specs(hf_config, sites=("resid_post",)), dtype=dtype,
-                              max_num_batched_tokens=16384, enable_batching=True)
-        kwargs["worker_extension_cls"] = tl.WORKER_EXTENSION
-    llm = LLM(**kwargs)
-    tl.clear_config()
-    return llm, config, hf_config
-
-
-def _prompts(hf_config, num_prompts):
-    import random
-
-    from vllm.inputs import TokensPrompt
-
-    rng = random.Random(0)
-    return [TokensPrompt(prompt_token_ids=[rng.randrange(hf_config.vocab_size) for _ in range(128)])
-            for _ in range(num_prompts)]
+    fields = dict(zip(bench._WORKLOAD_FIELDS, bench._TINY_WORKLOAD if tiny else bench._FULL_WORKLOAD))
+    return argparse.Namespace(model=model, compilation_config=None, **fields)
 
 
 class _Copies:
@@ -117,24 +94,30 @@ class _Copies:
         self.issue(self.chunk_bytes)
 
 
-def _child(kind, model, out, rounds, num_prompts):
-    import numpy as np
-    import torch
-    from vllm import SamplingParams
+def _child(kind, model, out, rounds, tiny):
+    import copy
 
+    import torch
+
+    import bench_tl_vllm_hooks as bench
     import tl_vllm_hooks as tl
 
     def _sync():
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    llm, config, hf_config = _engine(model, kind == "hooked")
-    prompts = _prompts(hf_config, num_prompts)
+    # Case (f) of the benchmark: batched, compiled, every layer's residual stream.
+    engine = bench._Engine("plain" if kind == "plain" else "f", _workload(model, tiny),
+                           0.9 if torch.cuda.is_available() else 0.1)
+    llm = engine.llm
     results = collections.defaultdict(list)
 
     def params(capture):
-        extra = tl.request_args(config, capture=capture) if config else None
-        return SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0, detokenize=False, extra_args=extra)
+        if capture is None:
+            return engine.params
+        sampling = copy.copy(engine.params)
+        sampling.extra_args = tl.request_args(engine.config, capture=capture)
+        return sampling
 
     if kind == "plain":
         variants = {"plain": (None, None)}
@@ -162,7 +145,7 @@ def _child(kind, model, out, rounds, num_prompts):
             "f_chunk32": ("prompt", ("deferred", 32 << 20)),
         }
 
-    def run(name, profile=False):
+    def run(name):
         capture, copy_mode = variants[name]
         if kind == "hooked":
             if copy_mode is None:
@@ -173,7 +156,7 @@ def _child(kind, model, out, rounds, num_prompts):
         sampling = params(capture)
         _sync()
         start = time.perf_counter()
-        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = llm.generate(engine.prompts, sampling, use_tqdm=False)
         generated = time.perf_counter() - start
         if kind == "hooked" and current["copies"] is not None:
             current["copies"].issue()
@@ -215,15 +198,14 @@ def _child(kind, model, out, rounds, num_prompts):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--tiny", action="store_true", help="the benchmark's tiny fp32 model, 16 prompts")
+    parser.add_argument("--tiny", action="store_true", help="the benchmark's tiny fp32 model and workload")
     parser.add_argument("--rounds", type=int, default=6, help="timed generates of each variant")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    num_prompts = 16 if args.tiny else 256
     if args.child:
-        _child(args.child, args.model, args.out, args.rounds, num_prompts)
+        _child(args.child, args.model, args.out, args.rounds, args.tiny)
         return
     import bench_tl_vllm_hooks as bench
 
