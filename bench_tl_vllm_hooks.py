@@ -223,6 +223,8 @@ class _Engine:
         outputs, _, read_s, check, _ = runs[-1]
         seconds = statistics.median(run[1] for run in runs)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        # Greedy decoding on one engine repeats itself exactly unless something races.
+        same_each_run = all([list(o.outputs[0].token_ids) for o in run[0]] == tokens for run in runs)
         generated, rss = sum(map(len, tokens)), _peak_rss_tree() if alone else None
         # With tensor parallelism the workers are other processes: no peak readable here.
         gpu_peak = (torch.cuda.max_memory_allocated()
@@ -241,7 +243,7 @@ class _Engine:
             "load_model_wrapped": self.load_model_wrapped,
             # Forwards each hook saw in our generates; 0 would mean a hook never ran.
             "min_hook_fires": min(self.tl.read_fire_counts(self.llm).values()) if self.sites else None,
-            "tokens": tokens,
+            "tokens": tokens, "same_tokens_each_run": same_each_run,
         }
 
 
@@ -391,6 +393,23 @@ def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return results
 
 
+def _token_groups(runs: dict[str, list[dict]]) -> dict[str, str]:
+    """Every engine ("case round N") against every other: engines with the same greedy tokens
+    (those of their last timed run) share a letter, in order of first appearance, so "A A B A"
+    shows at a glance which engines agree, across cases and within one."""
+    groups: dict[str, str] = {}
+    seen: list[list] = []
+    for name, case_runs in runs.items():
+        for r in case_runs:
+            if "error" in r:
+                continue
+            if r["tokens"] not in seen:
+                seen.append(r["tokens"])
+            varied = "" if r["same_tokens_each_run"] else " (its timed runs differed)"
+            groups[f"{name} round {r['round']}"] = chr(ord("A") + seen.index(r["tokens"])) + varied
+    return groups
+
+
 def _table(results: dict[str, dict]) -> str:
     def fmt(value, spec=""):
         return "n/a" if value is None else format(value, spec)
@@ -484,17 +503,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_tl_vllm_hooks_") as root:
         args.model, args.plugin_dir = os.path.join(root, "model"), _plugin_dir(os.path.join(root, "plugin"))
         _make_model(args.model, shape)
-        results = _summarise(_run_rounds(cases, args))
+        runs = _run_rounds(cases, args)
+        results, token_groups = _summarise(runs), _token_groups(runs)
     first = next((r for r in results.values() if "error" not in r), {})
     report = {key: first.get(key) for key in ("device", "vllm", "torch")}
     report.update(model=shape, workload={k: getattr(args, k) for k in _WORKLOAD_FIELDS},
                   rounds=args.rounds, side_by_side=args.side_by_side,
-                  compilation_config=json.loads(args.compilation_config or "null"), cases=results)
+                  compilation_config=json.loads(args.compilation_config or "null"), cases=results,
+                  token_groups=token_groups)
     print(f"\n{report['device']}, vLLM {report['vllm']}, torch {report['torch']}\n"
           f"model {shape}\nworkload {report['workload']}, {args.rounds} engine(s) per case"
           f"{', side by side' if args.side_by_side else ''}"
           f"{', compilation_config ' + args.compilation_config if args.compilation_config else ''}"
-          f"\n\n{_table(results)}")
+          f"\n\n{_table(results)}\n\ngreedy tokens by engine (same letter, same tokens): "
+          + ", ".join(f"{engine} {group}" for engine, group in token_groups.items()))
     for name, r in results.items():
         for error in ([r["error"]] if "error" in r else r.get("failed_engines", [])):
             print(f"\n[{name}] {error}", file=sys.stderr)

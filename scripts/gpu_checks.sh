@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with NVIDIA GPUs and vLLM. Run from the project root:
-#   bash scripts/gpu_checks.sh tests      # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
-#                                         # both flavours; split over two GPUs when there are two
+#   bash scripts/gpu_checks.sh tests [CLASS...]  # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
+#                                         # both flavours (TestCudaGraphs TestCudaBatched, or those
+#                                         # named); one class per GPU when there are enough
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
 #                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code", or
@@ -30,15 +31,18 @@ tests() {  # tests LOG_NAME PYTEST_K [GPU_INDEX]
 }
 status=0
 case "$what" in
-  tests)
-    if [[ $gpus -ge 2 ]]; then
-      tests gpu-tests-graphs "TestCudaGraphs" 0 & first=$!
-      tests gpu-tests-batched "TestCudaBatched" 1 || status=1
-      wait $first || status=1
-    else
-      tests gpu-tests-graphs "TestCudaGraphs" || status=1
-      tests gpu-tests-batched "TestCudaBatched" || status=1
-    fi
+  tests)  # the test classes named after "tests", or both; one GPU each while there are enough
+    classes=("${@:2}")
+    [[ ${#classes[@]} -gt 0 ]] || classes=(TestCudaGraphs TestCudaBatched)
+    pids=()
+    for i in "${!classes[@]}"; do
+      if [[ $gpus -ge ${#classes[@]} && ${#classes[@]} -ge 2 ]]; then
+        tests "gpu-tests-${classes[i]}" "${classes[i]}" "$i" & pids+=($!)
+      else
+        tests "gpu-tests-${classes[i]}" "${classes[i]}" || status=1
+      fi
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     cat "$out"/gpu-tests-*-summary.txt ;;
   parallel)
     tests gpu-tests-parallel "parallel_layout" || status=1

@@ -6,10 +6,12 @@ engines built as the benchmark builds them (its _Engine), with its workload. The
 between keeping nothing, the last prompt token, and every prompt row, the last with the
 module's copy to host and with variants that replace it for the comparison (rows kept on
 the device; the copy issued after vLLM's own output copy, whole or in chunks). Alternating
-inside one engine puts every variant through the same host conditions. It then profiles one
-generate of some variants (torch.profiler, Chrome traces). Seconds include waiting for the
-copies.
-    python3 scripts/probe_batched_copies.py --out DIR [--tiny] [--rounds 6]
+inside one engine puts every variant through the same host conditions, and the same compiled
+graph: every variant's greedy tokens are compared with the engine's first generate, so a copy
+that disturbed the forward would show as a variant whose tokens differ. With --profile it
+then profiles one generate of some variants (torch.profiler, Chrome traces). Seconds include
+waiting for the copies.
+    python3 scripts/probe_batched_copies.py --out DIR [--tiny] [--rounds 6] [--profile]
 """
 import argparse
 import collections
@@ -94,7 +96,7 @@ class _Copies:
         self.issue(self.chunk_bytes)
 
 
-def _child(kind, model, out, rounds, tiny):
+def _child(kind, model, out, rounds, tiny, profiled):
     import copy
 
     import torch
@@ -166,22 +168,28 @@ def _child(kind, model, out, rounds, tiny):
             tl.reset_batched(llm)
         return generated, total, outputs
 
+    def tokens(outputs):
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
     names = list(variants)
-    for name in names:
-        run(name)  # warm-up
-    for round_index in range(rounds):
+    reference = None  # the engine's first generate
+    same_tokens = collections.defaultdict(list)  # variant -> sequences equal to reference, per run
+    for round_index in range(rounds + 1):  # round 0 warms up, untimed
         for name in names if round_index % 2 == 0 else reversed(names):
-            generated, total, _ = run(name)
-            results[name].append((generated, total))
+            generated, total, outputs = run(name)
+            reference = reference or tokens(outputs)
+            same_tokens[name].append(sum(a == b for a, b in zip(tokens(outputs), reference)))
+            if round_index:
+                results[name].append((generated, total))
     summary = {}
     for name, runs in results.items():
         totals = [t for _, t in runs]
         summary[name] = {"median_total_s": statistics.median(totals), "fastest_total_s": min(totals),
-                         "median_generate_s": statistics.median(g for g, _ in runs), "runs": runs}
-    profiled = ["plain"] if kind == "plain" else ["f_current", "f_chunk32", "g_current"]
+                         "median_generate_s": statistics.median(g for g, _ in runs), "runs": runs,
+                         "sequences_equal_to_first_generate": same_tokens[name]}
     from torch.profiler import ProfilerActivity, profile
 
-    for name in profiled:
+    for name in (["plain"] if kind == "plain" else ["f_current", "f_chunk32", "g_current"]) if profiled else []:
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as prof:
             run(name)
         path = os.path.join(out, f"trace-{name}.json")
@@ -192,7 +200,7 @@ def _child(kind, model, out, rounds, tiny):
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
         table += "\n" + prof.key_averages().table(sort_by="self_device_time_total", row_limit=20)
         print(f"==== profile {name}\n{table}", flush=True)
-    print("@@PROBE@@ " + json.dumps(summary), flush=True)
+    print("@@PROBE@@ " + json.dumps({"kind": kind, "variants": summary, "first_tokens": reference}), flush=True)
 
 
 def main():
@@ -200,18 +208,19 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true", help="the benchmark's tiny fp32 model and workload")
     parser.add_argument("--rounds", type=int, default=6, help="timed generates of each variant")
+    parser.add_argument("--profile", action="store_true", help="then profile one generate of some variants")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.child:
-        _child(args.child, args.model, args.out, args.rounds, args.tiny)
+        _child(args.child, args.model, args.out, args.rounds, args.tiny, args.profile)
         return
     import bench_tl_vllm_hooks as bench
 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_DISABLE_COMPILE_CACHE="1", VLLM_CPU_KVCACHE_SPACE="1",
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    summary = {}
+    summary, first_tokens = {}, {}
     with tempfile.TemporaryDirectory() as root:
         model = os.path.join(root, "model")
         bench._make_model(model, bench._TINY_MODEL if args.tiny else bench._FULL_MODEL)
@@ -220,18 +229,26 @@ def main():
             log_path = os.path.join(args.out, f"probe-{kind}.log")
             with open(log_path, "w") as log:
                 command = [sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model,
-                           "--out", args.out, f"--rounds={args.rounds}"] + (["--tiny"] if args.tiny else [])
+                           "--out", args.out, f"--rounds={args.rounds}"]
+                command += (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
                 subprocess.run(command, env=child_env, stdout=log, stderr=subprocess.STDOUT)
             with open(log_path) as log:
                 for line in log:
                     if line.startswith("@@PROBE@@ "):
-                        summary.update(json.loads(line[len("@@PROBE@@ "):]))
+                        child = json.loads(line[len("@@PROBE@@ "):])
+                        summary.update(child["variants"])
+                        first_tokens[child["kind"]] = child["first_tokens"]
     plain = summary.get("plain", {}).get("median_total_s")
     for name, r in summary.items():
         ratio = plain / r["median_total_s"] if plain else float("nan")
         fastest = summary["plain"]["fastest_total_s"] / r["fastest_total_s"] if plain else float("nan")
         print(f"{name:12s} median {r['median_total_s']:.3f} s (generate {r['median_generate_s']:.3f}) "
-              f"fastest {r['fastest_total_s']:.3f} s  vs plain: median {ratio:.3f} fastest {fastest:.3f}")
+              f"fastest {r['fastest_total_s']:.3f} s  vs plain: median {ratio:.3f} fastest {fastest:.3f}  "
+              f"sequences equal to its engine's first generate, each generate: {r['sequences_equal_to_first_generate']}")
+    if len(first_tokens) == 2:
+        same = sum(a == b for a, b in zip(first_tokens["plain"], first_tokens["hooked"]))
+        print(f"hooked engine's first generate against plain's: {same} of {len(first_tokens['plain'])} sequences equal")
+        summary["hooked_sequences_equal_to_plain"] = same
     with open(os.path.join(args.out, "probe.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
