@@ -128,17 +128,31 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return difference / scale if scale else difference
 
 
+def _mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """How two activations differ, row by row: a scaled copy of the right row (norm ratio off,
+    cosine 1) reads differently from another row's values (cosine far from 1)."""
+    rows = []
+    for i, (a, e) in enumerate(zip(actual.double().reshape(len(actual), -1), expected.double().reshape(len(expected), -1))):
+        error = relative_error(a, e)
+        cosine = float(torch.nn.functional.cosine_similarity(a, e, dim=0))
+        rows.append((error, f"row {i}: error {error:.2e}, norm ratio {float(a.norm() / e.norm()):.3f}, cosine {cosine:.3f}"))
+    return "; ".join(text for _error, text in sorted(rows, reverse=True)[:3])
+
+
 def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TOLERANCE) -> float:
+    """The worst relative error over the hooks; fails naming every hook beyond tolerance."""
     assert set(actual) == set(expected), f"{context}: hooks {sorted(actual)} != {sorted(expected)}"
-    worst = 0.0
+    errors = {}
     for name in expected:
         assert actual[name].shape == expected[name].shape, (
             f"{context} {name}: shape {tuple(actual[name].shape)} != {tuple(expected[name].shape)}"
         )
-        error = relative_error(actual[name], expected[name])
-        assert error <= tolerance, f"{context} {name}: relative error {error:.2e} > {tolerance:.0e}"
-        worst = max(worst, error)
-    return worst
+        errors[name] = relative_error(actual[name], expected[name])
+    failed = [name for name, error in errors.items() if error > tolerance]
+    assert not failed, f"{context}: relative error > {tolerance:.0e} in " + " | ".join(
+        f"{name} {errors[name]:.2e} (worst rows: {_mismatch(actual[name], expected[name])})" for name in failed
+    )
+    return max(errors.values(), default=0.0)
 
 
 # --- engines -----------------------------------------------------------------
