@@ -9,7 +9,9 @@
 #                                                # --cases plain,a,b,c,d --side-by-side (one process, alternating)
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
 #   bash scripts/gpu_checks.sh probe [flags]     # batched flavour: capture modes and copy variants
-#                                                # in one engine, with profiles (scripts/probe_batched_copies.py)
+#                                                # in one engine (scripts/probe_batched_copies.py; --profile)
+#   bash scripts/gpu_checks.sh first-rows [flags]  # the 40-request check's workload, plain vs hooked engines,
+#                                                # logprobs against transformers (scripts/probe_first_rows.py)
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -56,9 +58,12 @@ case "$what" in
     tail -n 12 "$out/bench-tp.log" ;;
   probe)
     python3 scripts/probe_batched_copies.py --out "$out/probe" "${@:2}" > "$out/probe.log" 2>&1 || status=1
-    tail -n 8 "$out/probe.log" ;;
+    tail -n 12 "$out/probe.log" ;;
+  first-rows)
+    python3 scripts/probe_first_rows.py --out "$out/first-rows" "${@:2}" > "$out/first-rows.log" 2>&1 || status=1
+    grep -v "^Writing" "$out/first-rows.log" | tail -n 16 ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp|probe [flags]" >&2
+    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp|probe|first-rows [flags]" >&2
     exit 2 ;;
 esac
 exit $status

@@ -5,7 +5,8 @@ another the batched flavour (compiled, every layer's residual stream), both in-p
 engines built as the benchmark builds them (its _Engine), with its workload. The hooked engine alternates, generate by generate,
 between keeping nothing, the last prompt token, and every prompt row, the last with the
 module's copy to host and with variants that replace it for the comparison (rows kept on
-the device; the copy issued after vLLM's own output copy, whole or in chunks). Alternating
+the device; the copy split into many small copies; the copy issued after vLLM's own output
+copy in chunks). Alternating
 inside one engine puts every variant through the same host conditions, and the same compiled
 graph: every variant's greedy tokens are compared with the engine's first generate, so a copy
 that disturbed the forward would show as a variant whose tokens differ. With --profile it
@@ -39,8 +40,10 @@ def _workload(model, tiny):
 
 class _Copies:
     """Stands in for tl._rows_to_host: gather as it does, then keep the rows on the device
-    (no_d2h) or queue their copy to host, issued after vLLM's sample_tokens (deferred), all
-    of it or chunk_bytes at a time with one chunk in flight."""
+    (no_d2h), or copy them to host at once as copies of chunk_bytes each (split: a copy
+    engine that takes turns between streams per copy would then slot vLLM's own small
+    output copies in between), or queue the copy and issue it after vLLM's sample_tokens
+    (deferred), all of it or chunk_bytes at a time with one chunk in flight."""
 
     def __init__(self, state, mode, chunk_bytes=None):
         import torch
@@ -68,6 +71,8 @@ class _Copies:
                     self.pending.append((host[start:start + step], rows[start:start + step]))
             else:
                 self.pending.append((host, rows))
+        if self.mode == "split":
+            self.issue()
         return host_rows
 
     def issue(self, budget=None):
@@ -142,9 +147,9 @@ def _child(kind, model, out, rounds, tiny, profiled):
             "g_current": ("last_prompt_token", None),
             "f_current": ("prompt", None),
             "f_no_d2h": ("prompt", ("no_d2h", None)),
-            "f_deferred": ("prompt", ("deferred", None)),
+            "f_split8": ("prompt", ("split", 8 << 20)),
+            "f_split32": ("prompt", ("split", 32 << 20)),
             "f_chunk128": ("prompt", ("deferred", 128 << 20)),
-            "f_chunk32": ("prompt", ("deferred", 32 << 20)),
         }
 
     def run(name):
@@ -189,7 +194,7 @@ def _child(kind, model, out, rounds, tiny, profiled):
                          "sequences_equal_to_first_generate": same_tokens[name]}
     from torch.profiler import ProfilerActivity, profile
 
-    for name in (["plain"] if kind == "plain" else ["f_current", "f_chunk32", "g_current"]) if profiled else []:
+    for name in (["plain"] if kind == "plain" else ["f_current", "f_split8", "g_current"]) if profiled else []:
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as prof:
             run(name)
         path = os.path.join(out, f"trace-{name}.json")
