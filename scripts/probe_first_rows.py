@@ -10,6 +10,7 @@ model, weights rounded to bf16). If plain engines show the same requests off, vL
 those rows so; the hooks only report them. Hooked engines also report the captured rows'
 errors per hook, as the test does.
     python3 scripts/probe_first_rows.py --out DIR [--engines 3] [--cudagraph-mode FULL] [--runner v2]
+        [--compilation-config '{"inductor_compile_config": {"combo_kernels": false}}']
 (On a CPU, ``--runner v1 --cudagraph-mode NONE`` runs it end to end.)
 """
 import argparse
@@ -26,7 +27,7 @@ _TOP = 20  # logprobs per generated token compared with transformers'
 _PROMPTS = [[(31 * i + 7 * r) % 512 for i in range(1 + 2 * r)] for r in range(40)]  # as the test's
 
 
-def _child(kind, model_dir, cudagraph_mode):
+def _child(kind, model_dir, compilation_config):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from vllm import LLM, SamplingParams
@@ -40,7 +41,7 @@ def _child(kind, model_dir, cudagraph_mode):
     hook_paths = {name: path for name, (path, _width) in specs.items()}
     arguments = dict(dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=tests.MAX_TOKENS_PER_FORWARD,
                      max_num_seqs=8, enable_prefix_caching=False, skip_tokenizer_init=True,
-                     gpu_memory_utilization=0.05, seed=0, compilation_config={"cudagraph_mode": cudagraph_mode})
+                     gpu_memory_utilization=0.05, seed=0, compilation_config=compilation_config)
     extra_args = None
     if kind == "hooked":
         config = tl.configure(specs, tests.MAX_TOKENS_PER_FORWARD, torch.bfloat16, enable_batching=True,
@@ -78,11 +79,12 @@ def main():
     parser.add_argument("--engines", type=int, default=3, help="fresh engines of each kind, plain and hooked alternating")
     parser.add_argument("--cudagraph-mode", default="FULL")
     parser.add_argument("--runner", choices=("v1", "v2"), default="v2", help="vLLM's model runner")
+    parser.add_argument("--compilation-config", default="{}", help="JSON, vLLM's compilation_config besides the mode")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.model, args.cudagraph_mode)
+        _child(args.child, args.model, json.loads(args.compilation_config))
         return
     if not args.out:
         parser.error("--out DIR is required")
@@ -100,8 +102,9 @@ def main():
                 log_path = os.path.join(args.out, f"first-rows-{kind}-{index}.log")
                 child_env = dict(env, TL_VLLM_HOOKS_DISABLE="1") if kind == "plain" else env
                 with open(log_path, "w") as log:
+                    compilation_config = dict(json.loads(args.compilation_config), cudagraph_mode=args.cudagraph_mode)
                     subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model,
-                                    "--cudagraph-mode", args.cudagraph_mode],
+                                    "--compilation-config", json.dumps(compilation_config)],
                                    env=child_env, stdout=log, stderr=subprocess.STDOUT)
                 with open(log_path) as log:
                     found = [json.loads(line[len(_MARKER):]) for line in log if line.startswith(_MARKER)]
