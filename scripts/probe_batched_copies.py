@@ -2,16 +2,15 @@
 
 A developer's probe, for a GPU (--tiny runs it on a CPU). One child process runs plain vLLM,
 another the batched flavour (compiled, every layer's residual stream), both in-process
-engines built as the benchmark builds them (its _Engine), with its workload. The hooked engine alternates, generate by generate,
-between keeping nothing, the last prompt token, and every prompt row, the last with the
-module's copy to host and with variants that replace it for the comparison (rows kept on
-the device; the copy split into many small copies; the copy issued after vLLM's own output
-copy in chunks). Alternating
-inside one engine puts every variant through the same host conditions, and the same compiled
-graph: every variant's greedy tokens are compared with the engine's first generate, so a copy
-that disturbed the forward would show as a variant whose tokens differ. With --profile it
-then profiles one generate of some variants (torch.profiler, Chrome traces). Seconds include
-waiting for the copies.
+engines built as the benchmark builds them (its _Engine), with its workload. The hooked
+engine alternates, generate by generate, between keeping nothing, the last prompt token, and
+every prompt row, the last with the module's copy to host and with variants that replace it
+for the comparison (rows kept on the device; the copy split into many small copies; the copy
+issued after vLLM's own output copy, in chunks). Alternating inside one engine puts every
+variant through the same host conditions and the same compiled graph: every variant's greedy
+tokens are compared with the engine's first generate, so a copy that disturbed the forward
+would show as a variant whose tokens differ. With --profile it then profiles one generate of
+some variants (torch.profiler, Chrome traces). Seconds include waiting for the copies.
     python3 scripts/probe_batched_copies.py --out DIR [--tiny] [--rounds 6] [--profile]
 """
 import argparse
