@@ -61,7 +61,7 @@ case "$what" in
     tail -n 12 "$out/probe.log" ;;
   first-rows)
     python3 scripts/probe_first_rows.py --out "$out/first-rows" "${@:2}" > "$out/first-rows.log" 2>&1 || status=1
-    grep -v "^Writing" "$out/first-rows.log" | tail -n 16 ;;
+    grep -h "PROGRESS" "$out"/first-rows/*.log; grep -v "^Writing" "$out/first-rows.log" | tail -n 16 ;;
   *)
     echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp|probe|first-rows [flags]" >&2
     exit 2 ;;

@@ -19,10 +19,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 _MARKER = "@@FIRST_ROWS@@ "
+_MARKER_PROGRESS = "@@FIRST_ROWS_PROGRESS@@ "  # where a child got to, for a run stopped part-way
 _TOP = 20  # logprobs per generated token compared with transformers'
 _PROMPTS = [[(31 * i + 7 * r) % 512 for i in range(1 + 2 * r)] for r in range(40)]  # as the test's
 
@@ -48,13 +50,17 @@ def _child(kind, model_dir, compilation_config):
                               enable_position_interventions=True)
         arguments["worker_extension_cls"] = tl.WORKER_EXTENSION
         extra_args = tl.request_args(config, "last_prompt_token")
+    started = time.perf_counter()
     llm = LLM(model_dir, **arguments)
     tl.clear_config()
+    print(f"{_MARKER_PROGRESS}engine built in {time.perf_counter() - started:.0f} s", flush=True)
     params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=_TOP,
                             extra_args=extra_args)
     passes = []
     for _ in range(2):
+        started = time.perf_counter()
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in _PROMPTS], params, use_tqdm=False)
+        print(f"{_MARKER_PROGRESS}generate {len(passes)} took {time.perf_counter() - started:.1f} s", flush=True)
         captured = tl.read_batched(llm, [o.request_id for o in outputs]) if kind == "hooked" else {}
         requests = []
         for prompt, output in zip(_PROMPTS, outputs):
