@@ -11,7 +11,10 @@ those rows so; the hooks only report them. Hooked engines also report the captur
 errors per hook, as the test does.
     python3 scripts/probe_first_rows.py --out DIR [--engines 3] [--cudagraph-mode FULL] [--runner v2]
         [--compilation-config '{"inductor_compile_config": {"combo_kernels": false}}']
-(On a CPU, ``--runner v1 --cudagraph-mode NONE`` runs it end to end.)
+(On a CPU, ``--runner v1 --cudagraph-mode NONE`` runs it end to end.) Plan for about a minute
+per engine, and on a fresh machine ~100 s more for the first: Model Runner V2's warm-up after
+graph capture compiles its sampler's Triton kernels (measured on the H200), later engines
+reuse them.
 """
 import argparse
 import json
