@@ -139,6 +139,19 @@ class _SmClockSamples:
         return statistics.median(self.samples) if self.samples else None
 
 
+def _memory_fraction() -> float:
+    """gpu_memory_utilization for an engine that has the device to itself; on the CPU, where
+    vLLM reads it as a fraction of RAM, a small one."""
+    import torch
+
+    return 0.9 if torch.cuda.is_available() else 0.1
+
+
+def _greedy_tokens(outputs: list) -> list[list[int]]:
+    """Each request's generated token ids, from llm.generate's outputs."""
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 class _Engine:
     """One case's engine and workload in this process: timed generates and the case's result."""
 
@@ -222,9 +235,9 @@ class _Engine:
 
         outputs, _, read_s, check, _ = runs[-1]
         seconds = statistics.median(run[1] for run in runs)
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        tokens = _greedy_tokens(outputs)
         # Greedy decoding on one engine repeats itself exactly unless something races.
-        same_each_run = all([list(o.outputs[0].token_ids) for o in run[0]] == tokens for run in runs)
+        same_each_run = all(_greedy_tokens(run[0]) == tokens for run in runs)
         generated, rss = sum(map(len, tokens)), _peak_rss_tree() if alone else None
         # With tensor parallelism the workers are other processes: no peak readable here.
         gpu_peak = (torch.cuda.max_memory_allocated()
@@ -249,9 +262,7 @@ class _Engine:
 
 def _run_case(name: str, args: argparse.Namespace) -> dict:
     """Build one engine, warm up, time ``repeats`` generates; the result the parent parses."""
-    import torch
-
-    engine = _Engine(name, args, 0.9 if torch.cuda.is_available() else 0.1)  # on the CPU, a fraction of RAM
+    engine = _Engine(name, args, _memory_fraction())
     engine.generate()  # warm-up: first-request paths, caches, lazily compiled kernels
     runs = [engine.generate() for _ in range(args.repeats)]
     return engine.result(runs, alone=True)
@@ -264,12 +275,10 @@ def _run_side_by_side(cases: list[str], args: argparse.Namespace) -> list[dict]:
 
     Plain engines are built first, with the plugin off; then register() (case (a)); then each
     configured case. One process's peak memory covers every engine: none is reported."""
-    import torch
-
     import tl_vllm_hooks as tl
 
     order = sorted(cases, key=lambda name: (name not in _PLAIN, name != "a"))
-    share = (0.9 if torch.cuda.is_available() else 0.1) / len(cases)
+    share = _memory_fraction() / len(cases)
     engines = {}
     for name in order:
         if name in _PLAIN:

@@ -113,8 +113,7 @@ def _child(kind, model, out, rounds, tiny, profiled):
             torch.cuda.synchronize()
 
     # Case (f) of the benchmark: batched, compiled, every layer's residual stream.
-    engine = bench._Engine("plain" if kind == "plain" else "f", _workload(model, tiny),
-                           0.9 if torch.cuda.is_available() else 0.1)
+    engine = bench._Engine("plain" if kind == "plain" else "f", _workload(model, tiny), bench._memory_fraction())
     llm = engine.llm
     results = collections.defaultdict(list)
 
@@ -172,17 +171,14 @@ def _child(kind, model, out, rounds, tiny, profiled):
             tl.reset_batched(llm)
         return generated, total, outputs
 
-    def tokens(outputs):
-        return [list(o.outputs[0].token_ids) for o in outputs]
-
     names = list(variants)
     reference = None  # the engine's first generate
     same_tokens = collections.defaultdict(list)  # variant -> sequences equal to reference, per run
     for round_index in range(rounds + 1):  # round 0 warms up, untimed
         for name in names if round_index % 2 == 0 else reversed(names):
             generated, total, outputs = run(name)
-            reference = reference or tokens(outputs)
-            same_tokens[name].append(sum(a == b for a, b in zip(tokens(outputs), reference)))
+            reference = reference or bench._greedy_tokens(outputs)
+            same_tokens[name].append(sum(a == b for a, b in zip(bench._greedy_tokens(outputs), reference)))
             if round_index:
                 results[name].append((generated, total))
     summary = {}
