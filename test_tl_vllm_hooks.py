@@ -158,6 +158,21 @@ def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TO
 # --- engines -----------------------------------------------------------------
 
 
+def engine_arguments(dtype="float32"):
+    """The LLM arguments of every test engine, hooks aside: small batches, so that prompts
+    are chunked and steps mix requests, and prefix caching off (cached rows never run)."""
+    return dict(
+        dtype=dtype,
+        max_model_len=1024,
+        max_num_batched_tokens=MAX_TOKENS_PER_FORWARD,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.05,
+        seed=0,
+    )
+
+
 @contextlib.contextmanager
 def engine(
     model_dir,
@@ -188,18 +203,7 @@ def engine(
         enable_position_interventions=positions,
     )
     try:
-        arguments = dict(
-            dtype=dtype,
-            max_model_len=1024,
-            max_num_batched_tokens=MAX_TOKENS_PER_FORWARD,
-            max_num_seqs=8,
-            enable_prefix_caching=False,
-            enforce_eager=eager,
-            skip_tokenizer_init=True,
-            gpu_memory_utilization=0.05,
-            worker_extension_cls=tlh.WORKER_EXTENSION,
-            seed=0,
-        )
+        arguments = dict(engine_arguments(dtype), enforce_eager=eager, worker_extension_cls=tlh.WORKER_EXTENSION)
         llm = LLM(str(model_dir), **{**arguments, **llm_kwargs})
     finally:
         tlh.clear_config()
@@ -865,6 +869,9 @@ BF16_TOLERANCE = 2e-2
 # batch). Another position's row would be ~1 off.
 BF16_ROW_TOLERANCE = 4e-2
 RUNNERS = {"v2": (("VLLM_USE_V2_MODEL_RUNNER", "1"),), "v1": (("VLLM_USE_V2_MODEL_RUNNER", "0"),)}
+# 40 prompts of 1, 3, ..., 79 tokens: with max_num_seqs=8 and 128 tokens a step, one generate
+# makes steps of every size and mix.
+MANY_PROMPTS = [[(31 * i + 7 * r) % 512 for i in range(1 + 2 * r)] for r in range(40)]
 
 
 @CUDA
@@ -949,7 +956,7 @@ class TestCudaBatched:
     def test_last_prompt_token_of_many_requests(self, llm):
         # 40 requests of 1..79 tokens in one generate: batches of every size,
         # padded for CUDA graphs; each request keeps exactly its last prompt row.
-        requests = [([(31 * i + 7 * r) % 512 for i in range(1 + 2 * r)], "last_prompt_token", None) for r in range(40)]
+        requests = [(prompt, "last_prompt_token", None) for prompt in MANY_PROMPTS]
         check_per_request(llm, llm.reference_model, requests, max_tokens=4, row_tolerance=BF16_ROW_TOLERANCE)
         assert [status["unread_requests"] for status in tlh._status(llm)] == [0]
 

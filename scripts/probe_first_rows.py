@@ -29,7 +29,6 @@ sys.path.insert(0, ROOT)
 _MARKER = "@@FIRST_ROWS@@ "
 _MARKER_PROGRESS = "@@FIRST_ROWS_PROGRESS@@ "  # where a child got to, for a run stopped part-way
 _TOP = 20  # logprobs per generated token compared with transformers'
-_PROMPTS = [[(31 * i + 7 * r) % 512 for i in range(1 + 2 * r)] for r in range(40)]  # as the test's
 
 
 def _child(kind, model_dir, compilation_config):
@@ -44,9 +43,7 @@ def _child(kind, model_dir, compilation_config):
     hf_model = tests.bf16_reference_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
     specs = tl.capture_specs(AutoConfig.from_pretrained(model_dir), sites=tests.ALL_SITES)
     hook_paths = {name: path for name, (path, _width) in specs.items()}
-    arguments = dict(dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=tests.MAX_TOKENS_PER_FORWARD,
-                     max_num_seqs=8, enable_prefix_caching=False, skip_tokenizer_init=True,
-                     gpu_memory_utilization=0.05, seed=0, compilation_config=compilation_config)
+    arguments = dict(tests.engine_arguments("bfloat16"), compilation_config=compilation_config)
     extra_args = None
     if kind == "hooked":
         config = tl.configure(specs, tests.MAX_TOKENS_PER_FORWARD, torch.bfloat16, enable_batching=True,
@@ -62,11 +59,12 @@ def _child(kind, model_dir, compilation_config):
     passes = []
     for _ in range(2):
         started = time.perf_counter()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in _PROMPTS], params, use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in tests.MANY_PROMPTS]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         print(f"{_MARKER_PROGRESS}generate {len(passes)} took {time.perf_counter() - started:.1f} s", flush=True)
         captured = tl.read_batched(llm, [o.request_id for o in outputs]) if kind == "hooked" else {}
         requests = []
-        for prompt, output in zip(_PROMPTS, outputs):
+        for prompt, output in zip(tests.MANY_PROMPTS, outputs):
             with torch.no_grad():
                 logits = hf_model(torch.tensor([prompt])).logits[0, -1]
             expected = torch.log_softmax(logits.double(), dim=-1)
