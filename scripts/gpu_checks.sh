@@ -10,7 +10,7 @@
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
 #   bash scripts/gpu_checks.sh probe [flags]     # batched flavour: capture modes and copy variants
 #                                                # in one engine (scripts/probe_batched_copies.py; --profile)
-#   bash scripts/gpu_checks.sh first-rows [flags]  # the 40-request check's workload, plain vs hooked engines,
+#   bash scripts/gpu_checks.sh first-rows [flags]  # the 40-request check's workload in plain and hooked engines,
 #                                                # logprobs against transformers (scripts/probe_first_rows.py)
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
 set -uo pipefail
@@ -61,7 +61,8 @@ case "$what" in
     tail -n 12 "$out/probe.log" ;;
   first-rows)
     python3 scripts/probe_first_rows.py --out "$out/first-rows" "${@:2}" > "$out/first-rows.log" 2>&1 || status=1
-    grep -h "PROGRESS" "$out"/first-rows/*.log; grep -v "^Writing" "$out/first-rows.log" | tail -n 16 ;;
+    grep -h "engine built\|wrong requests \[[0-9]" "$out"/first-rows/*.log | head -n 40
+    grep -h "wrong row in\|no result" "$out/first-rows.log" ;;
   *)
     echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp|probe|first-rows [flags]" >&2
     exit 2 ;;
