@@ -400,16 +400,19 @@ def test_step_collection_keeps_each_requests_rows():
             "G": plan(3, "last_prompt_token", {}),
             "N": plan(2, "none", {}),
         },  # D, E and F have no options: every row
-        next_positions={}, records={}, incomplete={}, capture_buffers={"h": buffer},
+        request_table=tlh._RequestTable(), records={}, incomplete={}, capture_buffers={"h": buffer},
         copy_stream=None, device=torch.device("cpu"), step=None,
     )
+    for request, request_plan in state.plans.items():
+        state.request_table.add(request, request_plan.kept_range, False)
 
     def step(number, layout):
         """layout: (request id, first position, rows) in row order."""
         counts = np.array([rows for _, _, rows in layout])
         starts = np.concatenate([[0], np.cumsum(counts)])
         first = np.array([position for _, position, _ in layout])
-        state.step = tlh._StepLayout(starts, [request for request, _, _ in layout], first)
+        request_ids = [request for request, _, _ in layout]
+        state.step = tlh._StepLayout(starts, request_ids, first, state.request_table.entries(request_ids))
         owners = np.repeat(np.arange(len(layout)), counts)
         buffer.zero_()
         buffer[: starts[-1], 0] = torch.from_numpy(state.step.row_positions).float()  # what the row is ...
@@ -431,7 +434,27 @@ def test_step_collection_keeps_each_requests_rows():
     assert kept("D") == ([0, 1, 2, 3, 4], [1, 4, 4, 4, 4])  # each position once, the recomputed rows
     assert set(state.records) == {"A", "B", "C", "D", "F"}
     assert set(state.incomplete) == {"F", "G"} and "prefix caching" in state.incomplete["G"]
-    assert state.next_positions == {"A": 7, "B": 5, "C": 6, "D": 5, "F": 4, "G": 5, "N": 2}
+    next_positions = {r: int(state.request_table.next_position[e]) for r, e in state.request_table.index.items()}
+    assert next_positions == {"A": 7, "B": 5, "C": 6, "D": 5, "E": 0, "F": 4, "G": 5, "N": 2}
+
+
+def test_request_table_reuses_entries_and_keeps_values_as_it_grows():
+    table = tlh._RequestTable()
+    ids = [f"r{i}" for i in range(150)]  # past the first 64 entries and the next 64
+    for i, request in enumerate(ids):
+        table.add(request, (i, i + 1), i % 2 == 0)
+    entries = table.entries(ids)
+    assert sorted(entries.tolist()) == list(range(150))
+    assert table.kept_first[entries].tolist() == list(range(150))
+    assert table.has_edits[entries].tolist() == [1 - i % 2 for i in range(150)]
+    table.next_position[entries] = 7
+    for request in ids[:10]:
+        table.remove(request)
+    (reused,) = table.entries(["new"])  # not added: keeps every row
+    assert reused in entries[:10] and table.next_position[reused] == 0
+    assert (table.kept_first[reused], table.kept_last[reused]) == tlh._KEEP_ALL
+    again = table.add(ids[20], (3, 4), False)  # added again: its position carries on
+    assert again == entries[20] and table.next_position[again] == 7 and table.kept_first[again] == 3
 
 
 # --- compiled flavour ----------------------------------------------------------

@@ -369,12 +369,10 @@ class _HookState:
         self.row_edit_index_dirty = False
         self.slots: dict[str, int] = {}
         self.plans: dict[str, _RequestPlan] = {}
-        self.edited_requests: set[str] = set()  # those whose plan has edits
+        self.request_table = _RequestTable()
         self.first_positions: dict[str, int] | None = None  # of the step being prepared
         self.step: _StepLayout | None = None  # of the step whose forward is in flight
         self.records: dict[str, _RequestRows] = {}
-        # Running requests: the position each one's next row must have.
-        self.next_positions: dict[str, int] = {}
         self.incomplete: dict[str, str] = {}
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -383,9 +381,8 @@ class _HookState:
         self.fire_counts.zero_()
         self.capture_flags.fill_(1)
         self.plans.clear()
-        self.edited_requests.clear()
+        self.request_table = _RequestTable()
         self.slots.clear()
-        self.next_positions.clear()
         self.clear_batched()
 
     def clear_batched(self) -> None:
@@ -677,14 +674,64 @@ class _RequestPlan:
             }[self.capture]
 
 
+class _RequestTable:
+    """What every step reads of each of its requests, as int64 arrays with one entry per
+    request from its first step to its end, so that a step reads and updates them for all
+    its requests in a few array operations rather than request by request.
+
+    kept_first, kept_last: the request's _RequestPlan.kept_range. next_position: the
+    position its next row must have (0 before its first step). has_edits: 1 if its plan
+    has edits.
+    """
+
+    _COLUMNS = ("kept_first", "kept_last", "next_position", "has_edits")
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}  # request id -> its entry
+        self.free: list[int] = []
+        for column in self._COLUMNS:
+            setattr(self, column, np.zeros(0, dtype=np.int64))
+
+    def add(self, request_id: str, kept_range: tuple[int, int], has_edits: bool) -> int:
+        """The request's entry, made on its first call; its plan's numbers written in either case."""
+        entry = self.index.get(request_id)
+        if entry is None:
+            if not self.free:
+                size = len(self.kept_first)
+                for column in self._COLUMNS:
+                    setattr(self, column, np.concatenate([getattr(self, column), np.zeros(max(size, 64), np.int64)]))
+                self.free = list(range(len(self.kept_first) - 1, size - 1, -1))
+            entry = self.index[request_id] = self.free.pop()
+            self.next_position[entry] = 0
+        self.kept_first[entry], self.kept_last[entry] = kept_range
+        self.has_edits[entry] = has_edits
+        return entry
+
+    def remove(self, request_id: str) -> None:
+        entry = self.index.pop(request_id, None)
+        if entry is not None:
+            self.free.append(entry)
+
+    def entries(self, request_ids: list[str]) -> np.ndarray:
+        """int64 [len(request_ids)]: each request's entry. One never added (running since
+        before the hooks' first step) gets one that keeps every row."""
+        entries = np.fromiter(
+            map(self.index.get, request_ids, itertools.repeat(-1)), dtype=np.int64, count=len(request_ids)
+        )
+        for i in np.flatnonzero(entries < 0):
+            entries[i] = self.add(request_ids[i], _KEEP_ALL, False)
+        return entries
+
+
 @dataclass
 class _StepLayout:
     """The rows of one forward: request i owns rows starts[i]:starts[i + 1], the first of
-    them at token position first_positions[i]."""
+    them at token position first_positions[i]; its numbers are entries[i] of the request table."""
 
     starts: np.ndarray  # int64 [num_requests + 1]
     request_ids: list[str]
     first_positions: np.ndarray  # int64 [num_requests]
+    entries: np.ndarray  # int64 [num_requests]
     row_positions: np.ndarray = field(init=False)  # int64 [num_rows], each row's token position
 
     def __post_init__(self) -> None:
@@ -752,16 +799,12 @@ def _note_requests(state: _HookState, scheduler_output: Any) -> None:
     """Read the step's new requests' options and every request's first position."""
     for request_id in scheduler_output.finished_req_ids:
         state.plans.pop(request_id, None)
-        state.edited_requests.discard(request_id)
+        state.request_table.remove(request_id)
         state.slots.pop(request_id, None)
-        state.next_positions.pop(request_id, None)
     first_positions = {}
     for new in scheduler_output.scheduled_new_reqs:
         plan = state.plans[new.req_id] = _plan_for(state, new)
-        if plan.edits:
-            state.edited_requests.add(new.req_id)
-        else:
-            state.edited_requests.discard(new.req_id)
+        state.request_table.add(new.req_id, plan.kept_range, bool(plan.edits))
         if not (isinstance(plan.capture, str) and plan.capture == "none"):
             state.records.setdefault(new.req_id, _RequestRows())  # read_batched knows it from now on
         first_positions[new.req_id] = new.num_computed_tokens
@@ -807,14 +850,14 @@ def _begin_step(state: _HookState) -> None:
         for i in np.flatnonzero(first < 0):
             state.incomplete[request_ids[i]] = "a step ran it without its scheduler output entry"
         return
+    entries = state.request_table.entries(request_ids)
     starts = np.asarray(starts, dtype=np.int64)
-    state.step = _StepLayout(starts, request_ids, first)
+    state.step = _StepLayout(starts, request_ids, first, entries)
     row_positions = state.step.row_positions
 
     global_rows = _global_rows(state.config)
-    edited_requests = state.edited_requests
-    edited = [i for i, r in enumerate(request_ids) if r in edited_requests] if edited_requests else []
-    if global_rows == 1 and not edited:
+    edited = np.flatnonzero(state.request_table.has_edits[entries])
+    if global_rows == 1 and not edited.size:
         # Every row uses the engine-wide row 0: write the index only if a
         # request's edit changed it since.
         if state.row_edit_index_dirty:
@@ -872,14 +915,13 @@ def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
 def _kept_rows(state: _HookState, step: _StepLayout) -> np.ndarray:
     """Boolean mask over the step's rows: which ones their request keeps."""
     counts = np.diff(step.starts)
-    plans = [state.plans.get(request_id) for request_id in step.request_ids]
-    ranges = itertools.chain.from_iterable(_KEEP_ALL if plan is None else plan.kept_range for plan in plans)
-    first, last = np.fromiter(ranges, dtype=np.int64, count=2 * len(plans)).reshape(-1, 2).T
+    first = state.request_table.kept_first[step.entries]
+    last = state.request_table.kept_last[step.entries]
     positions = step.row_positions
     kept = (positions >= np.repeat(first, counts)) & (positions <= np.repeat(last, counts))
     for i in np.flatnonzero(first < 0):  # requests keeping a list of positions
         rows = slice(step.starts[i], step.starts[i + 1])
-        kept[rows] = np.isin(positions[rows], plans[i].capture)
+        kept[rows] = np.isin(positions[rows], state.plans[step.request_ids[i]].capture)
     return kept
 
 
@@ -901,11 +943,9 @@ def _collect_step(state: _HookState) -> None:
     kept_rows = np.flatnonzero(kept)
     host_rows = _rows_to_host(state, kept_rows) if kept_rows.size else {}
     request_ids, first_positions = step.request_ids, step.first_positions
-    expected = np.fromiter(
-        map(state.next_positions.get, request_ids, itertools.repeat(0)), dtype=np.int64, count=len(request_ids)
-    )
-    running_ids = list(itertools.compress(request_ids, running))
-    state.next_positions.update(zip(running_ids, (first_positions + num_run)[running].tolist()))
+    next_position = state.request_table.next_position
+    expected = next_position[step.entries]
+    next_position[step.entries[running]] = (first_positions + num_run)[running]
     offsets = np.cumsum(kept_per_request) - kept_per_request
     for i in np.flatnonzero(running & ((kept_per_request > 0) | (first_positions != expected))):
         start, end = int(offsets[i]), int(offsets[i] + kept_per_request[i])
