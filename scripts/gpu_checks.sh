@@ -12,6 +12,8 @@
 #                                                # in one engine (scripts/probe_batched_copies.py; --profile)
 #   bash scripts/gpu_checks.sh first-rows [flags]  # the 40-request check's workload in plain and hooked engines,
 #                                                # logprobs against transformers (scripts/probe_first_rows.py)
+#   bash scripts/gpu_checks.sh step-host-time [flags]  # the batched flavour's host work per step, in-process
+#                                                # engine (scripts/probe_step_host_time.py; --capture none)
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -63,8 +65,11 @@ case "$what" in
     python3 scripts/probe_first_rows.py --out "$out/first-rows" "${@:2}" > "$out/first-rows.log" 2>&1 || status=1
     grep -h "engine built\|wrong requests \[[0-9]" "$out"/first-rows/*.log | head -n 40
     grep -h "wrong row in\|no result" "$out/first-rows.log" ;;
+  step-host-time)
+    python3 scripts/probe_step_host_time.py "${@:2}" > "$out/step-host-time.log" 2>&1 || status=1
+    grep "^generate" "$out/step-host-time.log" ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp|probe|first-rows [flags]" >&2
+    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp|probe|first-rows|step-host-time [flags]" >&2
     exit 2 ;;
 esac
 exit $status
