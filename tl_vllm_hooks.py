@@ -693,13 +693,14 @@ class _RequestTable:
             setattr(self, column, np.zeros(0, dtype=np.int64))
 
     def add(self, request_id: str, kept_range: tuple[int, int], has_edits: bool) -> int:
-        """The request's entry, made on its first call; its plan's numbers written in either case."""
+        """The request's entry, made on its first call; kept_range and has_edits written on every call."""
         entry = self.index.get(request_id)
         if entry is None:
             if not self.free:
                 size = len(self.kept_first)
                 for column in self._COLUMNS:
-                    setattr(self, column, np.concatenate([getattr(self, column), np.zeros(max(size, 64), np.int64)]))
+                    grown = np.concatenate([getattr(self, column), np.zeros(max(size, 64), np.int64)])
+                    setattr(self, column, grown)
                 self.free = list(range(len(self.kept_first) - 1, size - 1, -1))
             entry = self.index[request_id] = self.free.pop()
             self.next_position[entry] = 0
@@ -732,11 +733,13 @@ class _StepLayout:
     request_ids: list[str]
     first_positions: np.ndarray  # int64 [num_requests]
     entries: np.ndarray  # int64 [num_requests]
+    counts: np.ndarray = field(init=False)  # int64 [num_requests], rows each request runs
     row_positions: np.ndarray = field(init=False)  # int64 [num_rows], each row's token position
 
     def __post_init__(self) -> None:
-        counts = np.diff(self.starts)
-        self.row_positions = np.repeat(self.first_positions - self.starts[:-1], counts) + np.arange(self.starts[-1])
+        self.counts = np.diff(self.starts)
+        offsets = self.first_positions - self.starts[:-1]  # position minus row, per request
+        self.row_positions = np.repeat(offsets, self.counts) + np.arange(self.starts[-1])
 
 
 @dataclass
@@ -914,7 +917,7 @@ def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
 
 def _kept_rows(state: _HookState, step: _StepLayout) -> np.ndarray:
     """Boolean mask over the step's rows: which ones their request keeps."""
-    counts = np.diff(step.starts)
+    counts = step.counts
     first = state.request_table.kept_first[step.entries]
     last = state.request_table.kept_last[step.entries]
     positions = step.row_positions
@@ -935,7 +938,7 @@ def _collect_step(state: _HookState) -> None:
     step = state.step
     starts = step.starts
     kept = _kept_rows(state, step)
-    num_run = np.diff(starts)
+    num_run = step.counts
     running = num_run > 0  # (reduceat would read one row for an empty segment)
     kept_per_request = np.zeros(len(num_run), dtype=np.int64)
     if running.any():
