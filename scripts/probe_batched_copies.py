@@ -189,7 +189,7 @@ def _child(kind, model, out, rounds, tiny, profiled):
                          "sequences_equal_to_first_generate": same_tokens[name]}
     from torch.profiler import ProfilerActivity, profile
 
-    for name in (["plain"] if kind == "plain" else ["f_current", "f_split8", "g_current"]) if profiled else []:
+    for name in (["plain"] if kind == "plain" else ["none", "g_current", "f_current"]) if profiled else []:
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as prof:
             run(name)
         path = os.path.join(out, f"trace-{name}.json")
