@@ -59,6 +59,7 @@ def _child(kind, model_dir, compilation_config, generates, modes):
     prompts = tests.MANY_PROMPTS
     with torch.no_grad():
         expected = [torch.log_softmax(hf_model(torch.tensor([p])).logits[0, -1].double(), dim=-1) for p in prompts]
+    reference_rows = {}  # prompt index -> transformers' rows by hook, made on first need
     arguments = dict(tests.engine_arguments("bfloat16"), compilation_config=compilation_config)
     config = None
     if _KINDS[kind] is not None:
@@ -79,12 +80,14 @@ def _child(kind, model_dir, compilation_config, generates, modes):
         seconds = time.perf_counter() - started
         captured = tl.read_batched(llm, [o.request_id for o in outputs]) if batched and mode != "none" else {}
         requests = []
-        for prompt, output, logprobs in zip(prompts, outputs, expected):
+        for r, (prompt, output, logprobs) in enumerate(zip(prompts, outputs, expected)):
             first = output.outputs[0].logprobs[0]
             logprob_error = max(abs(lp.logprob - float(logprobs[token])) for token, lp in first.items())
             hooks = {}
             if output.request_id in captured:
-                rows = tests.reference(hf_model, prompt, hook_paths)
+                if r not in reference_rows:
+                    reference_rows[r] = tests.reference(hf_model, prompt, hook_paths)
+                rows = reference_rows[r]
                 hooks = {name: tests.relative_error(captured[output.request_id][name][-1:].float(), rows[name][-1:])
                          for name in rows}
             requests.append({"prompt_len": len(prompt), "logprob_error": logprob_error, "hook_errors": hooks})
