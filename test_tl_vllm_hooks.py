@@ -950,16 +950,17 @@ class TestCudaGraphs:
 
 @CUDA
 class TestCudaBatched:
-    """The batched flavour under FULL and PIECEWISE CUDA graphs and eager, both runners.
+    """The batched flavour under CUDA graphs (vLLM's default FULL_AND_PIECEWISE with both
+    runners, PIECEWISE) and eager.
 
-    Not Model Runner V2 with FULL graphs: there plain vLLM 0.24 itself computes one row of
-    the 40-request check wrong in some generates (README, Limits); V1 runs FULL graphs for
-    mixed batches instead, and V2 vLLM's default, FULL for decode and PIECEWISE for the rest.
+    Not cudagraph_mode FULL: there plain vLLM 0.24 itself computes rows of these checks
+    wrong (README, Limits): with Model Runner V2 a prompt row of the 40-request check in
+    some generates, with V1 generated tokens' rows of the other two checks in every one.
     """
 
     @pytest.fixture(
         scope="class",
-        params=[("v2", "FULL_AND_PIECEWISE"), ("v1", "FULL"), ("v1", "PIECEWISE"), ("v2", "eager")],
+        params=[("v2", "FULL_AND_PIECEWISE"), ("v1", "FULL_AND_PIECEWISE"), ("v1", "PIECEWISE"), ("v2", "eager")],
         ids="-".join,
     )
     def llm(self, request, models):
