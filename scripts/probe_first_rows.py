@@ -1,24 +1,28 @@
-"""Does an engine compute the rows of the batched flavour's 40-request check right?
+"""Does an engine compute the rows of the batched flavour's GPU checks right?
 
-A developer's probe, for a GPU, and the reproducer of a vLLM problem. The workload is
-TestCudaBatched's 40-request check (prompts of 1, 3, ..., 79 tokens, max_num_seqs=8, 128
-tokens a step, so steps of every size and mix). Each engine generates it --generates times;
-each request's first generated token's logprobs are set against transformers' (the test's
-model, weights rounded to bf16); a request more than 0.3 off (bf16 rounding gives <= ~0.07)
-is a wrong row, and the run ends with a tally per engine kind. Kinds: plain vLLM (the module
-disabled), the batched flavour as the test builds it (also with the request_args capture
-modes in --modes, cycled, and the captured rows' errors per hook), and the compiled
-flavour (hooks in the graph, no work per step).
+A developer's probe, for a GPU, and the reproducer of vLLM problems. The workload is one of
+TestCudaBatched's checks (--workload): the 40-request check (prompts of 1, 3, ..., 79
+tokens), BATCH (9, 300 and 57 tokens, 5 generated) or the prompts of MIXED_REQUESTS; the
+test's engine arguments (max_num_seqs=8, 128 tokens a step, so steps of every size and
+mix). Each engine generates it --generates times; every generated token's logprobs (top 20)
+are set against transformers' on the prompt and the tokens generated before it (the test's
+model, weights rounded to bf16); a request more than 0.3 off anywhere (bf16 rounding gives
+<= ~0.08) has a wrong row, and the run ends with a tally per engine kind. Kinds: plain vLLM
+(the module disabled), the batched flavour as the test builds it (also with the
+request_args capture modes in --modes, cycled, and the captured rows' errors per hook), and
+the compiled flavour (hooks in the graph, no work per step).
     python3 scripts/probe_first_rows.py --out DIR [--kinds plain,hooked] [--engines 3]
-        [--generates 2] [--modes last_prompt_token,none,prompt] [--cudagraph-mode FULL]
-        [--runner v2]
+        [--generates 2] [--modes last_prompt_token,none,prompt] [--workload many]
+        [--cudagraph-mode FULL] [--runner v2]
         [--compilation-config '{"inductor_compile_config": {"combo_kernels": false}}']
-Measured with it on the H200 (vLLM 0.24): with Model Runner V2 and cudagraph_mode FULL,
-plain vLLM computes request 1 (3 tokens) wrong in some generates (its logprobs 1.088 off
-instead of 0.023); V1 with FULL, and V2 with FULL_AND_PIECEWISE, never (README, Limits).
-(On a CPU, ``--runner v1 --cudagraph-mode NONE`` runs it end to end.) Plan for about a minute
-per engine, and on a fresh machine ~100-200 s more for the first: Model Runner V2's warm-up
-compiles its sampler's Triton kernels (measured on the H200), later engines reuse them.
+Measured with it on the H200 (vLLM 0.24), plain vLLM and the batched flavour alike: with
+Model Runner V2 and cudagraph_mode FULL, request 1 of the 40 (3 tokens) wrong in some
+generates (1.088 off instead of 0.023); with V1 and FULL, later generated tokens of BATCH
+and MIXED_REQUESTS 4-7 off in every generate; V1 and V2 with FULL_AND_PIECEWISE never
+(README, Limits). (On a CPU, ``--runner v1 --cudagraph-mode NONE`` runs it end to end.)
+Plan for about a minute per engine, and on a fresh machine ~100-200 s more for the first:
+Model Runner V2's warm-up compiles its sampler's Triton kernels (measured on the H200),
+later engines reuse them.
 """
 import argparse
 import collections
@@ -41,10 +45,10 @@ _KINDS = {  # engine kind -> configure() keywords, or None for plain vLLM
     "hooked": dict(enable_batching=True, enable_position_interventions=True),  # as the test's engines
     "compiled": dict(),  # the compiled flavour: hooks in the graph, no per-step host work
 }
-_WRONG = 0.3  # a logprob error above this is a wrong row (bf16 rounding gives <= ~0.07 here)
+_WRONG = 0.3  # a logprob error above this is a wrong row (bf16 rounding gives <= ~0.08 here)
 
 
-def _child(kind, model_dir, compilation_config, generates, modes):
+def _child(kind, model_dir, compilation_config, generates, modes, workload):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from vllm import LLM, SamplingParams
@@ -56,10 +60,15 @@ def _child(kind, model_dir, compilation_config, generates, modes):
     hf_model = tests.bf16_reference_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
     specs = tl.capture_specs(AutoConfig.from_pretrained(model_dir), sites=tests.ALL_SITES)
     hook_paths = {name: path for name, (path, _width) in specs.items()}
-    prompts = tests.MANY_PROMPTS
-    with torch.no_grad():
-        expected = [torch.log_softmax(hf_model(torch.tensor([p])).logits[0, -1].double(), dim=-1) for p in prompts]
-    reference_rows = {}  # prompt index -> transformers' rows by hook, made on first need
+    prompts, max_tokens = _workload(tests, workload)
+    references = {}  # sequence -> (transformers' log-probabilities per row, rows by hook), made on first need
+
+    def reference(sequence):
+        if sequence not in references:
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([sequence])).logits[0].double()
+            references[sequence] = (torch.log_softmax(logits, dim=-1), tests.reference(hf_model, list(sequence), hook_paths))
+        return references[sequence]
     arguments = dict(tests.engine_arguments("bfloat16"), compilation_config=compilation_config)
     config = None
     if _KINDS[kind] is not None:
@@ -73,28 +82,42 @@ def _child(kind, model_dir, compilation_config, generates, modes):
     passes = []
     for index in range(generates):
         mode = modes[index % len(modes)] if batched else None
-        params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=_TOP,
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=_TOP,
                                 extra_args=tl.request_args(config, mode) if batched else None)
         started = time.perf_counter()
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - started
         captured = tl.read_batched(llm, [o.request_id for o in outputs]) if batched and mode != "none" else {}
         requests = []
-        for r, (prompt, output, logprobs) in enumerate(zip(prompts, outputs, expected)):
-            first = output.outputs[0].logprobs[0]
-            logprob_error = max(abs(lp.logprob - float(logprobs[token])) for token, lp in first.items())
+        for r, (prompt, output) in enumerate(zip(prompts, outputs)):
+            generated = list(output.outputs[0].token_ids)
+            sequence = tuple(prompt) + tuple(generated[:-1])  # the rows that ran through the model
+            logprobs, rows = reference(sequence)
+            # The error of each generated token's top logprobs; token j comes from row len(prompt) - 1 + j.
+            token_errors = [
+                max(abs(lp.logprob - float(logprobs[len(prompt) - 1 + j, token])) for token, lp in top.items())
+                for j, top in enumerate(output.outputs[0].logprobs)
+            ]
             hooks = {}
             if output.request_id in captured:
-                if r not in reference_rows:
-                    reference_rows[r] = tests.reference(hf_model, prompt, hook_paths)
-                rows = reference_rows[r]
-                hooks = {name: tests.relative_error(captured[output.request_id][name][-1:].float(), rows[name][-1:])
+                kept = tests.kept_rows(mode, len(prompt), len(sequence))
+                hooks = {name: tests.relative_error(captured[output.request_id][name].float(), rows[name][kept])
                          for name in rows}
-            requests.append({"prompt_len": len(prompt), "logprob_error": logprob_error, "hook_errors": hooks})
+            requests.append({"prompt_len": len(prompt), "logprob_error": max(token_errors),
+                             "token_errors": token_errors, "hook_errors": hooks})
         wrong = [r for r, request in enumerate(requests) if request["logprob_error"] > _WRONG]
         print(f"{_MARKER_PROGRESS}generate {index} ({mode}) took {seconds:.1f} s, wrong requests {wrong}", flush=True)
         passes.append({"capture": mode, "requests": requests})
     print(_MARKER + json.dumps({"kind": kind, "passes": passes}), flush=True)
+
+
+def _workload(tests, name):
+    """(prompts, max_tokens) of a check of TestCudaBatched."""
+    if name == "many":  # test_last_prompt_token_of_many_requests
+        return tests.MANY_PROMPTS, 4
+    if name == "batch":  # test_each_request_matches_transformers
+        return tests.BATCH, 5
+    return [prompt for prompt, _capture, _edits in tests.MIXED_REQUESTS], 3  # the options check, options aside
 
 
 def main():
@@ -105,6 +128,8 @@ def main():
     parser.add_argument("--generates", type=int, default=2, help="generates of the whole workload per engine")
     parser.add_argument("--modes", default="last_prompt_token",
                         help="batched kinds: request_args capture modes, one per generate, cycled")
+    parser.add_argument("--workload", choices=("many", "batch", "mixed"), default="many",
+                        help="prompts and max_tokens of a TestCudaBatched check: the 40 requests, BATCH, MIXED_REQUESTS")
     parser.add_argument("--cudagraph-mode", default="FULL")
     parser.add_argument("--runner", choices=("v1", "v2"), default="v2", help="vLLM's model runner")
     parser.add_argument("--compilation-config", default="{}", help="JSON, vLLM's compilation_config besides the mode")
@@ -113,7 +138,7 @@ def main():
     args = parser.parse_args()
     modes = args.modes.split(",")
     if args.child:
-        _child(args.child, args.model, json.loads(args.compilation_config), args.generates, modes)
+        _child(args.child, args.model, json.loads(args.compilation_config), args.generates, modes, args.workload)
         return
     if not args.out:
         parser.error("--out DIR is required")
@@ -138,7 +163,8 @@ def main():
                 with open(log_path, "w") as log:
                     subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind, "--model", model,
                                     "--compilation-config", json.dumps(compilation_config),
-                                    "--generates", str(args.generates), "--modes", args.modes],
+                                    "--generates", str(args.generates), "--modes", args.modes,
+                                    "--workload", args.workload],
                                    env=child_env, stdout=log, stderr=subprocess.STDOUT)
                 with open(log_path) as log:
                     found = [json.loads(line[len(_MARKER):]) for line in log if line.startswith(_MARKER)]
@@ -153,6 +179,7 @@ def main():
                     worst = sorted(range(len(requests)), key=lambda r: -requests[r]["logprob_error"])[:3]
                     text = ", ".join(
                         f"request {r} ({requests[r]['prompt_len']} tokens) {requests[r]['logprob_error']:.3f}"
+                        f" (generated token {requests[r]['token_errors'].index(requests[r]['logprob_error'])})"
                         + (f" [captured rows: worst hook {max(requests[r]['hook_errors'].values()):.2e}]"
                            if requests[r]["hook_errors"] else "")
                         for r in worst
