@@ -5,8 +5,9 @@ another the batched flavour (compiled, every layer's residual stream), both in-p
 engines built as the benchmark builds them (its _Engine), with its workload. The hooked
 engine alternates, generate by generate, between keeping nothing, the last prompt token, and
 every prompt row, the last with the module's copy to host and with variants that replace it
-for the comparison (rows kept on the device; the copy split into many small copies; the copy
-issued after vLLM's own output copy, in chunks). Alternating inside one engine puts every
+for the comparison (rows kept on the device; the copy issued after vLLM's sample_tokens, in
+chunks; the copy issued after vLLM's own output copy of the step's tokens has finished, whole
+or in chunks). Alternating inside one engine puts every
 variant through the same host conditions and the same compiled graph: every variant's greedy
 tokens are compared with the engine's first generate, so a copy that disturbed the forward
 would show as a variant whose tokens differ. With --profile it then profiles one generate of
@@ -39,10 +40,10 @@ def _workload(model, tiny):
 
 class _Copies:
     """Stands in for tl._rows_to_host: gather as it does, then keep the rows on the device
-    (no_d2h), or copy them to host at once as copies of chunk_bytes each (split: a copy
-    engine that takes turns between streams per copy would then slot vLLM's own small
-    output copies in between), or queue the copy and issue it after vLLM's sample_tokens
-    (deferred), all of it or chunk_bytes at a time with one chunk in flight."""
+    (no_d2h), or queue the copy and issue it after vLLM's sample_tokens (deferred), all of
+    it or chunk_bytes at a time with one chunk in flight; after_output does the same but
+    the copy stream first waits for vLLM's output copy stream, so vLLM's copy of the step's
+    sampled tokens (which the engine waits for) never queues behind the rows."""
 
     def __init__(self, state, mode, chunk_bytes=None):
         import torch
@@ -70,8 +71,6 @@ class _Copies:
                     self.pending.append((host[start:start + step], rows[start:start + step]))
             else:
                 self.pending.append((host, rows))
-        if self.mode == "split":
-            self.issue()
         return host_rows
 
     def issue(self, budget=None):
@@ -86,6 +85,11 @@ class _Copies:
         if budget is not None and self.last_event is not None and not self.last_event.query():
             return
         state.copy_stream.wait_stream(torch.cuda.current_stream(state.device))
+        if self.mode == "after_output":
+            runner = state.runner
+            output_stream = getattr(runner, "async_output_copy_stream", None) or getattr(runner, "output_copy_stream", None)
+            if output_stream is not None:
+                state.copy_stream.wait_stream(output_stream)
         sent = 0
         with torch.cuda.stream(state.copy_stream):
             while self.pending and (budget is None or sent < budget):
@@ -145,9 +149,10 @@ def _child(kind, model, out, rounds, tiny, profiled):
             "g_current": ("last_prompt_token", None),
             "f_current": ("prompt", None),
             "f_no_d2h": ("prompt", ("no_d2h", None)),
-            "f_split8": ("prompt", ("split", 8 << 20)),
-            "f_split32": ("prompt", ("split", 32 << 20)),
             "f_chunk128": ("prompt", ("deferred", 128 << 20)),
+            "f_out_all": ("prompt", ("after_output", None)),
+            "f_out_chunk64": ("prompt", ("after_output", 64 << 20)),
+            "f_out_chunk16": ("prompt", ("after_output", 16 << 20)),
         }
 
     def run(name):
@@ -164,7 +169,8 @@ def _child(kind, model, out, rounds, tiny, profiled):
         outputs = llm.generate(engine.prompts, sampling, use_tqdm=False)
         generated = time.perf_counter() - start
         if kind == "hooked" and current["copies"] is not None:
-            current["copies"].issue()
+            with torch.inference_mode():  # the host rows were made in vLLM's inference mode
+                current["copies"].issue()
         _sync()
         total = time.perf_counter() - start
         if kind == "hooked":
