@@ -10,8 +10,9 @@
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
 #   bash scripts/gpu_checks.sh probe [flags]     # batched flavour: capture modes and copy variants
 #                                                # in one engine (scripts/probe_batched_copies.py; --profile)
-#   bash scripts/gpu_checks.sh first-rows [flags]  # the 40-request check's workload in plain and hooked engines,
-#                                                # logprobs against transformers (scripts/probe_first_rows.py)
+#   bash scripts/gpu_checks.sh first-rows [flags]  # a batched GPU check's workload (--workload many|batch|mixed) in
+#                                                # plain and hooked engines, every generated token's logprobs
+#                                                # against transformers (scripts/probe_first_rows.py)
 #   bash scripts/gpu_checks.sh step-host-time [flags]  # the batched flavour's host work per step, in-process
 #                                                # engine (scripts/probe_step_host_time.py; --capture none)
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
