@@ -61,14 +61,22 @@ def _child(kind, model_dir, compilation_config, generates, modes, workload):
     specs = tl.capture_specs(AutoConfig.from_pretrained(model_dir), sites=tests.ALL_SITES)
     hook_paths = {name: path for name, (path, _width) in specs.items()}
     prompts, max_tokens = _workload(tests, workload)
-    references = {}  # sequence -> (transformers' log-probabilities per row, rows by hook), made on first need
+    # Transformers' results per token sequence, each made on first need: the hooks' rows
+    # only for requests whose rows were captured (plain engines capture none).
+    log_probabilities, hook_rows = {}, {}
 
-    def reference(sequence):
-        if sequence not in references:
+    def reference_log_probabilities(sequence):
+        if sequence not in log_probabilities:
             with torch.no_grad():
                 logits = hf_model(torch.tensor([sequence])).logits[0].double()
-            references[sequence] = (torch.log_softmax(logits, dim=-1), tests.reference(hf_model, list(sequence), hook_paths))
-        return references[sequence]
+            log_probabilities[sequence] = torch.log_softmax(logits, dim=-1)
+        return log_probabilities[sequence]
+
+    def reference_rows(sequence):
+        if sequence not in hook_rows:
+            hook_rows[sequence] = tests.reference(hf_model, list(sequence), hook_paths)
+        return hook_rows[sequence]
+
     arguments = dict(tests.engine_arguments("bfloat16"), compilation_config=compilation_config)
     config = None
     if _KINDS[kind] is not None:
@@ -92,7 +100,7 @@ def _child(kind, model_dir, compilation_config, generates, modes, workload):
         for r, (prompt, output) in enumerate(zip(prompts, outputs)):
             generated = list(output.outputs[0].token_ids)
             sequence = tuple(prompt) + tuple(generated[:-1])  # the rows that ran through the model
-            logprobs, rows = reference(sequence)
+            logprobs = reference_log_probabilities(sequence)
             # The error of each generated token's top logprobs; token j comes from row len(prompt) - 1 + j.
             token_errors = [
                 max(abs(lp.logprob - float(logprobs[len(prompt) - 1 + j, token])) for token, lp in top.items())
@@ -101,6 +109,7 @@ def _child(kind, model_dir, compilation_config, generates, modes, workload):
             hooks = {}
             if output.request_id in captured:
                 kept = tests.kept_rows(mode, len(prompt), len(sequence))
+                rows = reference_rows(sequence)
                 hooks = {name: tests.relative_error(captured[output.request_id][name].float(), rows[name][kept])
                          for name in rows}
             requests.append({"prompt_len": len(prompt), "logprob_error": max(token_errors),

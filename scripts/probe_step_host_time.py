@@ -33,6 +33,7 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    import bench_tl_vllm_hooks as bench
     import tl_vllm_hooks as tl
 
     seconds = collections.defaultdict(list)
@@ -52,7 +53,7 @@ def main():
                               max_num_batched_tokens=16384, enable_batching=True)
         llm = LLM(model, dtype="float32", skip_tokenizer_init=True, enable_prefix_caching=False, seed=0,
                   max_num_batched_tokens=16384, max_num_seqs=256, worker_extension_cls=tl.WORKER_EXTENSION,
-                  gpu_memory_utilization=0.9 if torch.cuda.is_available() else 0.1)
+                  gpu_memory_utilization=bench._memory_fraction())
         tl.clear_config()
         rng = random.Random(0)
         prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(hf_config.vocab_size) for _ in range(128)])
