@@ -1,12 +1,18 @@
-"""Tests of tl_vllm_hooks against real vLLM and an independent reference.
+"""Tests of tl_vllm_hooks against real vLLM and independent references.
 
-Every captured number is compared with the same weights run through
-transformers, with forward hooks on the same modules. Models are tiny, random
-and fp32, built here. Tolerance: relative L2 error <= 1e-5 per hook. vLLM's CPU
-kernels (oneDNN matmuls, its own RMSNorm and attention) sum in another order
-than transformers, which leaves ~1e-7..1e-6 after a few layers of width 128;
-any semantic error (a missing residual, a row off by one, an edit applied
-twice) shows up at >= 1e-2.
+What a hook name means is TransformerLens's: every captured number is compared
+with TransformerLens 4.3's TransformerBridge on the same weights
+(run_with_hooks, with the same edits). Models are tiny, random and fp32, built
+here, with random norm weights and biases, so that a tensor taken on the wrong
+side of a norm's weight cannot pass. Tolerance: relative L2 error <= 1e-5 per
+hook. vLLM's CPU kernels (oneDNN matmuls, its own norms and attention) sum in
+another order than transformers, which leaves ~1e-7..3e-6 after three layers of
+width 128; any semantic error (a missing residual, a tensor before or after a
+norm, a row off by one, an edit applied twice) shows up at >= 1e-2.
+
+The GPU classes run where TransformerLens is not installed: they compare with
+transformers' modules at the places TRANSFORMERS_TAPS names, and a CPU test
+checks that those places give exactly TransformerLens's tensors, edits included.
 
 Engines are expensive (20-60 s to boot), so each class shares one.
 """
@@ -14,9 +20,11 @@ Engines are expensive (20-60 s to boot), so each class shares one.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -30,95 +38,218 @@ import tl_vllm_hooks as tlh
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 TOLERANCE = 1e-5
-ALL_SITES = ("resid_post", "attn_out", "mlp_out", "embed", "final_norm")
 MAX_TOKENS_PER_FORWARD = 128
 HERE = Path(__file__).resolve().parent
-
-
-# --- models and the reference ------------------------------------------------
-
-
-def _make_model(family: str, path: Path):
-    import transformers
-
-    torch.manual_seed({"llama": 0, "qwen2": 1}[family])
-    shape = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
+FAMILIES = ("llama", "qwen2", "gemma2", "gpt2", "gpt_neox")
+# The sites each family has, written out here rather than read from the module:
+# GPT-2 alone has learned positions; GPT-NeoX's attention and MLP both read the
+# block's input, so it has no mid-stream.
+FAMILY_SITES = {
+    family: tuple(
+        site for site in tlh.SITES
+        if not (site == "pos_embed" and family != "gpt2") and not (site == "resid_mid" and family == "gpt_neox")
     )
-    if family == "llama":
-        config, model_cls = transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
+    for family in FAMILIES
+}
+
+
+# --- models and the references -----------------------------------------------------------
+
+
+def apply_edit(rows: torch.Tensor, edit: dict) -> torch.Tensor:
+    """rows ([positions, *row shape]) with the edit applied by plain tensor indexing,
+    independently of the module's scale/bias tables."""
+    rows = rows.clone()
+    positions = edit.get("positions")
+    where = slice(None) if positions is None else [p for p in positions if p < len(rows)]
+    value = edit.get("value", 0.0)
+    value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    value = value.to(rows.dtype).reshape(rows.shape[1:] if value.numel() > 1 else ())
+    if edit["op"] == "suppress":
+        rows[where] = 0.0
+    elif edit["op"] == "scale":
+        rows[where] = rows[where] * value
+    elif edit["op"] == "add":
+        rows[where] = rows[where] + value
     else:
-        config, model_cls = transformers.Qwen2Config(**shape), transformers.Qwen2ForCausalLM
-    model = model_cls(config).to(torch.float32).eval()
-    model.save_pretrained(path)
-    return model
+        rows[where] = value.expand_as(rows[where])
+    return rows
+
+
+class Model:
+    """A tiny random model saved to disk, its transformers module, and TransformerLens
+    4.3's bridge on a copy of it (booted on first use; the bridge rewires the module
+    it is given)."""
+
+    def __init__(self, family: str, path: Path):
+        self.family, self.path = family, path
+        self.hf = tlh.tiny_model(str(path), family)
+        self._bridge = None
+
+    def reference(self, token_ids, names, edits=None):
+        """{hook_name: [len(token_ids), *row shape]} from TransformerLens's run_with_hooks,
+        each edit applied at its hook and carried downstream as TransformerLens carries it."""
+        from transformer_lens.model_bridge import TransformerBridge
+
+        if self._bridge is None:
+            self._bridge = TransformerBridge.boot_transformers(
+                str(self.path), hf_model=copy.deepcopy(self.hf), dtype=torch.float32, device="cpu"
+            )
+        edits = edits or {}
+        captured = {}
+
+        def make_hook(name):
+            def hook(tensor, hook):
+                rows = apply_edit(tensor[0], edits[name]) if name in edits else tensor[0]
+                captured[name] = rows.clone()
+                return rows[None]
+
+            return hook
+
+        with torch.no_grad():
+            self._bridge.run_with_hooks(torch.tensor([token_ids]), fwd_hooks=[(n, make_hook(n)) for n in names])
+        return {name: captured[name] for name in names}
+
+
+class Models(dict):
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family):
+        self[family] = Model(family, self.root / family)
+        return self[family]
 
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {family: (root / family, _make_model(family, root / family)) for family in ("llama", "qwen2")}
+    """{family: Model}, each built on first use."""
+    return Models(tmp_path_factory.mktemp("models"))
 
 
-def reference(hf_model, token_ids, hook_paths, edits=None):
-    """{hook_name: [len(token_ids), width]} from transformers, with edits applied.
+# Where TransformerLens's tensors are among transformers' own modules:
+# (module path, "output" | "input" | "normalized"). "normalized" is the module's
+# input normalized before its weight and bias, edits reaching its output as
+# edited * weight + bias.
+_DECODER = {
+    "embed": ("model.embed_tokens", "output"),
+    "resid_pre": ("model.layers.{i}", "input"),
+    "attn_z": ("model.layers.{i}.self_attn.o_proj", "input"),
+    "attn_out": ("model.layers.{i}.self_attn", "output"),
+    "resid_mid": ("model.layers.{i}.post_attention_layernorm", "input"),
+    "mlp_post": ("model.layers.{i}.mlp.down_proj", "input"),
+    "mlp_out": ("model.layers.{i}.mlp", "output"),
+    "resid_post": ("model.layers.{i}", "output"),
+    "final_norm": ("model.norm", "normalized"),
+}
+TRANSFORMERS_TAPS = {
+    "llama": _DECODER,
+    "qwen2": _DECODER,
+    "gemma2": {
+        **_DECODER,
+        "attn_out": ("model.layers.{i}.post_attention_layernorm", "output"),
+        "resid_mid": ("model.layers.{i}.pre_feedforward_layernorm", "input"),
+        "mlp_out": ("model.layers.{i}.post_feedforward_layernorm", "output"),
+    },
+    "gpt2": {
+        "embed": ("transformer.wte", "output"),
+        "pos_embed": ("transformer.wpe", "output"),
+        "resid_pre": ("transformer.h.{i}", "input"),
+        "attn_z": ("transformer.h.{i}.attn.c_proj", "input"),
+        "attn_out": ("transformer.h.{i}.attn", "output"),
+        "resid_mid": ("transformer.h.{i}.ln_2", "input"),
+        "mlp_post": ("transformer.h.{i}.mlp.c_proj", "input"),
+        "mlp_out": ("transformer.h.{i}.mlp", "output"),
+        "resid_post": ("transformer.h.{i}", "output"),
+        "final_norm": ("transformer.ln_f", "normalized"),
+    },
+    "gpt_neox": {
+        "embed": ("gpt_neox.embed_in", "output"),
+        "resid_pre": ("gpt_neox.layers.{i}", "input"),
+        "attn_z": ("gpt_neox.layers.{i}.attention.dense", "input"),
+        "attn_out": ("gpt_neox.layers.{i}.attention", "output"),
+        "mlp_post": ("gpt_neox.layers.{i}.mlp.dense_4h_to_h", "input"),
+        "mlp_out": ("gpt_neox.layers.{i}.mlp", "output"),
+        "resid_post": ("gpt_neox.layers.{i}", "output"),
+        "final_norm": ("gpt_neox.final_layer_norm", "normalized"),
+    },
+}
 
-    hook_paths: {hook_name: module path}; transformers' Llama and Qwen2 use the
-    same paths as vLLM's. Edits are applied here with plain tensor indexing,
-    independently of the module's scale/bias tables.
-    """
-    edits = edits or {}
-    modules = dict(hf_model.named_modules())
-    captured, handles = {}, []
-    for name, path in hook_paths.items():
 
-        def hook(_module, _inputs, output, name=name):
-            tensor = output[0] if isinstance(output, tuple) else output
-            rows = tensor[0]
-            if name in edits:
-                edit = edits[name]
-                positions = edit.get("positions")
-                where = slice(None) if positions is None else [p for p in positions if p < len(rows)]
-                value = edit.get("value")
-                value = value if isinstance(value, torch.Tensor) else torch.tensor(value or 0.0)
-                if edit["op"] == "suppress":
-                    rows[where] = 0.0
-                elif edit["op"] == "scale":
-                    rows[where] = rows[where] * value
-                elif edit["op"] == "add":
-                    rows[where] = rows[where] + value
-                else:
-                    rows[where] = value.expand_as(rows[where])
-            captured[name] = rows.detach().clone()
-            return output
+class TransformersReference:
+    """The hooks read with forward hooks on transformers' modules, at TRANSFORMERS_TAPS."""
 
-        handles.append(modules[path].register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            hf_model(torch.tensor([token_ids]))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured
+    def __init__(self, family: str, hf_model):
+        self.family, self.hf = family, hf_model
+
+    def reference(self, token_ids, names, edits=None):
+        edits = edits or {}
+        modules = dict(self.hf.named_modules())
+        row_shapes = tlh.capture_specs(self.hf.config, sites=FAMILY_SITES[self.family])
+        captured, handles = {}, []
+
+        def take(name, tensor):
+            rows = tensor[0].reshape(tensor.shape[1], *row_shapes[name])
+            rows = apply_edit(rows, edits[name]) if name in edits else rows
+            captured[name] = rows.clone()
+            return rows.reshape(tensor.shape)
+
+        places = {
+            tlh.SITES[site].format(i=i): (path.format(i=i), kind)
+            for site, (path, kind) in TRANSFORMERS_TAPS[self.family].items()
+            for i in range(self.hf.config.num_hidden_layers)
+        }
+        for name in names:
+            path, kind = places[name]
+            module = modules[path]
+            if kind == "output":
+
+                def hook(_module, _inputs, output, name=name):
+                    if isinstance(output, tuple):
+                        return (take(name, output[0]), *output[1:])
+                    return take(name, output)
+
+                handles.append(module.register_forward_hook(hook))
+            elif kind == "input":
+
+                def pre_hook(_module, args, kwargs, name=name):
+                    if "hidden_states" in kwargs:
+                        return args, {**kwargs, "hidden_states": take(name, kwargs["hidden_states"])}
+                    return (take(name, args[0]), *args[1:]), kwargs
+
+                handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            else:
+                handles.append(module.register_forward_hook(self._final_norm_hook(name, take)))
+        try:
+            with torch.no_grad():
+                self.hf(torch.tensor([token_ids]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return {name: captured[name] for name in names}
+
+    def _final_norm_hook(self, name, take):
+        def hook(module, inputs, output):
+            x = inputs[0].float()
+            if isinstance(module, torch.nn.LayerNorm):
+                x = x - x.mean(-1, keepdim=True)
+            eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon")
+            normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            edited = take(name, normalized)
+            weight = module.weight.float() + (1.0 if self.family == "gemma2" else 0.0)
+            bias = getattr(module, "bias", None)
+            return (edited * weight + (0.0 if bias is None else bias.float())).to(output.dtype)
+
+        return hook
 
 
-def bf16_reference_model(hf_model):
-    """The fp32 model with its weights rounded to bf16, as vLLM loads them in bf16."""
-    import copy
-
-    rounded = copy.deepcopy(hf_model)
+def bf16_reference(model: Model) -> TransformersReference:
+    """transformers in fp32 on the weights rounded to bf16, as vLLM loads them in bf16."""
+    rounded = copy.deepcopy(model.hf)
     with torch.no_grad():
         for parameter in rounded.parameters():
             parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
-    return rounded
+    return TransformersReference(model.family, rounded)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -175,9 +306,9 @@ def engine_arguments(dtype="float32"):
 
 @contextlib.contextmanager
 def engine(
-    model_dir,
+    model,
     *,
-    sites=ALL_SITES,
+    sites=None,
     in_process,
     eager,
     batching=False,
@@ -186,15 +317,14 @@ def engine(
     environment=(),
     **llm_kwargs,
 ):
-    """An LLM with hooks on every layer's `sites`; shut down on exit."""
-    from transformers import AutoConfig
+    """An LLM with hooks on every layer's `sites` (default: all the family has); shut down on exit."""
     from vllm import LLM, envs
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     saved = {key: os.environ.get(key) for key, _value in environment}
     os.environ.update(dict(environment))
     envs.disable_envs_cache()
-    specs = tlh.capture_specs(AutoConfig.from_pretrained(model_dir), sites=sites)
+    specs = tlh.capture_specs(model.hf.config, sites=sites or FAMILY_SITES[model.family])
     config = tlh.configure(
         specs,
         MAX_TOKENS_PER_FORWARD,
@@ -204,7 +334,7 @@ def engine(
     )
     try:
         arguments = dict(engine_arguments(dtype), enforce_eager=eager, worker_extension_cls=tlh.WORKER_EXTENSION)
-        llm = LLM(str(model_dir), **{**arguments, **llm_kwargs})
+        llm = LLM(str(model.path), **{**arguments, **llm_kwargs})
     finally:
         tlh.clear_config()
         for key, value in saved.items():
@@ -212,7 +342,7 @@ def engine(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    llm.hook_paths = {name: path for name, (path, _width) in specs.items()}
+    llm.hook_names = list(specs)
     llm.config = config
     try:
         yield llm
@@ -255,7 +385,7 @@ PROMPT = [(7 * i + 3) % 512 for i in range(40)]
 
 
 class TestConfigChannel:
-    SPECS = {"blocks.0.hook_resid_post": ("model.layers.0", 128)}
+    SPECS = {"blocks.0.hook_resid_post": (128,), "blocks.0.attn.hook_z": (2, 64), "gate_up": ("model.layers.0.mlp.gate_up_proj", 512)}
 
     def test_round_trip(self):
         config = tlh.CaptureConfig(self.SPECS, 64, torch.bfloat16, True, True)
@@ -265,9 +395,14 @@ class TestConfigChannel:
         "kwargs, field",
         [
             (dict(capture_specs=[]), "capture_specs"),
-            (dict(capture_specs={"h": ("model.layers.0",)}), "capture_specs"),
-            (dict(capture_specs={"h": ("model.layers.0", 0)}), "width"),
-            (dict(capture_specs={"h": ("model.layers.0", 1.5)}), "width"),
+            (dict(capture_specs={"h": ("model.layers.0",)}), r"\(module_path: str, width: positive int\)"),
+            (dict(capture_specs={"h": ("model.layers.0", 0)}), "width: positive int"),
+            (dict(capture_specs={"h": ("model.layers.0", 1.5)}), "width: positive int"),
+            (dict(capture_specs={"h": ("model.layers.0", True)}), "width: positive int"),
+            (dict(capture_specs={"blocks.0.hook_resid_post": ("model.layers.0", 128)}), "takes no module path"),
+            (dict(capture_specs={"blocks.0.hook_resid_post": (128, 0)}), "the shape of one row"),
+            (dict(capture_specs={"blocks.0.hook_resid_pots": 128}), "close matches: \\['blocks.0.hook_resid_post'"),
+            (dict(capture_specs={"blocks.0.attn.hook_pattern": 128}), "not a hook this module knows"),
             (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
             (dict(max_num_batched_tokens="64"), "max_num_batched_tokens"),
             (dict(dtype=torch.int8), "dtype"),
@@ -320,23 +455,47 @@ def test_tensor_wire_format_rejects_truncated_data():
 
 
 def test_capture_specs_names_follow_transformer_lens():
-    from transformers import LlamaConfig
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
 
-    specs = tlh.capture_specs(LlamaConfig(num_hidden_layers=2, hidden_size=64), sites=ALL_SITES)
-    assert specs["blocks.1.hook_resid_post"] == ("model.layers.1", 64)
-    assert specs["blocks.0.hook_attn_out"] == ("model.layers.0.self_attn", 64)
-    assert specs["blocks.1.hook_mlp_out"] == ("model.layers.1.mlp", 64)
-    assert specs["hook_embed"] == ("model.embed_tokens", 64)
-    assert specs["ln_final.hook_normalized"] == ("model.norm", 64)
-    assert len(specs) == 3 * 2 + 2
+    llama = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96)
+    llama.architectures = ["LlamaForCausalLM"]
+    specs = tlh.capture_specs(llama, sites=FAMILY_SITES["llama"])
+    assert list(specs) == [
+        "hook_embed",
+        *(f"blocks.{i}.{hook}" for i in range(2) for hook in (
+            "hook_resid_pre", "attn.hook_z", "hook_attn_out", "hook_resid_mid", "mlp.hook_post", "hook_mlp_out",
+            "hook_resid_post",
+        )),
+        "ln_final.hook_normalized",
+    ], "every hook, in the order a forward reaches them"
+    assert specs["blocks.1.attn.hook_z"] == (4, 16) and specs["blocks.0.mlp.hook_post"] == (96,)
+    assert specs["blocks.1.hook_resid_post"] == specs["hook_embed"] == (64,)
+    gpt2 = GPT2Config(n_embd=64, n_layer=1, n_head=2)
+    gpt2.architectures = ["GPT2LMHeadModel"]
+    assert tlh.capture_specs(gpt2, sites=("pos_embed", "mlp_post")) == {"hook_pos_embed": (64,), "blocks.0.mlp.hook_post": (256,)}
     with pytest.raises(ValueError, match="valid:"):
-        tlh.capture_specs(LlamaConfig(), sites=("resid_pre",))
+        tlh.capture_specs(llama, sites=("resid",))
     with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
-        tlh.capture_specs(LlamaConfig(num_hidden_layers=2), layers=[2])
+        tlh.capture_specs(llama, layers=[2])
+    with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
+        tlh.capture_specs(llama, layers=[True])
+
+
+def test_capture_specs_refuse_what_the_architecture_lacks():
+    from transformers import GPTNeoXConfig, MistralConfig
+
+    neox = GPTNeoXConfig(num_hidden_layers=2)
+    neox.architectures = ["GPTNeoXForCausalLM"]
+    with pytest.raises(ValueError, match=r"GPTNeoXForCausalLM has no \['blocks.{i}.hook_resid_mid'\] \(attention and MLP"):
+        tlh.capture_specs(neox, sites=("resid_post", "resid_mid"))
+    mistral = MistralConfig(num_hidden_layers=2)
+    mistral.architectures = ["MistralForCausalLM"]
+    with pytest.raises(ValueError, match=r"architecture MistralForCausalLM: .* no table for it; supported: \['GPT2LMHeadModel'"):
+        tlh.capture_specs(mistral)
 
 
 BATCHED_CONFIG = tlh.CaptureConfig(
-    {"blocks.0.hook_resid_post": ("model.layers.0", 128)}, 64, torch.float32, enable_batching=True
+    {"blocks.0.hook_resid_post": 128, "blocks.0.attn.hook_z": (2, 64)}, 64, torch.float32, enable_batching=True
 )
 
 
@@ -347,10 +506,16 @@ BATCHED_CONFIG = tlh.CaptureConfig(
         (BATCHED_CONFIG, dict(capture=[]), "must hold ints >= 0 and not be empty"),
         (BATCHED_CONFIG, dict(capture=[3, -1]), "must hold ints >= 0"),
         (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_pst": {"op": "suppress"}}), "close matches"),
-        (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_post": {"op": "add", "value": torch.ones(3)}}), "width 128"),
+        (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_post": {"op": "add", "value": torch.ones(3)}}), r"shape \[128\], got shape \[3\]"),
+        (BATCHED_CONFIG, dict(edits={"blocks.0.attn.hook_z": {"op": "set", "value": torch.ones(64, 2)}}), r"shape \[128\] or \[2, 64\], got shape \[64, 2\]"),
+        (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_post": {"op": "scale", "value": True}}), "finite number"),
+        (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_post": {"op": "add", "value": [True] * 128}}), "finite number"),
+        (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_post": {"op": "add", "value": float("nan")}}), "NaN or infinite"),
+        (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_post": {"op": "set", "value": torch.full((128,), float("inf"))}}), "NaN or infinite"),
+        (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_post": {"op": "suppress", "positions": [True]}}), "ints >= 0"),
         (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_post": {"op": "suppress", "positions": [-2]}}), "ints >= 0"),
         (BATCHED_CONFIG, dict(edits=["suppress"]), "expected a dict"),
-        (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_post": {"op": "add", "value": "one"}}), "a number"),
+        (BATCHED_CONFIG, dict(edits={"blocks.0.hook_resid_post": {"op": "add", "value": "one"}}), "a finite number"),
         (tlh.CaptureConfig(BATCHED_CONFIG.capture_specs, 64, torch.float32), {}, "enable_batching=True"),
         ("config.json", {}, "CaptureConfig of the engine"),
     ],
@@ -457,6 +622,51 @@ def test_request_table_reuses_entries_and_keeps_values_as_it_grows():
     assert again == entries[20] and table.next_position[again] == 7 and table.kept_first[again] == 3
 
 
+# --- every site of every family ---------------------------------------------------------
+
+
+def site_edits(model: Model) -> dict[str, dict]:
+    """One edit at each of the family's sites (layer 1 for layer sites). The ops cycle, so
+    every op meets several kinds of tap; vector values take the row's shape ([n_heads,
+    d_head] at attn_z: heads 0 and 1 differently)."""
+    specs = tlh.capture_specs(model.hf.config, sites=FAMILY_SITES[model.family], layers=[1])
+    edits = {}
+    for n, (name, shape) in enumerate(specs.items()):
+        vector = torch.linspace(-1.0, 1.0, int(torch.Size(shape).numel())).reshape(shape)
+        edits[name] = [
+            {"op": "suppress"},
+            {"op": "scale", "value": 0.5},
+            {"op": "add", "value": vector},
+            {"op": "set", "value": vector},
+            {"op": "scale", "value": vector + 1.5, "positions": [2, 30]},
+        ][n % 5]
+    return edits
+
+
+def check_every_site_edit(llm, model: Model, baseline: dict, reference=None, tolerance=TOLERANCE) -> None:
+    """Compiled flavour: each site's edit, alone, against the reference (default
+    TransformerLens) with the same edit; the edited hook's own rows must move."""
+    for hook, edit in site_edits(model).items():
+        tlh.set_edits(llm, {hook: edit})
+        try:
+            edited = capture(llm, PROMPT)
+        finally:
+            tlh.reset_edits(llm)
+        expected = (reference or model).reference(PROMPT, llm.hook_names, {hook: edit})
+        assert_matches(edited, expected, f"edit {edit['op']} at {hook}", tolerance)
+        assert relative_error(edited[hook], baseline[hook]) > 1e-3, f"the edit at {hook} changed nothing"
+
+
+def check_every_site_edit_per_request(llm, model: Model, reference=None, tolerance=TOLERANCE) -> None:
+    """Batched flavour: one generate, one request per site carrying that site's edit, and a
+    300-token prompt (chunked prefill) editing the last site."""
+    edits = site_edits(model)
+    requests = [([(3 * i + 5 * n) % 512 for i in range(12 + 7 * n)], "all", {hook: edit})
+                for n, (hook, edit) in enumerate(edits.items())]
+    requests.append((BATCH[1], "all", dict([list(edits.items())[-1]])))
+    check_per_request(llm, reference or model, requests, tolerance=tolerance)
+
+
 # --- compiled flavour ----------------------------------------------------------
 
 
@@ -465,7 +675,7 @@ class TestCompiledLlamaInProcess:
 
     @pytest.fixture(scope="class")
     def llm(self, models):
-        with engine(models["llama"][0], in_process=True, eager=False) as llm:
+        with engine(models["llama"], in_process=True, eager=False) as llm:
             yield llm
 
     @pytest.fixture(scope="class")
@@ -473,10 +683,13 @@ class TestCompiledLlamaInProcess:
         tlh.reset_edits(llm)
         return capture(llm, PROMPT)
 
-    def test_every_site_matches_transformers(self, llm, baseline, models):
-        expected = reference(models["llama"][1], PROMPT, llm.hook_paths)
+    def test_every_hook_matches_transformer_lens(self, llm, baseline, models):
+        expected = models["llama"].reference(PROMPT, llm.hook_names)
         worst = assert_matches(baseline, expected, "llama compiled")
         print(f"\nllama compiled in-process: worst relative error {worst:.2e}")
+
+    def test_an_edit_at_each_site_matches_transformer_lens(self, llm, baseline, models):
+        check_every_site_edit(llm, models["llama"], baseline)
 
     @pytest.mark.parametrize(
         "hook, edit",
@@ -488,7 +701,7 @@ class TestCompiledLlamaInProcess:
             ("blocks.1.hook_resid_post", {"op": "set", "value": "vector"}),
         ],
     )
-    def test_edit_matches_transformers_with_the_same_edit(self, llm, baseline, models, hook, edit):
+    def test_edit_matches_transformer_lens_with_the_same_edit(self, llm, baseline, models, hook, edit):
         if edit.get("value") == "vector":
             edit = {**edit, "value": torch.linspace(-1.0, 1.0, 128)}
         tlh.set_edits(llm, {hook: edit})
@@ -496,7 +709,7 @@ class TestCompiledLlamaInProcess:
             edited = capture(llm, PROMPT)
         finally:
             tlh.reset_edits(llm)
-        expected = reference(models["llama"][1], PROMPT, llm.hook_paths, {hook: edit})
+        expected = models["llama"].reference(PROMPT, llm.hook_names, {hook: edit})
         assert_matches(edited, expected, f"edit {edit['op']} at {hook}")
         final = "ln_final.hook_normalized"
         assert relative_error(edited[final], baseline[final]) > 1e-3, "the edit changed nothing downstream"
@@ -517,7 +730,7 @@ class TestCompiledLlamaInProcess:
             edited = capture(llm, PROMPT)
         finally:
             tlh.reset_edits(llm)
-        expected = reference(models["llama"][1], PROMPT, llm.hook_paths, {hook: edit})
+        expected = models["llama"].reference(PROMPT, llm.hook_names, {hook: edit})
         assert_matches(edited, expected, "position edit")
         for name in baseline:
             assert torch.equal(edited[name][:3], baseline[name][:3]), f"{name}: rows before 3 changed"
@@ -555,7 +768,9 @@ class TestCompiledLlamaInProcess:
             ({"blocks.0.hook_resid_post": {"op": "add"}}, "needs a 'value'"),
             ({"blocks.0.hook_resid_post": {"op": "suppress", "value": 1.0}}, "takes no 'value'"),
             ({"blocks.0.hook_resid_post": {"op": "add", "value": 1.0, "pos": [1]}}, "keys must be"),
-            ({"blocks.0.hook_resid_post": {"op": "add", "value": torch.ones(127)}}, "width 128"),
+            ({"blocks.0.hook_resid_post": {"op": "add", "value": torch.ones(127)}}, r"shape \[128\], got shape \[127\]"),
+            ({"blocks.0.hook_resid_post": {"op": "scale", "value": float("inf")}}, "NaN or infinite"),
+            ({"blocks.0.hook_resid_post": {"op": "scale", "value": False}}, "finite number"),
             ({"blocks.0.hook_resid_post": {"op": "suppress", "positions": [-1]}}, "ints >= 0"),
             ({"blocks.0.hook_resid_post": {"op": "suppress", "positions": [128]}}, "must be < 128"),
         ],
@@ -582,23 +797,19 @@ class TestCompiledQwen2SeparateProcesses:
 
     @pytest.fixture(scope="class")
     def llm(self, models):
-        with engine(models["qwen2"][0], in_process=False, eager=False) as llm:
+        with engine(models["qwen2"], in_process=False, eager=False) as llm:
             yield llm
 
-    def test_every_site_matches_transformers(self, llm, models):
-        captured = capture(llm, PROMPT)
-        worst = assert_matches(captured, reference(models["qwen2"][1], PROMPT, llm.hook_paths), "qwen2")
+    @pytest.fixture(scope="class")
+    def baseline(self, llm):
+        return capture(llm, PROMPT)
+
+    def test_every_hook_matches_transformer_lens(self, llm, baseline, models):
+        worst = assert_matches(baseline, models["qwen2"].reference(PROMPT, llm.hook_names), "qwen2")
         print(f"\nqwen2 compiled separate processes: worst relative error {worst:.2e}")
 
-    def test_vector_edit_matches_transformers(self, llm, models):
-        edit = {"op": "add", "value": torch.linspace(0.0, 2.0, 128), "positions": [0, 5]}
-        tlh.set_edits(llm, {"blocks.1.hook_mlp_out": edit})
-        try:
-            captured = capture(llm, PROMPT)
-        finally:
-            tlh.reset_edits(llm)
-        expected = reference(models["qwen2"][1], PROMPT, llm.hook_paths, {"blocks.1.hook_mlp_out": edit})
-        assert_matches(captured, expected, "qwen2 edit")
+    def test_an_edit_at_each_site_matches_transformer_lens(self, llm, baseline, models):
+        check_every_site_edit(llm, models["qwen2"], baseline)
 
     def test_no_hook_is_absent(self, llm):
         assert tlh.absent_hooks(llm) == []
@@ -613,11 +824,11 @@ BATCH = [
 ]
 
 
-def check_batched(llm, hf_model, edits=None, max_tokens=3, tolerance=TOLERANCE, prompts=BATCH):
+def check_batched(llm, model, edits=None, max_tokens=3, tolerance=TOLERANCE, prompts=BATCH):
     """Every request's rows (its prompt, then every generated token but the last, which
     never runs through the model) equal its transformers run; edits: engine-wide, set for
     this call. Returns the worst relative error."""
-    _outputs, worst = check_per_request(llm, hf_model, [(p, None, None) for p in prompts], edits, max_tokens, tolerance)
+    _outputs, worst = check_per_request(llm, model, [(p, None, None) for p in prompts], edits, max_tokens, tolerance)
     return worst
 
 
@@ -633,7 +844,7 @@ def kept_rows(capture, prompt_len: int, num_rows: int) -> list[int]:
 
 
 def check_per_request(
-    llm, hf_model, requests, engine_edits=None, max_tokens=3, tolerance=TOLERANCE, row_tolerance=None
+    llm, model, requests, engine_edits=None, max_tokens=3, tolerance=TOLERANCE, row_tolerance=None
 ):
     """requests: [(prompt, capture or None, edits or None)], one generate call, with
     engine_edits set engine-wide for it.
@@ -662,7 +873,7 @@ def check_per_request(
                 tlh.read_batched(llm, [output.request_id])
             continue
         sequence = list(prompt) + list(output.outputs[0].token_ids)[:-1]
-        expected = reference(hf_model, sequence, llm.hook_paths, {**(engine_edits or {}), **(edits or {})})
+        expected = model.reference(sequence, llm.hook_names, {**(engine_edits or {}), **(edits or {})})
         rows = kept_rows(capture or "all", len(prompt), len(sequence))
         expected = {name: tensor[rows] for name, tensor in expected.items()}
         one_row = row_tolerance is not None and len(next(iter(expected.values()))) == 1
@@ -701,9 +912,9 @@ MIXED_REQUESTS = [
 ]
 
 
-def check_mixed_requests(llm, hf_model, engine_edits=None, tolerance=TOLERANCE, row_tolerance=None):
+def check_mixed_requests(llm, model, engine_edits=None, tolerance=TOLERANCE, row_tolerance=None):
     outputs, _worst = check_per_request(
-        llm, hf_model, MIXED_REQUESTS, engine_edits, tolerance=tolerance, row_tolerance=row_tolerance
+        llm, model, MIXED_REQUESTS, engine_edits, tolerance=tolerance, row_tolerance=row_tolerance
     )
     suppressed = list(outputs[-1].outputs[0].token_ids)
     assert suppressed == [0, 0, 0], "a suppressed final norm gives all-zero logits: token 0"
@@ -715,19 +926,22 @@ def check_mixed_requests(llm, hf_model, engine_edits=None, tolerance=TOLERANCE, 
 class TestBatchedLlamaSeparateProcesses:
     @pytest.fixture(scope="class")
     def llm(self, models):
-        with engine(models["llama"][0], in_process=False, eager=True, batching=True) as llm:
+        with engine(models["llama"], in_process=False, eager=True, batching=True) as llm:
             yield llm
 
-    def test_each_request_matches_its_own_transformers_run(self, llm, models):
-        worst = check_batched(llm, models["llama"][1])
+    def test_each_request_matches_its_own_transformer_lens_run(self, llm, models):
+        worst = check_batched(llm, models["llama"])
         print(f"\nllama batched separate processes: worst relative error {worst:.2e}")
+
+    def test_an_edit_at_each_site_per_request_matches_transformer_lens(self, llm, models):
+        check_every_site_edit_per_request(llm, models["llama"])
 
     def test_edit_applies_to_every_request(self, llm, models):
         edits = {"blocks.0.hook_mlp_out": {"op": "scale", "value": -2.0}}
-        check_batched(llm, models["llama"][1], edits)
+        check_batched(llm, models["llama"], edits)
 
-    def test_per_request_options_match_transformers(self, llm, models):
-        check_mixed_requests(llm, models["llama"][1])
+    def test_per_request_options_match_transformer_lens(self, llm, models):
+        check_mixed_requests(llm, models["llama"])
 
     def test_rows_are_freed_once_read(self, llm):
         outputs = generate(llm, BATCH[:1])
@@ -753,48 +967,107 @@ class TestBatchedCompiledLlamaInProcess:
 
     @pytest.fixture(scope="class")
     def llm(self, models):
-        with engine(models["llama"][0], in_process=True, eager=False, batching=True) as llm:
+        with engine(models["llama"], in_process=True, eager=False, batching=True) as llm:
             yield llm
 
-    def test_each_request_matches_its_own_transformers_run(self, llm, models):
-        worst = check_batched(llm, models["llama"][1], max_tokens=5)
+    def test_each_request_matches_its_own_transformer_lens_run(self, llm, models):
+        worst = check_batched(llm, models["llama"], max_tokens=5)
         print(f"\nllama batched compiled in-process: worst relative error {worst:.2e}")
 
     def test_position_edit_in_batch(self, llm, models):
         edits = {"blocks.1.hook_attn_out": {"op": "add", "value": torch.linspace(-1, 1, 128), "positions": [0, 60]}}
-        check_batched(llm, models["llama"][1], edits)
+        check_batched(llm, models["llama"], edits)
 
-    def test_per_request_options_match_transformers_beside_engine_wide_edits(self, llm, models):
+    def test_per_request_options_match_transformer_lens_beside_engine_wide_edits(self, llm, models):
         engine_edits = {
             "blocks.0.hook_mlp_out": {"op": "scale", "value": -2.0},  # request 2 replaces it
             "blocks.1.hook_attn_out": {"op": "add", "value": 0.1, "positions": [3]},
         }
-        check_mixed_requests(llm, models["llama"][1], engine_edits)
+        check_mixed_requests(llm, models["llama"], engine_edits)
 
     def test_hand_written_options_the_worker_refuses_surface_when_read(self, llm, models):
         (output,) = generate(llm, [BATCH[0]], 2, [{"tl_vllm_hooks": {"capture": "most"}}])
         with pytest.raises(RuntimeError, match=r"options were refused: capture: expected one of \['all'"):
             tlh.read_batched(llm, [output.request_id])
         tlh.reset_batched(llm)
-        check_batched(llm, models["llama"][1], prompts=BATCH[:1])
+        check_batched(llm, models["llama"], prompts=BATCH[:1])
 
 
 class TestBatchedQwen2InProcess:
     @pytest.fixture(scope="class")
     def llm(self, models):
-        with engine(models["qwen2"][0], in_process=True, eager=True, batching=True) as llm:
+        with engine(models["qwen2"], in_process=True, eager=True, batching=True) as llm:
             yield llm
 
-    def test_each_request_matches_its_own_transformers_run(self, llm, models):
-        worst = check_batched(llm, models["qwen2"][1])
+    def test_each_request_matches_its_own_transformer_lens_run(self, llm, models):
+        worst = check_batched(llm, models["qwen2"])
         print(f"\nqwen2 batched in-process: worst relative error {worst:.2e}")
+
+    def test_an_edit_at_each_site_per_request_matches_transformer_lens(self, llm, models):
+        check_every_site_edit_per_request(llm, models["qwen2"])
 
     def test_position_edit_in_batch(self, llm, models):
         edits = {"blocks.2.hook_resid_post": {"op": "set", "value": 1.0, "positions": [4, 100]}}
-        check_batched(llm, models["qwen2"][1], edits)
+        check_batched(llm, models["qwen2"], edits)
 
-    def test_per_request_options_match_transformers(self, llm, models):
-        check_mixed_requests(llm, models["qwen2"][1], {"blocks.2.hook_resid_post": {"op": "scale", "value": 1.5}})
+    def test_per_request_options_match_transformer_lens(self, llm, models):
+        check_mixed_requests(llm, models["qwen2"], {"blocks.2.hook_resid_post": {"op": "scale", "value": 1.5}})
+
+
+# --- the other families ------------------------------------------------------------------
+# Llama and Qwen2 run every check above; Gemma 2, GPT-2 and GPT-NeoX run these in
+# each flavour. GPT-NeoX runs only in separate processes: vLLM serves it through its
+# Transformers backend, which rewires transformers' GPT-NeoX classes in the process
+# that loads the model, and TransformerLens's bridge in the test process uses them.
+
+
+@pytest.fixture(
+    scope="class",
+    params=[
+        ("gemma2", "compiled", True, False),
+        ("gemma2", "batched", False, True),
+        ("gpt2", "compiled", False, False),
+        ("gpt2", "batched", True, False),
+        ("gpt_neox", "compiled", False, False),
+        ("gpt_neox", "batched", False, True),
+    ],
+    ids=lambda p: f"{p[0]}-{p[1]}-{'in-process' if p[2] else 'separate'}-{'eager' if p[3] else 'compiled'}",
+)
+def family_llm(request, models):
+    family, flavour, in_process, eager = request.param
+    with engine(models[family], in_process=in_process, eager=eager, batching=flavour == "batched") as llm:
+        llm.model = models[family]
+        yield llm
+
+
+class TestFamilies:
+    def test_every_hook_matches_transformer_lens(self, family_llm, request):
+        llm = family_llm
+        if llm.config.enable_batching:
+            worst = check_batched(llm, llm.model)
+        else:
+            worst = assert_matches(capture(llm, PROMPT), llm.model.reference(PROMPT, llm.hook_names), llm.model.family)
+        print(f"\n{request.node.name}: worst relative error {worst:.2e}")
+
+    def test_an_edit_at_each_site_matches_transformer_lens(self, family_llm):
+        llm = family_llm
+        if llm.config.enable_batching:
+            check_every_site_edit_per_request(llm, llm.model)
+        else:
+            check_every_site_edit(llm, llm.model, capture(llm, PROMPT))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_taps_read_what_transformer_lens_reads(models, family):
+    """The GPU classes' reference (transformers' modules at TRANSFORMERS_TAPS) gives
+    TransformerLens's tensors, unedited and under an edit at each site."""
+    model = models[family]
+    names = list(tlh.capture_specs(model.hf.config, sites=FAMILY_SITES[family]))
+    transformers_reference = TransformersReference(family, model.hf)
+    for hook, edit in [(None, None), *site_edits(model).items()]:
+        edits = {hook: edit} if hook else {}
+        expected = model.reference(PROMPT, names, edits)
+        assert_matches(transformers_reference.reference(PROMPT, names, edits), expected, f"{family} {hook} {edit}")
 
 
 # --- loading in spawned workers ------------------------------------------------------
@@ -809,8 +1082,8 @@ PROBE = textwrap.dedent(
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        model_dir, module_path, extension = sys.argv[1], sys.argv[2], sys.argv[3] == "extension"
-        tlh.configure({"blocks.0.hook_resid_post": (module_path, 128)}, 128, torch.float32)
+        model_dir, specs, extension = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "extension"
+        tlh.configure(specs, 128, torch.float32)
         kwargs = {"worker_extension_cls": tlh.WORKER_EXTENSION} if extension else {}
         llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=128,
                   enforce_eager=True, skip_tokenizer_init=True, gpu_memory_utilization=0.05,
@@ -821,7 +1094,7 @@ PROBE = textwrap.dedent(
             tlh.open_capture(llm)
             llm.generate(TokensPrompt(prompt_token_ids=list(range(1, 21))),
                          SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-            rows = tlh.read_captures(llm, 20)["blocks.0.hook_resid_post"]
+            (rows,) = tlh.read_captures(llm, 20).values()
             result["rows"] = rows.tolist()
             result["worker_module"] = tlh._status(llm)[0]["module"]
         print("PROBE " + json.dumps(result), flush=True)
@@ -829,14 +1102,14 @@ PROBE = textwrap.dedent(
 )
 
 
-def run_probe(directory: Path, model_dir: Path, module_path: str, mode: str, **env):
+def run_probe(directory: Path, model_dir: Path, specs: dict, mode: str, **env):
     """Run PROBE in a fresh interpreter: (exit code, its result or None, its log)."""
     script = directory / "probe.py"
     script.write_text(PROBE)
     environment = {**os.environ, **env}
     environment.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     done = subprocess.run(
-        [sys.executable, str(script), str(model_dir), module_path, mode],
+        [sys.executable, str(script), str(model_dir), json.dumps(specs), mode],
         cwd=directory,
         env=environment,
         capture_output=True,
@@ -852,12 +1125,12 @@ def test_copied_in_file_works_in_spawned_workers(tmp_path, models):
     (tmp_path / "tl_vllm_hooks.py").write_text((HERE / "tl_vllm_hooks.py").read_text())
     # VLLM_PLUGINS="" keeps an installed entry point from loading: only the copy runs.
     code, result, log = run_probe(
-        tmp_path, models["llama"][0], "model.layers.0", "extension", VLLM_PLUGINS=""
+        tmp_path, models["llama"].path, {"blocks.0.hook_resid_post": 128}, "extension", VLLM_PLUGINS=""
     )
     assert code == 0 and result, f"probe failed:\n{log[-4000:]}"
     copy = str(tmp_path / "tl_vllm_hooks.py")
     assert result["module"] == copy and result["worker_module"] == copy, result["worker_module"]
-    expected = reference(models["llama"][1], list(range(1, 21)), {"h": "model.layers.0"})["h"]
+    expected = models["llama"].reference(list(range(1, 21)), ["blocks.0.hook_resid_post"])["blocks.0.hook_resid_post"]
     assert relative_error(torch.tensor(result["rows"]), expected) <= TOLERANCE
 
 
@@ -870,7 +1143,7 @@ def test_installed_entry_point_installs_hooks_in_spawned_worker(tmp_path, models
     # No worker_extension_cls: only the entry point can bring the module into
     # the worker. A misspelt module path then fails the worker's model load,
     # with the close match named, which proves the hooks were being installed.
-    code, _result, log = run_probe(tmp_path, models["llama"][0], "model.layers.0.mlpp", "plain")
+    code, _result, log = run_probe(tmp_path, models["llama"].path, {"probe": ["model.layers.0.mlpp", 128]}, "plain")
     assert code != 0, "the engine started although its hook path does not exist"
     assert "'model.layers.0.mlpp' does not exist" in log and "model.layers.0.mlp" in log, log[-3000:]
 
@@ -909,19 +1182,19 @@ class TestCudaGraphs:
     def llm(self, request, models):
         runner, mode = request.param
         with engine(
-            models["llama"][0],
+            models["llama"],
             in_process=False,
             eager=False,
             dtype="bfloat16",
             environment=RUNNERS[runner],
             compilation_config={"cudagraph_mode": mode},
         ) as llm:
-            llm.reference_model = bf16_reference_model(models["llama"][1])
+            llm.reference_model = bf16_reference(models["llama"])
             yield llm
 
     def test_every_site_matches_transformers(self, llm, request):
         captured = capture(llm, PROMPT)
-        expected = reference(llm.reference_model, PROMPT, llm.hook_paths)
+        expected = llm.reference_model.reference(PROMPT, llm.hook_names)
         worst = assert_matches(captured, expected, request.node.name, BF16_TOLERANCE)
         print(f"\n{request.node.name}: worst relative error {worst:.2e}")
 
@@ -936,7 +1209,7 @@ class TestCudaGraphs:
             edited = capture(llm, PROMPT)
         finally:
             tlh.reset_edits(llm)
-        expected = reference(llm.reference_model, PROMPT, llm.hook_paths, edits)
+        expected = llm.reference_model.reference(PROMPT, llm.hook_names, edits)
         assert_matches(edited, expected, "edited", BF16_TOLERANCE)
         after = capture(llm, PROMPT)
         for name in before:
@@ -967,7 +1240,7 @@ class TestCudaBatched:
         runner, mode = request.param
         graphs = {} if mode == "eager" else {"compilation_config": {"cudagraph_mode": mode}}
         with engine(
-            models["llama"][0],
+            models["llama"],
             in_process=False,
             eager=mode == "eager",
             batching=True,
@@ -975,14 +1248,14 @@ class TestCudaBatched:
             environment=RUNNERS[runner],
             **graphs,
         ) as llm:
-            llm.reference_model = bf16_reference_model(models["llama"][1])
+            llm.reference_model = bf16_reference(models["llama"])
             yield llm
 
     def test_each_request_matches_transformers(self, llm, request):
         worst = check_batched(llm, llm.reference_model, max_tokens=5, tolerance=BF16_TOLERANCE)
         print(f"\n{request.node.name}: worst relative error {worst:.2e}")
 
-    def test_per_request_options_match_transformers(self, llm):
+    def test_per_request_options_match_transformer_lens(self, llm):
         engine_edits = {"blocks.0.hook_mlp_out": {"op": "scale", "value": -2.0}}
         check_mixed_requests(
             llm, llm.reference_model, engine_edits, tolerance=BF16_TOLERANCE, row_tolerance=BF16_ROW_TOLERANCE
@@ -996,6 +1269,34 @@ class TestCudaBatched:
         assert [status["unread_requests"] for status in tlh._status(llm)] == [0]
 
 
+@CUDA
+class TestCudaGemma2:
+    """A family other than Llama on the GPU: both flavours, Model Runner V2, vLLM's default
+    FULL_AND_PIECEWISE graphs, where vLLM's fused add+norm kernels work in place."""
+
+    @pytest.fixture(scope="class", params=["compiled", "batched"])
+    def llm(self, request, models):
+        batching = request.param == "batched"
+        with engine(models["gemma2"], in_process=False, eager=False, batching=batching, dtype="bfloat16",
+                    environment=RUNNERS["v2"]) as llm:
+            llm.reference_model = bf16_reference(models["gemma2"])
+            yield llm
+
+    def test_every_hook_matches_transformers(self, llm, request):
+        if llm.config.enable_batching:
+            worst = check_batched(llm, llm.reference_model, max_tokens=5, tolerance=BF16_TOLERANCE)
+        else:
+            expected = llm.reference_model.reference(PROMPT, llm.hook_names)
+            worst = assert_matches(capture(llm, PROMPT), expected, request.node.name, BF16_TOLERANCE)
+        print(f"\n{request.node.name}: worst relative error {worst:.2e}")
+
+    def test_an_edit_at_each_site_matches_transformers(self, llm, models):
+        if llm.config.enable_batching:
+            check_every_site_edit_per_request(llm, models["gemma2"], llm.reference_model, BF16_TOLERANCE)
+        else:
+            check_every_site_edit(llm, models["gemma2"], capture(llm, PROMPT), llm.reference_model, BF16_TOLERANCE)
+
+
 # --- tensor and pipeline parallel: two GPUs, or two CPU workers ----------------------
 # On the CPU (vLLM 0.32) tensor parallelism runs; pipeline parallelism fails in
 # plain vLLM there too (the second stage asserts on missing intermediate
@@ -1003,37 +1304,32 @@ class TestCudaBatched:
 
 TWO_GPUS = torch.cuda.device_count() >= 2
 LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
-EDIT = {"blocks.1.hook_mlp_out": {"op": "add", "value": 1.0}}
+# An edit of a replicated hook and of both kinds of split ones: head 0 of layer 0's
+# attention switched off and head 1 doubled, a ramp over layer 1's MLP units.
+EDIT = {
+    "blocks.1.hook_mlp_out": {"op": "add", "value": 1.0},
+    "blocks.0.attn.hook_z": {"op": "scale", "value": torch.tensor([0.0, 2.0]).repeat_interleave(64).reshape(2, 64)},
+    "blocks.1.mlp.hook_post": {"op": "add", "value": torch.linspace(-1.0, 1.0, 256)},
+}
 
 
 @pytest.fixture(scope="module")
 def one_gpu_rows(models):
     """PROMPT's rows, unedited and with EDIT, from a one-GPU engine (batched, graphs on)."""
-    with engine(models["llama"][0], in_process=False, eager=False, batching=True, dtype="bfloat16") as llm:
-        rows = {}
-        for key, edits in (("plain", None), ("edited", EDIT)):
-            (output,) = generate(llm, [PROMPT], extra_args=[tlh.request_args(llm.config, "prompt", edits)])
-            rows[key] = tlh.read_batched(llm, [output.request_id])[output.request_id]
-        return rows
+    with engine(models["llama"], in_process=False, eager=False, batching=True, dtype="bfloat16") as llm:
+        return {key: prompt_rows(llm, "batched", edits) for key, edits in (("plain", None), ("edited", EDIT))}
 
 
-def rows_per_rank(llm, flavour, edits):
-    """PROMPT's rows as each rank holds them: [{hook_name: tensor}] in rank order."""
+def prompt_rows(llm, flavour, edits):
+    """PROMPT's rows, with `edits`, read as a user reads them (all ranks joined)."""
     if flavour == "compiled":
         tlh.set_edits(llm, edits or {})
         try:
-            tlh.open_capture(llm)
-            generate(llm, [PROMPT])
+            return capture(llm, PROMPT)
         finally:
             tlh.reset_edits(llm)
-        replies = llm.collective_rpc("tl_read_captures", args=(len(PROMPT),))
-        return [{n: tlh.decode_tensor(m) for n, m in reply["result"].items()} for reply in replies]
     (output,) = generate(llm, [PROMPT], extra_args=[tlh.request_args(llm.config, "prompt", edits)])
-    replies = llm.collective_rpc("tl_read_batched", args=([output.request_id],))
-    return [
-        {n: tlh.decode_tensor(m) for n, m in reply["result"].get(output.request_id, {}).items()}
-        for reply in replies
-    ]
+    return tlh.read_batched(llm, [output.request_id])[output.request_id]
 
 
 @pytest.mark.parametrize("flavour", ["compiled", "batched"])
@@ -1050,10 +1346,10 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
         ("bfloat16", BF16_TOLERANCE, ()) if TWO_GPUS
         else ("float32", TOLERANCE, (("VLLM_CPU_OMP_THREADS_BIND", "0|1"),))
     )
-    hf_model = bf16_reference_model(models["llama"][1]) if TWO_GPUS else models["llama"][1]
+    reference_model = bf16_reference(models["llama"]) if TWO_GPUS else models["llama"]
     one_gpu = request.getfixturevalue("one_gpu_rows") if TWO_GPUS else None
     with engine(
-        models["llama"][0],
+        models["llama"],
         in_process=False,
         eager=False,
         batching=flavour == "batched",
@@ -1065,29 +1361,35 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
         hooks = [set(status["hooks"]) for status in statuses]
         assert len(statuses) == 2 and tlh.absent_hooks(llm) == []
         if layout == "tp2":
-            assert hooks[0] == hooks[1] == set(llm.hook_paths)
+            assert hooks[0] == hooks[1] == set(llm.hook_names)
+            split = {name for name in llm.hook_names if name.endswith(("attn.hook_z", "mlp.hook_post"))}
+            # Each rank holds one of the two heads, and half of the MLP's units.
+            assert [status["shards"] for status in statuses] == [
+                {name: 0 for name in split},
+                {name: 1 if name.endswith("hook_z") else 128 for name in split},
+            ]
         else:  # each hook on exactly one rank; the other rank lists it as absent
-            assert hooks[0] | hooks[1] == set(llm.hook_paths) and not hooks[0] & hooks[1]
+            assert hooks[0] | hooks[1] == set(llm.hook_names) and not hooks[0] & hooks[1]
             assert set(statuses[1]["absent"]) == hooks[0] and set(statuses[0]["absent"]) == hooks[1]
         for key, edits in (("plain", None), ("edited", EDIT)):
-            per_rank = rows_per_rank(llm, flavour, edits)
-            merged = {}
-            for rows in per_rank:
-                for name, tensor in rows.items():
-                    merged.setdefault(name, tensor)
+            rows = prompt_rows(llm, flavour, edits)
             context = f"{layout} {flavour} {key}"
-            # An edit applied once per rank, or to a partial sum, is >= 1e-1 off.
-            expected = reference(hf_model, PROMPT, llm.hook_paths, edits)
-            worst = assert_matches(merged, expected, f"{context} vs transformers", tolerance)
-            message = f"\n{context}: worst relative error vs transformers {worst:.2e}"
+            # An edit applied once per rank, or to a partial sum, or a split hook's
+            # parts put together in the wrong order, is >= 1e-1 off.
+            expected = reference_model.reference(PROMPT, llm.hook_names, edits)
+            worst = assert_matches(rows, expected, f"{context} vs the reference", tolerance)
+            message = f"\n{context}: worst relative error vs the reference {worst:.2e}"
             if one_gpu is not None:
-                worst = assert_matches(merged, one_gpu[key], f"{context} vs one GPU", tolerance)
+                worst = assert_matches(rows, one_gpu[key], f"{context} vs one GPU", tolerance)
                 message += f", vs one GPU {worst:.2e}"
-            if layout == "tp2":  # replicated activations: the ranks agree
-                for name in per_rank[0]:
-                    assert relative_error(per_rank[1][name], per_rank[0][name]) <= tolerance, name
-                identical = all(torch.equal(per_rank[0][n], per_rank[1][n]) for n in per_rank[0])
-                message += f", ranks bit-identical: {identical}"
+            if layout == "tp2" and flavour == "compiled":  # each rank's part of what was read
+                replies = [reply["result"] for reply in llm.collective_rpc("tl_read_captures", args=(len(PROMPT),))]
+                for name in llm.hook_names:
+                    parts = [tlh.decode_tensor(reply["rows"][name]) for reply in replies]
+                    whole = torch.cat(parts, dim=1) if name in split else parts[0]
+                    assert torch.equal(whole, rows[name]), name
+                    if name not in split:  # replicated: the ranks agree
+                        assert relative_error(parts[1], parts[0]) <= tolerance, name
             print(message)
         tlh.reset_fire_counts(llm)
         generate(llm, [PROMPT], max_tokens=4)
@@ -1107,14 +1409,17 @@ BAD_ENGINES = textwrap.dedent(
         import tl_vllm_hooks as tlh
         from vllm import LLM
 
-        model_dir = sys.argv[1]
-        good = {"blocks.0.hook_mlp_out": ("model.layers.0.mlp", 128)}
+        model_dir, mistral_dir = sys.argv[1], sys.argv[2]
+        good = {"blocks.0.hook_mlp_out": 128}
         base = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=128, enforce_eager=True,
                     skip_tokenizer_init=True, gpu_memory_utilization=0.05, enable_prefix_caching=False,
                     worker_extension_cls=tlh.WORKER_EXTENSION)
         attempts = {
             "path": ({"h": ("model.layers.0.mpl", 128)}, 128, False, {}),
-            "width": ({"h": ("model.layers.0.mlp", 64)}, 128, False, {}),
+            "width": ({"h": ("model.layers.0.mlp.down_proj", 64)}, 128, False, {}),
+            "shape": ({"blocks.0.hook_mlp_out": 64}, 128, False, {}),
+            "layer": ({"blocks.3.hook_mlp_out": 128}, 128, False, {}),
+            "architecture": (good, 128, False, {"model": mistral_dir}),
             "prefix": (good, 128, False, {"enable_prefix_caching": True}),
             "rows": (good, 64, False, {}),
         }
@@ -1122,7 +1427,7 @@ BAD_ENGINES = textwrap.dedent(
         for name, (specs, rows, batching, overrides) in attempts.items():
             tlh.configure(specs, rows, torch.float32, enable_batching=batching)
             try:
-                LLM(model_dir, **{**base, **overrides})
+                LLM(**{"model": model_dir, **base, **overrides})
                 refused[name] = False
             except Exception:
                 refused[name] = True
@@ -1149,9 +1454,15 @@ BAD_ENGINES = textwrap.dedent(
 def test_bad_engine_configs_are_refused_at_startup(tmp_path, models):
     script = tmp_path / "bad_engines.py"
     script.write_text(BAD_ENGINES)
+    # The Llama's weights under an architecture the table does not place: vLLM
+    # serves it (as Mistral), and the TransformerLens names must be refused.
+    mistral = tmp_path / "mistral"
+    shutil.copytree(models["llama"].path, mistral)
+    config = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
     environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     done = subprocess.run(
-        [sys.executable, str(script), str(models["llama"][0])],
+        [sys.executable, str(script), str(models["llama"].path), str(mistral)],
         cwd=HERE, env=environment, capture_output=True, text=True, timeout=600,
     )
     log = done.stdout + done.stderr
@@ -1161,7 +1472,11 @@ def test_bad_engine_configs_are_refused_at_startup(tmp_path, models):
     assert all(result["refused"].values()), f"engines that started anyway: {result['refused']}"
     for message in [
         "'model.layers.0.mpl' does not exist in LlamaForCausalLM; close matches: ['model.layers.0.mlp'",
-        "width 64, but model.layers.0.mlp outputs the model's hidden size, 128",
+        "capture_specs['h']: width 64, but model.layers.0.mlp.down_proj (RowParallelLinear) outputs rows of 128",
+        "row shape (64,), but this model's blocks.0.hook_mlp_out has rows of (128,)",
+        "blocks.3.hook_mlp_out: the model has 3 layers",
+        "architecture MistralForCausalLM: TransformerLens hook names are placed per architecture and this "
+        "module has no table for it; supported: ['GPT2LMHeadModel', 'GPTNeoXForCausalLM', 'Gemma2ForCausalLM'",
         "enable_prefix_caching: tokens served from vLLM's prefix cache never run through the model",
         "the engine schedules up to 128 tokens per forward but the capture buffers hold 64",
     ]:
@@ -1182,13 +1497,13 @@ def test_compile_cache_never_serves_a_graph_traced_for_other_hooks(models, tmp_p
     """
     cache = tmp_path / "vllm-cache"
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache))
-    model_dir, hf_model = models["llama"]
+    model = models["llama"]
     for sites in [("resid_post",), ("mlp_out",), ("resid_post",)]:
-        with engine(model_dir, sites=sites, in_process=False, eager=False) as llm:
+        with engine(model, sites=sites, in_process=False, eager=False) as llm:
             tlh.reset_fire_counts(llm)
             captured = capture(llm, PROMPT)
             assert set(tlh.read_fire_counts(llm).values()) == {1}, tlh.read_fire_counts(llm)
-            assert_matches(captured, reference(hf_model, PROMPT, llm.hook_paths), f"cache, {sites}")
+            assert_matches(captured, model.reference(PROMPT, llm.hook_names), f"cache, {sites}")
     entries = sorted(p.name for p in cache.glob("torch_compile_cache/*/*") if p.is_dir())
     assert len(entries) == 2, f"expected one compile-cache entry per hook config, got {entries}"
 
@@ -1205,11 +1520,11 @@ def run_command(arguments, cwd, timeout=300):
 
 
 def test_capture_command_writes_what_compare_confirms(tmp_path, models):
-    model_dir = models["qwen2"][0]
+    model = models["gemma2"]
     out = tmp_path / "acts.safetensors"
     done = run_command(
-        ["-m", "tl_vllm_hooks", "capture", str(model_dir), "--token-ids", "1 2 3 4 5 6",
-         "--token-ids", "9,8,7", "--sites", "resid_post,attn_out", "--layers", "0,2", "--out", str(out)],
+        ["-m", "tl_vllm_hooks", "capture", str(model.path), "--token-ids", "1 2 3 4 5 6",
+         "--token-ids", "9,8,7", "--sites", "resid_mid,attn_z", "--layers", "0,2", "--out", str(out)],
         tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -1217,14 +1532,14 @@ def test_capture_command_writes_what_compare_confirms(tmp_path, models):
 
     with safe_open(str(out), framework="pt") as archive:
         metadata, keys = archive.metadata(), set(archive.keys())
-        first = archive.get_tensor("prompt0.blocks.2.hook_attn_out")
+        first = archive.get_tensor("prompt0.blocks.2.attn.hook_z")
     assert json.loads(metadata["prompts"]) == [[1, 2, 3, 4, 5, 6], [9, 8, 7]]
-    assert len(keys) == 2 * 4 and first.shape == (6, 128)
-    expected = reference(models["qwen2"][1], [1, 2, 3, 4, 5, 6], {"h": "model.layers.2.self_attn"})["h"]
+    assert len(keys) == 2 * 4 and first.shape == (6, 2, 64)
+    expected = model.reference([1, 2, 3, 4, 5, 6], ["blocks.2.attn.hook_z"])["blocks.2.attn.hook_z"]
     assert relative_error(first, expected) <= TOLERANCE
     compared = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-5"], tmp_path)
     assert compared.returncode == 0, compared.stdout + compared.stderr[-2000:]
-    assert "blocks.2.hook_attn_out" in compared.stdout and "over tolerance" not in compared.stdout
+    assert "blocks.2.hook_resid_mid" in compared.stdout and "over tolerance" not in compared.stdout
     strict = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-12"], tmp_path)
     assert strict.returncode == 1 and "over tolerance" in strict.stdout
 
@@ -1234,12 +1549,13 @@ def test_capture_command_writes_what_compare_confirms(tmp_path, models):
     [
         (["capture", "MODEL", "--token-ids", "1 two 3", "--out", "x.safetensors"], "--token-ids: expected integers"),
         (["capture", "MODEL", "--out", "x.safetensors"], "no prompts"),
-        (["capture", "MODEL", "--token-ids", "1", "--sites", "resid_pre", "--out", "x"], "unknown sites"),
+        (["capture", "MODEL", "--token-ids", "1", "--sites", "resid", "--out", "x"], "unknown sites"),
+        (["capture", "MODEL", "--token-ids", "1", "--sites", "pos_embed", "--out", "x"], "LlamaForCausalLM has no"),
         (["compare", "missing.safetensors"], "error:"),
     ],
 )
 def test_command_line_errors_are_one_line(tmp_path, models, arguments, message):
-    arguments = [str(models["llama"][0]) if a == "MODEL" else a for a in arguments]
+    arguments = [str(models["llama"].path) if a == "MODEL" else a for a in arguments]
     done = run_command(["-m", "tl_vllm_hooks", *arguments], tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -1265,21 +1581,20 @@ def test_example_runs_on_the_built_in_model(tmp_path, example, expected):
 def test_config_in_vllm_config_reaches_workers_without_the_environment(models):
     """engine_kwargs carries the config in additional_config, for workers (Ray) that
     do not inherit the driver's environment; the environment channel stays empty."""
-    from transformers import AutoConfig
     from vllm import LLM, envs
 
-    model_dir, hf_model = models["llama"]
-    specs = tlh.capture_specs(AutoConfig.from_pretrained(model_dir), sites=("mlp_out",), layers=[1])
+    model = models["llama"]
+    specs = tlh.capture_specs(model.hf.config, sites=("mlp_out",), layers=[1])
     config = tlh.CaptureConfig(specs, MAX_TOKENS_PER_FORWARD, torch.float32)
     tlh.clear_config()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     envs.disable_envs_cache()
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=MAX_TOKENS_PER_FORWARD,
+    llm = LLM(str(model.path), dtype="float32", max_model_len=256, max_num_batched_tokens=MAX_TOKENS_PER_FORWARD,
               enforce_eager=True, enable_prefix_caching=False, skip_tokenizer_init=True,
               gpu_memory_utilization=0.05, **tlh.engine_kwargs(config))
     try:
         captured = capture(llm, PROMPT)
-        assert_matches(captured, reference(hf_model, PROMPT, {"blocks.1.hook_mlp_out": "model.layers.1.mlp"}))
+        assert_matches(captured, model.reference(PROMPT, ["blocks.1.hook_mlp_out"]))
     finally:
         shutdown(llm, in_process=True)
 
@@ -1290,13 +1605,13 @@ def test_engine_built_without_config_has_no_hooks_and_late_configure_does_not_re
     tlh.clear_config()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     envs.disable_envs_cache()
-    llm = LLM(str(models["qwen2"][0]), dtype="float32", max_model_len=256, enforce_eager=True,
+    llm = LLM(str(models["qwen2"].path), dtype="float32", max_model_len=256, enforce_eager=True,
               max_num_batched_tokens=MAX_TOKENS_PER_FORWARD, enable_prefix_caching=False,
               skip_tokenizer_init=True, gpu_memory_utilization=0.05, worker_extension_cls=tlh.WORKER_EXTENSION)
     try:
         with pytest.raises(RuntimeError, match="this engine has no hooks: call tl_vllm_hooks.configure"):
             tlh.open_capture(llm)
-        tlh.configure({"h": ("model.layers.0", 128)}, MAX_TOKENS_PER_FORWARD, torch.float32)
+        tlh.configure({"layer0": ("model.layers.0", 128)}, MAX_TOKENS_PER_FORWARD, torch.float32)
         try:
             generate(llm, [PROMPT])
             with pytest.raises(RuntimeError, match="before LLM"):
@@ -1310,10 +1625,10 @@ def test_engine_built_without_config_has_no_hooks_and_late_configure_does_not_re
 def test_preempted_requests_come_back_without_duplicated_or_missing_rows(models):
     """A KV cache of 10 blocks of 32 tokens cannot hold four 100-token prompts
     growing by 40 tokens each: vLLM preempts requests and recomputes them."""
-    model_dir, hf_model = models["llama"]
+    model = models["llama"]
     prompts = [[(17 * i + 29 * r + 1) % 512 for i in range(100)] for r in range(4)]
-    with engine(model_dir, sites=("resid_post",), in_process=False, eager=True, batching=True,
+    with engine(model, sites=("resid_post",), in_process=False, eager=True, batching=True,
                 num_gpu_blocks_override=10, block_size=32, max_model_len=256, disable_log_stats=False) as llm:
-        check_batched(llm, hf_model, max_tokens=40, prompts=prompts)
+        check_batched(llm, model, max_tokens=40, prompts=prompts)
         preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         assert preemptions > 0, "the test needs vLLM to preempt; it did not"

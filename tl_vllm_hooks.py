@@ -19,11 +19,16 @@ under torch.compile and CUDA graphs (or eager):
   given positions) are gathered and copied to host memory, keyed by request
   id, whole across chunked prefill, preemption and decode steps.
 
-Hook names follow TransformerLens: ``hook_embed``, ``blocks.{i}.hook_attn_out``,
-``blocks.{i}.hook_mlp_out``, ``blocks.{i}.hook_resid_post`` and
-``ln_final.hook_normalized``. ``hook_resid_post`` is the residual stream after
-the block, as transformers reports it in ``output_hidden_states``: vLLM's decoder
-layers return the pair ``(mlp_out, residual)`` and the hook works on their sum.
+Hook names are TransformerLens's, and each means the tensor TransformerLens
+4.3's TransformerBridge means by it on that architecture: ``hook_embed``,
+``hook_pos_embed`` (GPT-2), ``blocks.{i}.hook_resid_pre``, ``hook_resid_mid``,
+``hook_resid_post``, ``hook_attn_out``, ``hook_mlp_out``, ``attn.hook_z``,
+``mlp.hook_post`` and ``ln_final.hook_normalized``. A table, per architecture,
+says where vLLM's module tree holds each one (a module's output or input, the
+sum of vLLM's fused (hidden, residual) pair, a norm's input normalized before
+its weight) and how an edit of it flows on; an architecture not in the table
+is refused before the first forward, never hooked at a tensor that means
+something else.
 
 Loading: installed with pip, the ``vllm.general_plugins`` entry point calls
 ``register()`` in every vLLM process. Copied into a project instead, the file
@@ -43,9 +48,11 @@ from __future__ import annotations
 import argparse
 import difflib
 import hashlib
+import inspect
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -87,6 +94,184 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------
+# Hook names and architectures. What a TransformerLens hook name means is fixed
+# by TransformerLens 4.3's TransformerBridge; where that tensor lives depends on
+# the model class vLLM instantiates, so every architecture has its own table of
+# taps, checked against the bridge on the same weights. A name this table does
+# not place for the loaded architecture is refused, never guessed.
+# ---------------------------------------------------------------------------
+
+SITES = {
+    "embed": "hook_embed",
+    "pos_embed": "hook_pos_embed",
+    "resid_pre": "blocks.{i}.hook_resid_pre",
+    "attn_z": "blocks.{i}.attn.hook_z",
+    "attn_out": "blocks.{i}.hook_attn_out",
+    "resid_mid": "blocks.{i}.hook_resid_mid",
+    "mlp_post": "blocks.{i}.mlp.hook_post",
+    "mlp_out": "blocks.{i}.hook_mlp_out",
+    "resid_post": "blocks.{i}.hook_resid_post",
+    "final_norm": "ln_final.hook_normalized",
+}
+"""site -> TransformerLens hook name, in the order a forward reaches them; ``{i}`` is the layer.
+
+attn_z is ``[n_heads, d_head]`` per row (the attention output per head, the
+input of the output projection) and mlp_post ``[d_mlp]`` (the MLP's
+activations, the input of its down projection); every other site is
+``[d_model]``. final_norm is the final norm's input normalized, before its
+weight and bias.
+"""
+
+_HOOK_NAME = {
+    re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$"): site
+    for site, template in SITES.items()
+}
+
+
+def _parse_hook_name(name: str) -> tuple[str, int | None] | None:
+    """(site, layer or None) of a TransformerLens hook name this module knows, else None."""
+    for pattern, site in _HOOK_NAME.items():
+        match = pattern.match(name)
+        if match:
+            return site, int(match.group(1)) if match.groups() else None
+    return None
+
+
+@dataclass(frozen=True)
+class _Tap:
+    """Where one site's tensor is in vLLM's module tree, and how an edit of it flows on.
+
+    module: path in the model vLLM loads; ``{i}`` is the layer.
+    kind:
+      output       the module's output (its first element if it returns a tuple);
+                   edited in place.
+      output_pair  the sum of the (hidden, residual) pair a fused-residual decoder
+                   layer returns; the edit rewrites both halves.
+      input        one input of the module; the module runs on the edited input.
+      input_pair   the sum of two inputs, (hidden, residual) with residual None in
+                   the first layer; the module runs on the edited pair.
+      norm_input   the sum of a fused add-and-norm's two inputs. The edit reaches
+                   the normalized output only: the residual the norm passes on
+                   keeps the unedited sum (TransformerLens's hook_resid_mid is
+                   ln2's input, so editing it changes the MLP's input alone).
+      normalized   a norm's input, or the sum of its two, normalized before its
+                   weight and bias; an edit reaches the norm's output as
+                   ``edited * weight + bias``.
+    inputs: (argument name, position) of each input an input kind reads; the
+        hook takes the argument by name when the caller passes it so.
+    norm: for the norm kinds: ``rms``, ``rms_offset`` (weight applied as
+        1 + weight, Gemma) or ``layer`` (mean-centred, with a bias).
+    """
+
+    module: str
+    kind: str
+    inputs: tuple[tuple[str, int], ...] = ()
+    norm: str = ""
+
+
+_LAYER_PAIR = (("hidden_states", 1), ("residual", 2))  # vLLM's fused-residual decoder layers
+_NORM_PAIR = (("x", 0), ("residual", 1))  # vLLM's RMSNorm(x, residual)
+_LINEAR_INPUT = (("input_", 0),)  # vLLM's RowParallelLinear
+
+
+def _fused_residual_taps(attn_out: str, resid_mid: str, mlp_out: str, norm: str) -> dict[str, _Tap]:
+    """vLLM's native Llama-style models: decoder layers take and return (hidden, residual)."""
+    layer = "model.layers.{i}"
+    return {
+        "embed": _Tap("model.embed_tokens", "output"),
+        "resid_pre": _Tap(layer, "input_pair", _LAYER_PAIR),
+        "attn_z": _Tap(layer + ".self_attn.o_proj", "input", _LINEAR_INPUT),
+        "attn_out": _Tap(layer + attn_out, "output"),
+        "resid_mid": _Tap(layer + resid_mid, "norm_input", _NORM_PAIR, norm),
+        "mlp_post": _Tap(layer + ".mlp.down_proj", "input", _LINEAR_INPUT),
+        "mlp_out": _Tap(layer + mlp_out, "output"),
+        "resid_post": _Tap(layer, "output_pair"),
+        "final_norm": _Tap("model.norm", "normalized", _NORM_PAIR, norm),
+    }
+
+
+_LLAMA_TAPS = _fused_residual_taps(".self_attn", ".post_attention_layernorm", ".mlp", "rms")
+# Gemma 2 normalizes each branch again before adding it (post-attention and
+# post-feedforward norms, which TransformerLens's attn_out and mlp_out follow),
+# and scales the embedding by sqrt(d_model) after embed_tokens: the scaled one
+# is what enters layer 0.
+_GEMMA2_TAPS = {
+    **_fused_residual_taps(
+        ".post_attention_layernorm", ".pre_feedforward_layernorm", ".post_feedforward_layernorm", "rms_offset"
+    ),
+    "embed": _Tap("model.layers.0", "input", (("hidden_states", 1),)),
+}
+# GPT-2 blocks take and return the residual stream itself; the MLP's norm reads
+# the mid-stream while the block keeps its own copy for the skip connection.
+_GPT2_TAPS = {
+    "embed": _Tap("transformer.wte", "output"),
+    "pos_embed": _Tap("transformer.wpe", "output"),
+    "resid_pre": _Tap("transformer.h.{i}", "input", (("hidden_states", 0),)),
+    "attn_z": _Tap("transformer.h.{i}.attn.c_proj", "input", _LINEAR_INPUT),
+    "attn_out": _Tap("transformer.h.{i}.attn", "output"),
+    "resid_mid": _Tap("transformer.h.{i}.ln_2", "input", (("x", 0),)),
+    "mlp_post": _Tap("transformer.h.{i}.mlp.c_proj", "input", _LINEAR_INPUT),
+    "mlp_out": _Tap("transformer.h.{i}.mlp", "output"),
+    "resid_post": _Tap("transformer.h.{i}", "output"),
+    "final_norm": _Tap("transformer.ln_f", "normalized", (("x", 0),), "layer"),
+}
+# GPT-NeoX through vLLM's Transformers backend (transformers' own modules, with
+# vLLM's linear layers and attention). Attention and MLP both read the block's
+# input (parallel residual), so there is no mid-stream and no hook_resid_mid,
+# as in TransformerLens.
+_NEOX_TAPS = {
+    "embed": _Tap("model.embed_in", "output"),
+    "resid_pre": _Tap("model.layers.{i}", "input", (("hidden_states", 0),)),
+    "attn_z": _Tap("model.layers.{i}.attention.dense", "input", _LINEAR_INPUT),
+    "attn_out": _Tap("model.layers.{i}.attention", "output"),
+    "mlp_post": _Tap("model.layers.{i}.mlp.dense_4h_to_h", "input", _LINEAR_INPUT),
+    "mlp_out": _Tap("model.layers.{i}.mlp", "output"),
+    "resid_post": _Tap("model.layers.{i}", "output"),
+    "final_norm": _Tap("model.final_layer_norm", "normalized", (("x", 0),), "layer"),
+}
+
+_ARCHITECTURES = {
+    # transformers architecture: (the vLLM model classes it is checked with, taps)
+    "LlamaForCausalLM": (("LlamaForCausalLM",), _LLAMA_TAPS),
+    "Qwen2ForCausalLM": (("Qwen2ForCausalLM",), _LLAMA_TAPS),
+    "Gemma2ForCausalLM": (("Gemma2ForCausalLM",), _GEMMA2_TAPS),
+    "GPT2LMHeadModel": (("GPT2LMHeadModel",), _GPT2_TAPS),
+    "GPTNeoXForCausalLM": (("TransformersForCausalLM",), _NEOX_TAPS),
+}
+"""Checked against TransformerLens 4.3 on vLLM 0.32 (CPU); the native classes also on
+vLLM 0.24 (CUDA). vLLM 0.24 serves GPT-NeoX with a native class of its own, which
+is not in this table and so is refused."""
+
+
+def _architecture(hf_config: Any) -> str:
+    architectures = getattr(hf_config, "architectures", None) or ["(none given)"]
+    return architectures[0]
+
+
+def _taps(hf_config: Any) -> dict[str, _Tap]:
+    """The taps of the model's architecture; ValueError naming it and the supported ones."""
+    architecture = _architecture(hf_config)
+    if architecture not in _ARCHITECTURES:
+        raise ValueError(
+            f"architecture {architecture}: TransformerLens hook names are placed per architecture "
+            f"and this module has no table for it; supported: {sorted(_ARCHITECTURES)}. Hook "
+            "modules of your choosing under names of your own with (module_path, width) specs"
+        )
+    return _ARCHITECTURES[architecture][1]
+
+
+def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """One row's shape at each site of a decoder-only model, from its transformers config."""
+    d_model = hf_config.hidden_size
+    n_heads = hf_config.num_attention_heads
+    d_head = getattr(hf_config, "head_dim", None) or d_model // n_heads
+    d_mlp = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) or 4 * d_model
+    shapes = {site: (d_model,) for site in SITES}
+    shapes.update(attn_z=(n_heads, d_head), mlp_post=(d_mlp,))
+    return shapes
+
+
+# ---------------------------------------------------------------------------
 # Config channel.
 # vLLM spawns its workers, so a module global set in the driver never reaches
 # them; the config travels as JSON in one environment variable, which spawned
@@ -108,9 +293,14 @@ WORKER_EXTENSION = f"{__name__}.WorkerExtension"
 class CaptureConfig:
     """What the workers hook, and how.
 
-    capture_specs: ``{hook_name: (module_dot_path, width)}``; the path is
-        relative to the model vLLM loads (``model.layers.3.mlp``), the width is
-        the size of the module output's last dimension.
+    capture_specs: ``{hook_name: spec}``. A TransformerLens hook name
+        (``blocks.3.hook_resid_post``) takes the shape of one of its rows
+        (``128``, or ``(n_heads, d_head)`` for ``attn.hook_z``), and the
+        architecture table places it; ``capture_specs(hf_config)`` writes
+        these. Any other name takes ``(module_path, width)``: the output of
+        that module of the model vLLM loads (its first element if it returns a
+        tuple), ``width`` its last dimension. Names holding ``hook_`` are
+        TransformerLens's and cannot be given a module path.
     max_num_batched_tokens: rows of every capture buffer and of the
         per-position edit tables; at least the engine's own
         ``max_num_batched_tokens``.
@@ -120,7 +310,7 @@ class CaptureConfig:
     enable_position_interventions: edits may be limited to token positions.
     """
 
-    capture_specs: dict[str, tuple[str, int]]
+    capture_specs: dict[str, tuple[int, ...] | tuple[str, int]]
     max_num_batched_tokens: int
     dtype: torch.dtype
     enable_batching: bool = False
@@ -130,26 +320,10 @@ class CaptureConfig:
         specs = self.capture_specs
         if not isinstance(specs, dict) or not specs:
             raise ValueError(
-                "capture_specs: expected a non-empty dict {hook_name: (module_path, width)}, "
-                f"got {specs!r}"
+                "capture_specs: expected a non-empty dict {hook_name: row shape} "
+                f"(see capture_specs(hf_config)), got {specs!r}"
             )
-        for name, spec in specs.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"capture_specs: hook names must be non-empty strings, got {name!r}")
-            if (
-                not isinstance(spec, (tuple, list))
-                or len(spec) != 2
-                or not isinstance(spec[0], str)
-                or not spec[0]
-            ):
-                raise ValueError(
-                    f"capture_specs[{name!r}]: expected (module_path: str, width: int), got {spec!r}"
-                )
-            if not _is_positive_int(spec[1]):
-                raise ValueError(
-                    f"capture_specs[{name!r}]: width must be a positive int, got {spec[1]!r}"
-                )
-        object.__setattr__(self, "capture_specs", {n: (p, int(w)) for n, (p, w) in specs.items()})
+        object.__setattr__(self, "capture_specs", {n: _checked_spec(n, s) for n, s in specs.items()})
         if not _is_positive_int(self.max_num_batched_tokens):
             raise ValueError(
                 "max_num_batched_tokens: must be a positive int, "
@@ -163,12 +337,21 @@ class CaptureConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}: must be a bool, got {getattr(self, flag)!r}")
 
+    def row_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of one row of hook ``name``: ``(width,)`` or ``(n_heads, d_head)``."""
+        spec = self.capture_specs[name]
+        return (spec[1],) if isinstance(spec[0], str) else spec
+
+    def width(self, name: str) -> int:
+        """Elements in one row of hook ``name``."""
+        return math.prod(self.row_shape(name))
+
     def to_json(self) -> str:
         """The wire form: JSON, with the module version that wrote it."""
         return json.dumps(
             {
                 "version": __version__,
-                "capture_specs": {n: [p, w] for n, (p, w) in self.capture_specs.items()},
+                "capture_specs": {n: list(s) for n, s in self.capture_specs.items()},
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "dtype": _dtype_name(self.dtype),
                 "enable_batching": self.enable_batching,
@@ -216,6 +399,40 @@ class CaptureConfig:
             enable_batching=data["enable_batching"],
             enable_position_interventions=data["enable_position_interventions"],
         )
+
+
+def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
+    """One capture spec, normalized: a TransformerLens hook's row shape as a tuple of ints,
+    or (module_path, width) for a module of the user's choosing."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"capture_specs: hook names must be non-empty strings, got {name!r}")
+    if "hook_" in name:
+        shape = (spec,) if _is_positive_int(spec) else spec
+        if not isinstance(shape, (tuple, list)) or not shape or not all(map(_is_positive_int, shape)):
+            raise ValueError(
+                f"capture_specs[{name!r}]: a TransformerLens hook takes the shape of one row "
+                f"(an int, or a tuple such as (n_heads, d_head)); the architecture table places "
+                f"it, so it takes no module path; got {spec!r}. Write specs with capture_specs(hf_config)"
+            )
+        if _parse_hook_name(name) is None:
+            close = difflib.get_close_matches(name, [t.format(i=0) for t in SITES.values()], n=3)
+            raise ValueError(
+                f"capture_specs: {name!r} is not a hook this module knows; TransformerLens hooks "
+                f"here: {sorted(SITES.values())}" + (f"; close matches: {close}" if close else "")
+            )
+        return tuple(shape)
+    if (
+        not isinstance(spec, (tuple, list))
+        or len(spec) != 2
+        or not isinstance(spec[0], str)
+        or not spec[0]
+        or not _is_positive_int(spec[1])
+    ):
+        raise ValueError(
+            f"capture_specs[{name!r}]: expected (module_path: str, width: positive int) for a "
+            f"module of your choosing, got {spec!r}"
+        )
+    return (spec[0], spec[1])
 
 
 def _is_positive_int(value: Any) -> bool:
@@ -329,6 +546,22 @@ def register() -> None:
     _original_load_model = original
 
 
+@dataclass
+class _PlacedHook:
+    """One hook as this worker holds it: its module and tap, its row shape and the
+    columns of a full row it holds ([n_heads / tp, d_head] and a slice of the columns
+    for a tensor-parallel shard of attn_z, the whole row otherwise)."""
+
+    module: torch.nn.Module
+    tap: _Tap
+    row_shape: tuple[int, ...]
+    columns: tuple[int, int]
+
+    @property
+    def width(self) -> int:
+        return self.columns[1] - self.columns[0]
+
+
 class _HookState:
     """Everything one worker's hooks share: buffers, handles, per-request records.
 
@@ -337,35 +570,57 @@ class _HookState:
     forwards only their contents are rewritten, never the tensors themselves.
     """
 
-    def __init__(self, config: CaptureConfig, model: torch.nn.Module, runner: Any, num_slots: int):
+    def __init__(
+        self,
+        config: CaptureConfig,
+        model: torch.nn.Module,
+        runner: Any,
+        num_slots: int,
+        placed: dict[str, _PlacedHook],
+        absent: list[str],
+    ):
         self.config = config
         self.runner = runner
         device = next(model.parameters()).device
         max_rows = config.max_num_batched_tokens
         self.device = device
         self.edit_dtype = next(model.parameters()).dtype
-        self.hook_names: list[str] = []
-        self.absent: list[str] = []
+        self.placed = placed
+        self.hook_names = list(placed)
+        self.absent = absent
         self.handles: list[Any] = []
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
         # Positions of the tokens in the forward in flight, written by a
         # pre-hook on the whole model; the compiled flavour's edits by
         # position read them.
-        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.capture_buffers: dict[str, torch.Tensor] = {}
+        self.positions = zeros(max_rows)
+        self.fire_counts = zeros(len(placed))
         # One int64 per hook: 0 = open (the next forward writes its rows),
         # 1 = closed. The compiled flavour opens them on open_capture, the
         # batched flavour before each step: one fill for all hooks.
-        self.capture_flags = torch.zeros(0, dtype=torch.int64, device=device)
+        self.capture_flags = zeros(len(placed))
+        self.capture_buffers = {name: zeros(max_rows, hook.width, dtype=config.dtype) for name, hook in placed.items()}
         # Edit tables, out = out * scale + bias; see _edit_table_shape.
-        self.scales: dict[str, torch.Tensor] = {}
-        self.biases: dict[str, torch.Tensor] = {}
-        self.fire_counts: torch.Tensor | None = None
+        self.scales = {
+            name: torch.ones(_edit_table_shape(config, hook.width, num_slots), dtype=self.edit_dtype, device=device)
+            for name, hook in placed.items()
+        }
+        self.biases = {name: torch.zeros_like(scale) for name, scale in self.scales.items()}
+        # Norm taps: a pre-hook edits the norm's input rows and a post-hook
+        # rewrites the norm's output rows the edit changed; these carry the
+        # edited rows (fp32) and which rows changed from one to the other.
+        norm_taps = [name for name, hook in placed.items() if hook.tap.norm]
+        self.norm_rows = {name: zeros(max_rows, placed[name].width, dtype=torch.float32) for name in norm_taps}
+        self.norm_changed = {name: zeros(max_rows, 1, dtype=torch.bool) for name in norm_taps}
         # Batched flavour. Row r of the forward in flight uses row
         # row_edit_index[k, r] of hook k's edit tables; the host writes it
         # before each forward. Requests with their own edits hold one of
         # num_slots table rows while they run.
         self.num_slots = num_slots
-        self.row_edit_index = torch.zeros(0, max_rows, dtype=torch.int64, device=device)
+        self.row_edit_index = zeros(len(placed), max_rows)
         self.row_edit_index_dirty = False
         self.slots: dict[str, int] = {}
         self.plans: dict[str, _RequestPlan] = {}
@@ -401,15 +656,15 @@ class _HookState:
             index = None
         return self.scales[name], self.biases[name], index
 
+    def local_columns(self, name: str, row: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a full-width edit row or table."""
+        start, stop = self.placed[name].columns
+        return row[..., start:stop]
+
     def host_rows_ready(self) -> None:
         """Wait for the copies of captured rows to host memory still in flight."""
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
-
-
-_DECODER_LAYER = re.compile(r"(^|\.)layers\.\d+$")
-# Modules whose output width is the hidden size in every decoder-only model.
-_RESIDUAL_WIDTH_SITE = re.compile(r"(^|\.)(layers\.\d+(\.self_attn|\.mlp)?|embed_tokens|norm)$")
 
 
 def _global_rows(config: CaptureConfig) -> int:
@@ -451,42 +706,14 @@ def _install(worker: Any, config: CaptureConfig) -> None:
             "LLM(..., enable_prefix_caching=False)"
         )
     _uninstall(worker)
-    num_slots = worker.vllm_config.scheduler_config.max_num_seqs
-    state = _HookState(config, model, runner, num_slots)
-    modules = dict(model.named_modules())
-    hidden_size = worker.vllm_config.model_config.get_hidden_size()
-    resolved = {}
-    for name, (path, width) in config.capture_specs.items():
-        module = _resolve_module(model, modules, path)
-        if module is None:
-            state.absent.append(name)
-            continue
-        if _RESIDUAL_WIDTH_SITE.search(path) and width != hidden_size:
-            raise ValueError(
-                f"capture_specs[{name!r}]: width {width}, but {path} outputs the model's "
-                f"hidden size, {hidden_size}"
-            )
-        resolved[name] = (module, path, width)
-    state.fire_counts = torch.zeros(len(resolved), dtype=torch.int64, device=state.device)
+    placed, absent = _place_hooks(model, worker.vllm_config.model_config.hf_config, config)
+    state = _HookState(config, model, runner, worker.vllm_config.scheduler_config.max_num_seqs, placed, absent)
     if config.enable_position_interventions and not config.enable_batching:
         state.handles.append(
             model.register_forward_pre_hook(_make_positions_hook(state.positions), with_kwargs=True)
         )
-    state.hook_names.extend(resolved)
-    state.row_edit_index = torch.zeros(
-        len(resolved), config.max_num_batched_tokens, dtype=torch.int64, device=state.device
-    )
-    state.capture_flags = torch.zeros(len(resolved), dtype=torch.int64, device=state.device)
-    for index, (name, (module, path, width)) in enumerate(resolved.items()):
-        state.scales[name] = torch.ones(
-            _edit_table_shape(config, width, num_slots), dtype=state.edit_dtype, device=state.device
-        )
-        state.biases[name] = torch.zeros_like(state.scales[name])
-        state.capture_buffers[name] = torch.zeros(
-            config.max_num_batched_tokens, width, dtype=config.dtype, device=state.device
-        )
-        hook = _make_capture_hook(state, index, pair_output=bool(_DECODER_LAYER.search(path)))
-        state.handles.append(module.register_forward_hook(hook))
+    for index in range(len(placed)):
+        _attach_hook(state, index)
     if config.enable_batching:
         _collect_after_each_step(runner, state)
     _forget_warm_up_after(worker, state)
@@ -494,10 +721,118 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     _key_compile_cache(worker, config)
     logger.info(
         "tl_vllm_hooks: %d hooks installed (%s flavour), %d absent on this rank",
-        len(resolved),
+        len(placed),
         "batched" if config.enable_batching else "compiled",
-        len(state.absent),
+        len(absent),
     )
+
+
+def _place_hooks(
+    model: torch.nn.Module, hf_config: Any, config: CaptureConfig
+) -> tuple[dict[str, _PlacedHook], list[str]]:
+    """Each configured hook's module and tap on this rank, in the order a forward reaches
+    them (hooks on one module run in that order); names whose module pipeline
+    parallelism put on another rank are returned apart."""
+    modules = dict(model.named_modules())
+    taps: dict[str, _Tap] = {}
+    if any("hook_" in name for name in config.capture_specs):
+        taps = _taps(hf_config)
+        architecture = _architecture(hf_config)
+        classes = _ARCHITECTURES[architecture][0]
+        if type(model).__name__ not in classes:
+            raise ValueError(
+                f"architecture {architecture}: this vLLM serves it with {type(model).__name__}, "
+                f"whose module tree this module's table does not describe (it describes "
+                f"{list(classes)}); supported: {sorted(_ARCHITECTURES)}"
+            )
+        shapes = _site_shapes(hf_config)
+
+    def forward_order(item: tuple[int, str]) -> tuple:
+        position, name = item
+        parsed = _parse_hook_name(name)
+        if parsed is None:
+            return (2, position)
+        site, layer = parsed
+        return (1 if site == "final_norm" else 0, -1 if layer is None else layer, list(SITES).index(site))
+
+    placed, absent = {}, []
+    for _position, name in sorted(enumerate(config.capture_specs), key=forward_order):
+        spec = config.capture_specs[name]
+        if isinstance(spec[0], str):
+            tap, path = _Tap(spec[0], "output"), spec[0]
+        else:
+            site, layer = _parse_hook_name(name)
+            if site not in taps:
+                raise ValueError(
+                    f"{name}: {architecture} has no {SITES[site]}"
+                    + (" (attention and MLP read the same residual stream, as in TransformerLens)"
+                       if site == "resid_mid" else "")
+                    + f"; its hooks: {[SITES[s] for s in taps]}"
+                )
+            if layer is not None and layer >= hf_config.num_hidden_layers:
+                raise ValueError(f"{name}: the model has {hf_config.num_hidden_layers} layers")
+            if spec != shapes[site]:
+                raise ValueError(
+                    f"capture_specs[{name!r}]: row shape {spec}, but this model's {name} has rows "
+                    f"of {shapes[site]}: were the specs written for another model?"
+                )
+            tap = taps[site]
+            path = tap.module.format(i=layer)
+        module = _resolve_module(model, modules, path)
+        if module is None:
+            absent.append(name)
+            continue
+        _check_inputs(module, tap, path)
+        placed[name] = _PlacedHook(module, tap, *_rank_share(module, tap, config.row_shape(name)))
+        width = _output_width(module) if tap.kind == "output" else None
+        if width is not None and width != placed[name].width:
+            raise ValueError(
+                f"capture_specs[{name!r}]: width {placed[name].width}, but {path} "
+                f"({type(module).__name__}) outputs rows of {width}"
+            )
+    return placed, absent
+
+
+def _output_width(module: torch.nn.Module) -> int | None:
+    """The width of a module's output rows where its parameters tell it (linear layers,
+    embeddings, norms), else None: the hook checks the rows it gets at the first forward."""
+    if hasattr(module, "embedding_dim"):  # before the next: vLLM's vocabulary embeddings have both
+        return module.embedding_dim
+    if hasattr(module, "output_size_per_partition"):  # vLLM's linear layers
+        return module.output_size if getattr(module, "gather_output", False) else module.output_size_per_partition
+    weight = getattr(module, "weight", None)
+    if type(module).__name__.endswith("Norm") and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return weight.shape[0]
+    return None
+
+
+def _check_inputs(module: torch.nn.Module, tap: _Tap, path: str) -> None:
+    """Refuse a tap whose inputs are not where the table says (a vLLM that renamed them)."""
+    if not tap.inputs:
+        return
+    forward = type(module).forward
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters) and hasattr(module, "forward_native"):
+        parameters = list(inspect.signature(type(module).forward_native).parameters.values())[1:]  # CustomOp
+    names = [p.name for p in parameters]
+    for name, position in tap.inputs:
+        if position >= len(names) or names[position] != name:
+            raise ValueError(
+                f"{path} ({type(module).__name__}) takes {names}: its input {name!r} is not at "
+                f"position {position}, where this module's table for this vLLM expects it"
+            )
+
+
+def _rank_share(module: torch.nn.Module, tap: _Tap, row_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """(row shape, columns) of the part of each row this rank holds. The input of a
+    tensor-parallel row-split projection (attn_z, mlp_post) is split by columns, heads
+    first; everything else is whole on every rank."""
+    width = math.prod(row_shape)
+    if tap.kind == "input" and getattr(module, "input_is_parallel", False) and getattr(module, "tp_size", 1) > 1:
+        share = module.input_size_per_partition
+        start = module.tp_rank * share
+        return (row_shape[0] * share // width, *row_shape[1:]), (start, start + share)
+    return row_shape, (0, width)
 
 
 def _forget_warm_up_after(worker: Any, state: _HookState) -> None:
@@ -564,7 +899,10 @@ def _key_compile_cache(worker: Any, config: CaptureConfig) -> None:
 # Traced into the compiled graph and replayed by CUDA graphs: no Python
 # branching on tensor values, no host transfers, no side effects other than
 # in-place writes into the buffers above. Python branches on closure constants
-# (the flavour, whether the module returns a pair) are fixed at trace time.
+# (the flavour, the tap kind) and on static facts of a call (whether an argument
+# came by name, whether the residual is None, the width) are fixed at trace
+# time. Every activation is handled as [rows, width]: vLLM's native models pass
+# [tokens, width], its Transformers backend [1, tokens, width].
 # ---------------------------------------------------------------------------
 
 
@@ -589,45 +927,143 @@ def _edit_rows(scale, bias, index, num_rows):
     return scale.index_select(0, rows), bias.index_select(0, rows)
 
 
-def _edit_output(output, pair_output, scale, bias, index):
-    """(the module's output edited as ``x * scale + bias``, the edited activation).
-
-    A decoder layer returns ``(mlp_out, residual)`` and its activation is their
-    sum. Both halves are edited, ``(mlp_out * s + b, residual * s)``, so the next
-    layer's fused add+norm sums exactly what vLLM sums unhooked at identity
-    (x * 1 + 0 == x, bit for bit) and exact zeros under suppress and set. Other
-    modules' outputs are edited in place: no new tensor.
-    """
-    if pair_output:
-        hidden, residual = output
-        row_scale, row_bias = _edit_rows(scale, bias, index, hidden.shape[0])
-        residual = residual * row_scale
-        hidden.mul_(row_scale).add_(row_bias)
-        return (hidden, residual), hidden + residual
-    tensor = output[0] if isinstance(output, tuple) else output
-    row_scale, row_bias = _edit_rows(scale, bias, index, tensor.shape[0])
-    tensor.mul_(row_scale).add_(row_bias)
-    return output, tensor
+def _argument(args, kwargs, name, position):
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if position < len(args) else None
 
 
-def _make_capture_hook(state: _HookState, hook_index: int, pair_output: bool):
-    capture_buffer = state.capture_buffers[state.hook_names[hook_index]]
-    capture_flag = state.capture_flags.narrow(0, hook_index, 1)
-    fire_count = state.fire_counts.narrow(0, hook_index, 1)
-    scale, bias, index = state.edit_tensors(hook_index)
+def _with_arguments(args, kwargs, replaced):
+    """(args, kwargs) with the (name, position, value) of each of ``replaced`` put in."""
+    args, kwargs = list(args), dict(kwargs)
+    for name, position, value in replaced:
+        if name in kwargs:
+            kwargs[name] = value
+        else:
+            args[position] = value
+    return tuple(args), kwargs
 
-    @torch.no_grad()
-    def hook(_module, _inputs, output):
+
+def _normalize(rows, norm, eps):
+    """[rows, width] normalized over the last dimension in fp32, before any weight."""
+    rows = rows.float()
+    if norm == "layer":
+        rows = rows - rows.mean(-1, keepdim=True)
+    return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _attach_hook(state: _HookState, index: int) -> None:
+    """Register the forward hooks (and pre-hooks) that read and edit hook ``index``."""
+    name = state.hook_names[index]
+    placed = state.placed[name]
+    tap, module = placed.tap, placed.module
+    capture_buffer = state.capture_buffers[name]
+    capture_flag = state.capture_flags.narrow(0, index, 1)
+    fire_count = state.fire_counts.narrow(0, index, 1)
+    scale, bias, row_index = state.edit_tensors(index)
+    width = placed.width
+
+    def as_rows(tensor):
+        if tensor.shape[-1] != width:
+            raise ValueError(
+                f"{name}: {tap.module} gives rows of width {tensor.shape[-1]} at its {tap.kind}, "
+                f"but the hook was configured with {width}"
+            )
+        return tensor.view(-1, width)
+
+    def keep(activation):
+        """The first forward after the flag opens wins (open_capture, or each step in
+        the batched flavour); later ones rewrite what is there."""
         fire_count.add_(1)
-        output, activation = _edit_output(output, pair_output, scale, bias, index)
         kept = capture_buffer.narrow(0, 0, activation.shape[0])
-        # The first forward after the flag opens wins (open_capture, or each step
-        # in the batched flavour); later ones rewrite what is there.
         kept.copy_(torch.where(capture_flag.bool(), kept, activation))
         capture_flag.fill_(1)
+
+    def edit_of(rows):
+        return _edit_rows(scale, bias, row_index, rows.shape[0])
+
+    if tap.kind == "output":
+
+        def hook(_module, _inputs, output):
+            rows = as_rows(output[0] if isinstance(output, tuple) else output)
+            row_scale, row_bias = edit_of(rows)
+            rows.mul_(row_scale).add_(row_bias)
+            keep(rows)
+            return output
+
+        state.handles.append(module.register_forward_hook(torch.no_grad()(hook)))
+        return
+
+    if tap.kind == "output_pair":
+        # (mlp_out * s + b, residual * s): the next layer's fused add+norm sums
+        # exactly what vLLM sums unhooked at identity (x * 1 + 0 == x, bit for
+        # bit), and exact zeros under suppress and set.
+        def hook(_module, _inputs, output):
+            hidden, residual = output
+            row_scale, row_bias = edit_of(as_rows(hidden))
+            residual = (as_rows(residual) * row_scale).view_as(residual)
+            as_rows(hidden).mul_(row_scale).add_(row_bias)
+            keep(as_rows(hidden) + as_rows(residual))
+            return (hidden, residual)
+
+        state.handles.append(module.register_forward_hook(torch.no_grad()(hook)))
+        return
+
+    (first, first_at), *rest = tap.inputs
+    second, second_at = rest[0] if rest else (None, None)
+
+    def inputs_of(args, kwargs):
+        """(the first input, the second or None)."""
+        residual = _argument(args, kwargs, second, second_at) if second else None
+        return _argument(args, kwargs, first, first_at), residual
+
+    if tap.kind in ("input", "input_pair"):
+
+        def pre_hook(_module, args, kwargs):
+            hidden, residual = inputs_of(args, kwargs)
+            row_scale, row_bias = edit_of(as_rows(hidden))
+            edited = as_rows(hidden) * row_scale + row_bias
+            if residual is None:
+                keep(edited)
+                return _with_arguments(args, kwargs, [(first, first_at, edited.view_as(hidden))])
+            edited_residual = as_rows(residual) * row_scale
+            keep(edited + edited_residual)
+            replaced = [(first, first_at, edited.view_as(hidden)), (second, second_at, edited_residual.view_as(residual))]
+            return _with_arguments(args, kwargs, replaced)
+
+        state.handles.append(module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True))
+        return
+
+    # Norm taps. On CUDA vLLM's fused add+norm overwrites its inputs in place,
+    # so the pre-hook reads them and leaves the edited rows in norm_rows; the
+    # post-hook rewrites only the output rows the edit changed, so an unedited
+    # forward keeps vLLM's own output bit for bit.
+    norm_rows, norm_changed = state.norm_rows[name], state.norm_changed[name]
+    eps = getattr(module, "variance_epsilon", None) or module.eps
+    normalized = tap.kind == "normalized"
+
+    def pre_hook(_module, args, kwargs):
+        hidden, residual = inputs_of(args, kwargs)
+        total = as_rows(hidden) if residual is None else as_rows(hidden) + as_rows(residual)
+        activation = _normalize(total, tap.norm, eps) if normalized else total
+        row_scale, row_bias = edit_of(activation)
+        edited = activation * row_scale + row_bias
+        keep(edited)
+        norm_rows.narrow(0, 0, edited.shape[0]).copy_(edited)
+        norm_changed.narrow(0, 0, edited.shape[0]).copy_((edited != activation).any(-1, keepdim=True))
+
+    def hook(_module, _inputs, output):
+        out = as_rows(output[0] if isinstance(output, tuple) else output)
+        edited = norm_rows.narrow(0, 0, out.shape[0])
+        weight = module.weight.float() + 1.0 if tap.norm == "rms_offset" else module.weight.float()
+        result = (edited if normalized else _normalize(edited, tap.norm, eps)) * weight
+        if tap.norm == "layer" and module.bias is not None:
+            result = result + module.bias.float()
+        out.copy_(torch.where(norm_changed.narrow(0, 0, out.shape[0]), result.to(out.dtype), out))
         return output
 
-    return hook
+    state.handles.append(module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True))
+    state.handles.append(module.register_forward_hook(torch.no_grad()(hook)))
 
 
 # ---------------------------------------------------------------------------
@@ -903,8 +1339,8 @@ def _slot_row(state: _HookState, request_id: str, plan: _RequestPlan, step_ids: 
     state.slots[request_id] = slot
     row = first_slot_row + slot
     for name, (scale_row, bias_row, _positions) in plan.edits.items():
-        state.scales[name][row].copy_(scale_row)
-        state.biases[name][row].copy_(bias_row)
+        state.scales[name][row].copy_(state.local_columns(name, scale_row))
+        state.biases[name][row].copy_(state.local_columns(name, bias_row))
     return row
 
 
@@ -1103,7 +1539,7 @@ _EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -
 
 
 def _edit_row(
-    edit: dict[str, Any], name: str, width: int
+    edit: dict[str, Any], name: str, row_shape: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
     """Validate one wire edit: its (scale, bias) rows, [width] float64, and its positions."""
     if not isinstance(edit, dict):
@@ -1120,24 +1556,27 @@ def _edit_row(
     if _EDIT_OPS[op] != ("value" in edit):
         need = "needs a 'value'" if _EDIT_OPS[op] else "takes no 'value'"
         raise ValueError(f"edits[{name!r}]: op {op!r} {need}")
+    width = math.prod(row_shape)
+    shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
+    valid = f"a finite number or a finite float tensor of shape {' or '.join(map(str, map(list, shapes)))}"
     value = torch.zeros(width, dtype=torch.float64)
     if _EDIT_OPS[op]:
         raw = edit["value"]
         try:
+            if isinstance(raw, bool) or (isinstance(raw, (list, tuple)) and any(isinstance(v, bool) for v in raw)):
+                raise TypeError("a bool is not a number")
             vector = decode_tensor(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64)
-        except (TypeError, RuntimeError):
-            raise ValueError(
-                f"edits[{name!r}]: value must be a number or a float vector of width {width}, "
-                f"got {raw!r:.100}"
-            ) from None
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
         if vector.dim() == 0:
             vector = vector.expand(width)
-        if vector.dim() != 1 or vector.shape[0] != width or not vector.is_floating_point():
+        if tuple(vector.shape) not in shapes or not vector.is_floating_point():
             raise ValueError(
-                f"edits[{name!r}]: value must be a number or a float vector of width {width}, "
-                f"got shape {list(vector.shape)} ({vector.dtype})"
+                f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)} ({vector.dtype})"
             )
-        value = vector.to(torch.float64)
+        value = vector.reshape(width).to(torch.float64)
+        if not torch.isfinite(value).all():
+            raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
     scale_row = torch.ones(width, dtype=torch.float64)
     bias_row = torch.zeros(width, dtype=torch.float64)
     if op == "suppress":
@@ -1162,8 +1601,8 @@ def _edit_tables(
     edit: dict[str, Any], name: str, config: CaptureConfig, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An engine-wide edit as (scale, bias) tables: [width], or [max_rows + 1, width] by position."""
-    width = config.capture_specs[name][1]
-    scale_row, bias_row, positions = _edit_row(edit, name, width)
+    width = config.width(name)
+    scale_row, bias_row, positions = _edit_row(edit, name, config.row_shape(name))
     if not config.enable_position_interventions:
         if positions is not None:
             raise ValueError(
@@ -1225,7 +1664,7 @@ def _parse_request_options(
     parsed = {}
     for name, edit in edits.items():
         _check_hook_name(name, config)
-        scale_row, bias_row, positions = _edit_row(edit, name, config.capture_specs[name][1])
+        scale_row, bias_row, positions = _edit_row(edit, name, config.row_shape(name))
         positions = None if positions is None else np.unique(np.asarray(positions, dtype=np.int64))
         parsed[name] = (scale_row.to(dtype), bias_row.to(dtype), positions)
     return capture, parsed
@@ -1273,6 +1712,16 @@ def _errors_as_data(method):
     return wrapper
 
 
+def _shards(state: _HookState) -> dict[str, int]:
+    """For each hook this rank holds a tensor-parallel part of: where its part starts along
+    the first dimension of a row (a head, or an MLP unit)."""
+    shards = {}
+    for name, hook in state.placed.items():
+        if hook.width != state.config.width(name):
+            shards[name] = hook.columns[0] // math.prod(hook.row_shape[1:])
+    return shards
+
+
 class WorkerExtension:
     """Methods vLLM mixes into each worker; call them with the driver helpers.
 
@@ -1297,6 +1746,7 @@ class WorkerExtension:
             "config": state.config.to_json(),
             "hooks": list(state.hook_names),
             "absent": list(state.absent),
+            "shards": _shards(state),
             "unread_requests": len(state.records),
         }
 
@@ -1317,8 +1767,8 @@ class WorkerExtension:
             if global_rows is not None:  # the engine-wide rows of a batched table
                 scale, bias = scale[:global_rows], bias[:global_rows]
             if name in tables:
-                scale.copy_(tables[name][0])
-                bias.copy_(tables[name][1])
+                scale.copy_(state.local_columns(name, tables[name][0]))
+                bias.copy_(state.local_columns(name, tables[name][1]))
             else:
                 scale.fill_(1)
                 bias.zero_()
@@ -1344,7 +1794,11 @@ class WorkerExtension:
             raise RuntimeError(
                 f"read_captures: no forward ran since open_capture for hooks {still_open}"
             )
-        return {n: encode_tensor(b[:num_rows]) for n, b in state.capture_buffers.items()}
+        rows = {
+            name: encode_tensor(buffer[:num_rows].view(num_rows, *state.placed[name].row_shape))
+            for name, buffer in state.capture_buffers.items()
+        }
+        return {"shards": _shards(state), "rows": rows}
 
     @_errors_as_data
     def tl_read_fire_counts(self) -> dict[str, int]:
@@ -1359,12 +1813,12 @@ class WorkerExtension:
     def tl_read_batched(self, request_ids: list[str]) -> dict[str, Any]:
         """Rows of the given (user-visible) request ids, which are then forgotten.
 
-        ``{request_id: {hook_name: encoded [rows, width]}}``; every id must
-        match exactly one captured request, or nothing is read.
+        ``{"shards": ..., "rows": {request_id: {hook_name: encoded [rows, *row shape]}}}``;
+        every id must match exactly one captured request, or nothing is read.
         """
         state = self._tl_state()
         if not state.hook_names:  # a pipeline rank that holds none of the hooks
-            return {}
+            return {"shards": {}, "rows": {}}
         known = sorted(set(state.records) | set(state.incomplete))
         matches = _match_request_ids(request_ids, known)
         for user_id, worker_id in matches.items():
@@ -1378,15 +1832,12 @@ class WorkerExtension:
             for name in state.hook_names:
                 chunks = record.rows(name)
                 # Ordinary memory, not the pinned pages the chunks live in.
-                rows = torch.empty(
-                    sum(chunk.shape[0] for chunk in chunks),
-                    state.config.capture_specs[name][1],
-                    dtype=state.config.dtype,
-                )
+                num_rows = sum(chunk.shape[0] for chunk in chunks)
+                rows = torch.empty(num_rows, state.placed[name].width, dtype=state.config.dtype)
                 if chunks:
                     torch.cat(chunks, out=rows)
-                results[user_id][name] = encode_tensor(rows)
-        return results
+                results[user_id][name] = encode_tensor(rows.view(num_rows, *state.placed[name].row_shape))
+        return {"shards": _shards(state), "rows": results}
 
     @_errors_as_data
     def tl_reset_batched(self) -> None:
@@ -1402,39 +1853,41 @@ class WorkerExtension:
 # collective_rpc and returns torch tensors keyed by hook name.
 # ---------------------------------------------------------------------------
 
-SITES = {
-    "resid_post": ("blocks.{i}.hook_resid_post", "model.layers.{i}"),
-    "attn_out": ("blocks.{i}.hook_attn_out", "model.layers.{i}.self_attn"),
-    "mlp_out": ("blocks.{i}.hook_mlp_out", "model.layers.{i}.mlp"),
-    "embed": ("hook_embed", "model.embed_tokens"),
-    "final_norm": ("ln_final.hook_normalized", "model.norm"),
-}
-"""site -> (hook name, module path in vLLM's Llama-style models); ``{i}`` is the layer."""
-
-
 def capture_specs(
     hf_config: Any, sites: tuple[str, ...] = ("resid_post",), layers: list[int] | None = None
-) -> dict[str, tuple[str, int]]:
-    """``{hook_name: (module_path, width)}`` for a decoder-only model.
+) -> dict[str, tuple[int, ...]]:
+    """``{hook_name: row shape}`` for the model, in the order a forward reaches them.
 
-    hf_config: the model's transformers config (``num_hidden_layers``,
-        ``hidden_size``), e.g. ``AutoConfig.from_pretrained(path)``.
-    sites: keys of ``SITES``; layer sites expand over ``layers`` (default all).
+    hf_config: the model's transformers config, e.g.
+        ``AutoConfig.from_pretrained(path)``; its architecture must be one the
+        module's table places (ValueError naming it and the supported ones).
+    sites: keys of ``SITES`` the architecture has; layer sites expand over
+        ``layers`` (default all).
     """
     unknown = [s for s in sites if s not in SITES]
     if unknown:
         raise ValueError(f"capture_specs: unknown sites {unknown}; valid: {list(SITES)}")
+    taps = _taps(hf_config)
+    missing = [s for s in sites if s not in taps]
+    if missing:
+        raise ValueError(
+            f"capture_specs: {_architecture(hf_config)} has no {[SITES[s] for s in missing]}"
+            + (" (attention and MLP read the same residual stream, as in TransformerLens)"
+               if "resid_mid" in missing else "")
+            + f"; its sites: {list(taps)}"
+        )
     num_layers = hf_config.num_hidden_layers
     layers = list(range(num_layers)) if layers is None else list(layers)
-    bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < num_layers]
+    bad = [i for i in layers if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
     if bad:
         raise ValueError(f"capture_specs: layers {bad} outside [0, {num_layers})")
-    width = hf_config.hidden_size
-    specs = {}
-    for site in sites:
-        name, path = SITES[site]
-        for i in layers if "{i}" in name else [None]:
-            specs[name.format(i=i)] = (path.format(i=i), width)
+    shapes = _site_shapes(hf_config)
+    chosen = [site for site in SITES if site in sites]  # forward order
+    specs = {SITES[site]: shapes[site] for site in chosen if site in ("embed", "pos_embed")}
+    for i in sorted(set(layers)):
+        specs.update({SITES[site].format(i=i): shapes[site] for site in chosen if "{i}" in SITES[site]})
+    if "final_norm" in chosen:
+        specs[SITES["final_norm"]] = shapes["final_norm"]
     return specs
 
 
@@ -1459,13 +1912,32 @@ def _status(llm: Any) -> list[dict[str, Any]]:
 
 
 def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    # Tensor-parallel ranks hold the same replicated activations and pipeline
-    # ranks hold disjoint hooks: the first rank that has a hook speaks for it.
+    # Pipeline ranks hold disjoint hooks: the first rank that has a hook speaks for it.
     merged: dict[str, Any] = {}
     for result in per_rank:
         for name, value in result.items():
             merged.setdefault(name, value)
     return merged
+
+
+def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, Any]]]) -> dict[str, torch.Tensor]:
+    """One tensor per hook from each rank's (shards, {hook_name: encoded rows}).
+
+    Tensor-parallel ranks hold a replicated activation whole, or, for the input
+    of a row-split projection (attn_z, mlp_post), each its part of the row's
+    first dimension: the parts are joined in order. Pipeline ranks hold
+    disjoint hooks.
+    """
+    parts: dict[str, dict[int, Any]] = {}
+    for shards, rows in per_rank:
+        for name, message in rows.items():
+            parts.setdefault(name, {}).setdefault(shards.get(name, -1), message)
+    return {
+        name: decode_tensor(by_start[-1])
+        if -1 in by_start
+        else torch.cat([decode_tensor(by_start[start]) for start in sorted(by_start)], dim=1)
+        for name, by_start in parts.items()
+    }
 
 
 def open_capture(llm: Any) -> None:
@@ -1474,12 +1946,15 @@ def open_capture(llm: Any) -> None:
 
 
 def read_captures(llm: Any, num_rows: int) -> dict[str, torch.Tensor]:
-    """``{hook_name: [num_rows, width]}`` CPU tensors (config dtype) from the armed forward.
+    """``{hook_name: [num_rows, *row shape]}`` CPU tensors (config dtype) from the armed forward.
 
-    num_rows is the prompt length in tokens; the prompt must fit one forward
-    (``<= max_num_batched_tokens``) and prefix caching must be off.
+    The row shape is ``[d_model]``, ``[n_heads, d_head]`` (attn_z) or ``[d_mlp]``
+    (mlp_post), whole also under tensor parallelism. num_rows is the prompt length
+    in tokens; the prompt must fit one forward (``<= max_num_batched_tokens``) and
+    prefix caching must be off.
     """
-    return {n: decode_tensor(m) for n, m in _merge_ranks(_rpc(llm, "tl_read_captures", num_rows)).items()}
+    replies = _rpc(llm, "tl_read_captures", num_rows)
+    return _join_ranks([(reply["shards"], reply["rows"]) for reply in replies])
 
 
 def set_edits(llm: Any, edits: dict[str, dict[str, Any]]) -> None:
@@ -1581,24 +2056,21 @@ def absent_hooks(llm: Any) -> list[str]:
 
 
 def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """Batched captures: ``{request_id: {hook_name: [rows, width]}}``, then freed.
+    """Batched captures: ``{request_id: {hook_name: [rows, *row shape]}}``, then freed.
 
     request_ids: the ids the user sees (``RequestOutput.request_id``). Rows, in
     position order, are those the request's ``request_args(capture=...)`` kept;
     by default every token that ran through the model for it: its prompt, then
-    each generated token but the last. Tensors are CPU, in the config's dtype;
-    a request that kept no row gets ``[0, width]``.
+    each generated token but the last. Tensors are CPU, in the config's dtype,
+    rows shaped as in ``read_captures``; a request that kept no row gets zero rows.
     """
     if isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids):
         raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")
-    merged: dict[str, dict[str, Any]] = {}
-    for per_request in _rpc(llm, "tl_read_batched", list(request_ids)):
-        for request_id, hooks in per_request.items():
-            for name, message in hooks.items():
-                merged.setdefault(request_id, {}).setdefault(name, message)
+    replies = _rpc(llm, "tl_read_batched", list(request_ids))
+    read = {request_id for reply in replies for request_id in reply["rows"]}
     return {
-        request_id: {name: decode_tensor(message) for name, message in hooks.items()}
-        for request_id, hooks in merged.items()
+        request_id: _join_ranks([(reply["shards"], reply["rows"].get(request_id, {})) for reply in replies])
+        for request_id in read
     }
 
 
@@ -1617,46 +2089,75 @@ def remove_hooks(llm: Any) -> None:
 # ---------------------------------------------------------------------------
 
 
-def tiny_model(directory: str, family: str = "llama") -> Any:
-    """A random fp32 model small enough for a CPU, saved to ``directory``.
+_TINY_MODELS = {
+    # family: (transformers config and model classes, shape). Width 128 and head
+    # size 64: vLLM's CPU attention takes head sizes from 32 up.
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=256)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25, tie_word_embeddings=False)),
+}
 
-    family: ``llama`` or ``qwen2``; 2 layers, width 128, vocabulary 512.
-    Returns the transformers model (eval mode) holding the saved weights.
+
+def tiny_model(directory: str, family: str = "llama") -> Any:
+    """A random fp32 model small enough for a CPU, saved to ``directory`` with a tokenizer.
+
+    family: a key of the tiny model table (llama, qwen2, gemma2, gpt2,
+    gpt_neox); 3 layers, width 128, 2 heads of 64, MLP 256, vocabulary 512
+    (words ``t0`` .. ``t511``). Norm weights and biases are random too, so a
+    tensor taken before a norm's weight never equals one taken after it.
+    Returns the transformers model (eval mode, eager attention) holding the
+    saved weights.
     """
     import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    families = {"llama": "Llama", "qwen2": "Qwen2"}
-    if family not in families:
-        raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(families)}")
-    torch.manual_seed(0)
-    config = getattr(transformers, f"{families[family]}Config")(
+    if family not in _TINY_MODELS:
+        raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(_TINY_MODELS)}")
+    config_class, model_class, shape = _TINY_MODELS[family]
+    torch.manual_seed(sorted(_TINY_MODELS).index(family))
+    config = getattr(transformers, config_class)(
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,  # head_dim 64: vLLM's CPU attention needs >= 32
-        num_key_value_heads=1,
-        max_position_embeddings=512,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        max_position_embeddings=1024,
         initializer_range=0.1,
-        tie_word_embeddings=False,
+        attn_implementation="eager",  # exact attention (SDPA drops Gemma 2's logit soft-capping)
+        **shape,
     )
-    model = getattr(transformers, f"{families[family]}ForCausalLM")(config).to(torch.float32).eval()
+    model = getattr(transformers, model_class)(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:  # norm weights start at 1 (or 0 for Gemma's 1 + w), biases at 0
+                parameter.add_(0.2 * torch.randn_like(parameter))
     model.save_pretrained(directory)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1")
+    tokenizer.save_pretrained(directory)
     return model
 
 
-def _transformers_activations(
-    hf_model: Any, token_ids: list[int], specs: dict[str, tuple[str, int]], edits: dict | None = None
-) -> dict[str, torch.Tensor]:
-    """The same hooks on a transformers model: ``{hook_name: [len(token_ids), width]}``.
+def _demo_reference(hf_model: Any, token_ids: list[int], names: list[str], edits: dict) -> dict[str, torch.Tensor]:
+    """The demo's hooks on transformers' Llama: ``{hook_name: [len(token_ids), width]}``.
 
-    transformers' Llama-style models use vLLM's module paths; a decoder layer's
-    output there is already the residual stream. ``edits`` maps a hook name to
-    a function of its rows whose result replaces them downstream.
+    There a decoder layer returns the residual stream itself, attention and MLP
+    return what is added to it, and ln_final.hook_normalized is the final
+    norm's input normalized before its weight. ``edits`` maps a hook name to a
+    function of its rows whose result replaces them downstream.
     """
-    edits = edits or {}
-    modules = dict(hf_model.named_modules())
     captured: dict[str, torch.Tensor] = {}
+    model = hf_model.model
+    sites = {"hook_embed": model.embed_tokens}
+    for i, layer in enumerate(model.layers):
+        sites.update({
+            f"blocks.{i}.hook_resid_post": layer,
+            f"blocks.{i}.hook_attn_out": layer.self_attn,
+            f"blocks.{i}.hook_mlp_out": layer.mlp,
+        })
 
     def make_hook(name: str):
         def hook(_module, _inputs, output):
@@ -1668,14 +2169,19 @@ def _transformers_activations(
 
         return hook
 
-    handles = [modules[path].register_forward_hook(make_hook(n)) for n, (path, _w) in specs.items()]
+    def final_norm(module, inputs):
+        x = inputs[0][0].double()
+        captured["ln_final.hook_normalized"] = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).float()
+
+    handles = [sites[name].register_forward_hook(make_hook(name)) for name in names if name in sites]
+    handles.append(model.norm.register_forward_pre_hook(final_norm))
     try:
         with torch.no_grad():
             hf_model(torch.tensor([token_ids]))
     finally:
         for handle in handles:
             handle.remove()
-    return captured
+    return {name: captured[name] for name in names}
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -1713,8 +2219,8 @@ def _demo(args: argparse.Namespace) -> int:
         return read_captures(llm, len(prompt))
 
     def run_transformers(layer0_scale: float) -> dict[str, torch.Tensor]:
-        return _transformers_activations(
-            hf_model, prompt, specs, {"blocks.0.hook_resid_post": lambda rows: rows * layer0_scale}
+        return _demo_reference(
+            hf_model, prompt, list(specs), {"blocks.0.hook_resid_post": lambda rows: rows * layer0_scale}
         )
 
     plain = run_vllm()
@@ -1805,7 +2311,7 @@ def _capture(args: argparse.Namespace) -> int:
         "torch_version": torch.__version__,
         "tl_vllm_hooks_version": __version__,
         "dtype": args.dtype,
-        "hooks": json.dumps({name: path for name, (path, _width) in specs.items()}),
+        "hooks": json.dumps({name: list(shape) for name, shape in specs.items()}),
         "prompts": json.dumps(prompts),
     }
     save_file(tensors, args.out, metadata=metadata)
@@ -1814,10 +2320,16 @@ def _capture(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    """Per hook, the worst error of a capture file against transformers on the same model."""
+    """Per hook, the worst error of a capture file against TransformerLens on the same model."""
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
+    try:
+        from transformer_lens.model_bridge import TransformerBridge
+    except ImportError:
+        raise ValueError(
+            "compare checks hooks against TransformerLens, which is not installed here: "
+            "pip install transformer-lens==4.3.0"
+        ) from None
     with safe_open(args.file, framework="pt") as archive:
         metadata = archive.metadata() or {}
         missing = {"model", "hooks", "prompts", "dtype"} - set(metadata)
@@ -1826,11 +2338,11 @@ def _compare(args: argparse.Namespace) -> int:
         tensors = {key: archive.get_tensor(key) for key in archive.keys()}
     model_dir = args.model or metadata["model"]
     hooks, prompts = json.loads(metadata["hooks"]), json.loads(metadata["prompts"])
-    specs = {name: (path, 0) for name, path in hooks.items()}
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    bridge = TransformerBridge.boot_transformers(model_dir, dtype=torch.float32, device="cpu")
     worst: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in hooks}
     for index, prompt in enumerate(prompts):
-        expected = _transformers_activations(hf_model, prompt, specs)
+        _logits, cache = bridge.run_with_cache(torch.tensor([prompt]), names_filter=list(hooks))
+        expected = {name: cache[name][0] for name in hooks}
         for name in hooks:
             actual = tensors[f"prompt{index}.{name}"].double()
             difference = (actual - expected[name].double()).abs()
@@ -1838,7 +2350,7 @@ def _compare(args: argparse.Namespace) -> int:
             relative = float(difference.norm()) / scale
             worst[name] = (max(worst[name][0], float(difference.max())), max(worst[name][1], relative))
         print(f"compared prompt {index + 1}/{len(prompts)}", file=sys.stderr, flush=True)
-    print(f"{args.file} ({metadata['dtype']}, vLLM {metadata.get('vllm_version')}) vs transformers fp32, "
+    print(f"{args.file} ({metadata['dtype']}, vLLM {metadata.get('vllm_version')}) vs TransformerLens fp32, "
           f"{len(prompts)} prompts; tolerance {args.tolerance:g} (relative L2)")
     print(f"{'hook':28} {'max abs err':>12} {'rel L2 err':>11}")
     for name, (absolute, relative) in worst.items():
@@ -1863,7 +2375,7 @@ def _plot_errors(worst: dict[str, tuple[float, float]], path: str, tolerance: fl
     axes.axhline(tolerance, color="red", linestyle="--", label=f"tolerance {tolerance:g}")
     axes.set_yscale("log")
     axes.set_xticks(range(len(worst)), list(worst), rotation=90, fontsize=7)
-    axes.set_ylabel("relative L2 error vs transformers")
+    axes.set_ylabel("relative L2 error vs TransformerLens")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -1884,7 +2396,7 @@ def main(argv: list[str] | None = None) -> int:
     capture.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
     capture.add_argument("--token-ids", action="append", help='one prompt as token ids, "1 2 3"; repeatable')
     capture.add_argument("--prompts", help="a text file, one prompt per line (needs the model's tokenizer)")
-    capture.add_argument("--sites", default="resid_post", help=f"comma list of {', '.join(SITES)}")
+    capture.add_argument("--sites", default="resid_post", help=f"comma list of {', '.join(SITES)} (as the architecture has)")
     capture.add_argument(
         "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list (default all)"
     )
@@ -1892,7 +2404,9 @@ def main(argv: list[str] | None = None) -> int:
     capture.add_argument("--max-num-batched-tokens", type=int, default=2048)
     capture.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     capture.add_argument("--out", required=True, help="the safetensors file to write")
-    compare = commands.add_parser("compare", help="compare a capture file with transformers on the same model")
+    compare = commands.add_parser(
+        "compare", help="compare a capture file with TransformerLens on the same model (needs transformer-lens)"
+    )
     compare.add_argument("file", help="a file written by the capture command")
     compare.add_argument("--model", help="the model to load (default: the path in the file's metadata)")
     compare.add_argument("--tolerance", type=float, default=1e-4, help="exit 1 past this relative L2 error")
