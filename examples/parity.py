@@ -4,7 +4,8 @@
 
 Captures every layer's residual stream, attention and MLP output of one prompt
 in a compiled engine, runs the same prompt through transformers with forward
-hooks on the same modules, prints a table, and exits 1 past the tolerance:
+hooks on a Llama-style model's modules that hold those tensors (the decoder
+layer, its self_attn and mlp), prints a table, and exits 1 past the tolerance:
 ready to paste into a bug report.
 """
 
@@ -47,13 +48,19 @@ if __name__ == "__main__":
                  use_tqdm=False)
     captured = tlh.read_captures(llm, len(token_ids))
 
+    # transformers' modules holding each hook's tensor in a Llama-style model.
+    hf_paths = {
+        name: name.replace("blocks.", "model.layers.").replace(".hook_resid_post", "")
+        .replace(".hook_attn_out", ".self_attn").replace(".hook_mlp_out", ".mlp")
+        for name in specs
+    }
     expected = {}
     modules = dict(hf_model.named_modules())
     handles = [
         modules[path].register_forward_hook(
             lambda _m, _i, out, name=name: expected.__setitem__(name, (out[0] if isinstance(out, tuple) else out)[0])
         )
-        for name, (path, _width) in specs.items()
+        for name, path in hf_paths.items()
     ]
     with torch.no_grad():
         hf_model(torch.tensor([token_ids]))

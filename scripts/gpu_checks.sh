@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with NVIDIA GPUs and vLLM. Run from the project root:
 #   bash scripts/gpu_checks.sh tests [CLASS...]  # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
-#                                         # both flavours (TestCudaGraphs TestCudaBatched, or those
-#                                         # named); one class per GPU when there are enough
+#                                         # both flavours, Llama and Gemma 2 (TestCudaGraphs TestCudaBatched
+#                                         # TestCudaGemma2, or those named); one class per GPU when there are enough
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
 #                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code", or
@@ -10,9 +10,6 @@
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
 #   bash scripts/gpu_checks.sh probe [flags]     # batched flavour: capture modes and copy variants
 #                                                # in one engine (scripts/probe_batched_copies.py; --profile)
-#   bash scripts/gpu_checks.sh first-rows [flags]  # a batched GPU check's workload (--workload many|batch|mixed) in
-#                                                # plain and hooked engines, every generated token's logprobs
-#                                                # against transformers (scripts/probe_first_rows.py)
 #   bash scripts/gpu_checks.sh step-host-time [flags]  # the batched flavour's host work per step, in-process
 #                                                # engine (scripts/probe_step_host_time.py; --capture none)
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
@@ -38,7 +35,7 @@ status=0
 case "$what" in
   tests)  # the test classes named after "tests", or both; one GPU each while there are enough
     classes=("${@:2}")
-    [[ ${#classes[@]} -gt 0 ]] || classes=(TestCudaGraphs TestCudaBatched)
+    [[ ${#classes[@]} -gt 0 ]] || classes=(TestCudaGraphs TestCudaBatched TestCudaGemma2)
     pids=()
     for i in "${!classes[@]}"; do
       if [[ $gpus -ge ${#classes[@]} && ${#classes[@]} -ge 2 ]]; then
@@ -62,15 +59,11 @@ case "$what" in
   probe)
     python3 scripts/probe_batched_copies.py --out "$out/probe" "${@:2}" > "$out/probe.log" 2>&1 || status=1
     tail -n 12 "$out/probe.log" ;;
-  first-rows)
-    python3 scripts/probe_first_rows.py --out "$out/first-rows" "${@:2}" > "$out/first-rows.log" 2>&1 || status=1
-    grep -h "engine built\|wrong requests \[[0-9]" "$out"/first-rows/*.log | head -n 40
-    grep -h "wrong row in\|no result" "$out/first-rows.log" ;;
   step-host-time)
     python3 scripts/probe_step_host_time.py "${@:2}" > "$out/step-host-time.log" 2>&1 || status=1
     grep "^generate" "$out/step-host-time.log" ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp|probe|first-rows|step-host-time [flags]" >&2
+    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp|probe|step-host-time [flags]" >&2
     exit 2 ;;
 esac
 exit $status
