@@ -238,9 +238,9 @@ _ARCHITECTURES = {
     "GPT2LMHeadModel": (("GPT2LMHeadModel",), _GPT2_TAPS),
     "GPTNeoXForCausalLM": (("TransformersForCausalLM",), _NEOX_TAPS),
 }
-"""Checked against TransformerLens 4.3 on vLLM 0.32 (CPU); the native classes also on
-vLLM 0.24 (CUDA). vLLM 0.24 serves GPT-NeoX with a native class of its own, which
-is not in this table and so is refused."""
+"""Every entry checked against TransformerLens 4.3 on vLLM 0.32 (CPU); Llama and Gemma 2
+also on vLLM 0.24 (CUDA), where Qwen2 and GPT-2 have the same classes. vLLM 0.24 serves
+GPT-NeoX with a native class of its own, which is not in this table and so is refused."""
 
 
 def _architecture(hf_config: Any) -> str:
