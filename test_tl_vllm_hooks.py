@@ -826,8 +826,9 @@ BATCH = [
 
 def check_batched(llm, model, edits=None, max_tokens=3, tolerance=TOLERANCE, prompts=BATCH):
     """Every request's rows (its prompt, then every generated token but the last, which
-    never runs through the model) equal its transformers run; edits: engine-wide, set for
-    this call. Returns the worst relative error."""
+    never runs through the model) equal its run through `model`'s reference (TransformerLens,
+    or transformers on the GPU); edits: engine-wide, set for this call. Returns the worst
+    relative error."""
     _outputs, worst = check_per_request(llm, model, [(p, None, None) for p in prompts], edits, max_tokens, tolerance)
     return worst
 
@@ -849,7 +850,7 @@ def check_per_request(
     """requests: [(prompt, capture or None, edits or None)], one generate call, with
     engine_edits set engine-wide for it.
 
-    Each request's kept rows must equal its own transformers run with its own
+    Each request's kept rows must equal its own reference run with its own
     edits, which replace the engine-wide edit on the hooks they name, within
     tolerance (row_tolerance, if given, for a request that keeps one row).
     Returns the outputs and the worst relative error.
