@@ -248,8 +248,9 @@ def _architecture(hf_config: Any) -> str:
     return architectures[0]
 
 
-def _taps(hf_config: Any) -> dict[str, _Tap]:
-    """The taps of the model's architecture; ValueError naming it and the supported ones."""
+def _taps(hf_config: Any, sites: set[str] | tuple[str, ...]) -> dict[str, _Tap]:
+    """The taps of the model's architecture. ValueError naming it and the supported ones
+    when the table lacks it, or naming the sites it lacks among ``sites``."""
     architecture = _architecture(hf_config)
     if architecture not in _ARCHITECTURES:
         raise ValueError(
@@ -257,7 +258,16 @@ def _taps(hf_config: Any) -> dict[str, _Tap]:
             f"and this module has no table for it; supported: {sorted(_ARCHITECTURES)}. Hook "
             "modules of your choosing under names of your own with (module_path, width) specs"
         )
-    return _ARCHITECTURES[architecture][1]
+    taps = _ARCHITECTURES[architecture][1]
+    missing = [site for site in SITES if site in sites and site not in taps]
+    if missing:
+        raise ValueError(
+            f"{architecture} has no {[SITES[site] for site in missing]}"
+            + (" (attention and MLP read the same residual stream, as in TransformerLens)"
+               if "resid_mid" in missing else "")
+            + f"; its sites: {list(taps)}"
+        )
+    return taps
 
 
 def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
@@ -734,9 +744,9 @@ def _place_hooks(
     them (hooks on one module run in that order); names whose module pipeline
     parallelism put on another rank are returned apart."""
     modules = dict(model.named_modules())
-    taps: dict[str, _Tap] = {}
-    if any("hook_" in name for name in config.capture_specs):
-        taps = _taps(hf_config)
+    sites = {_parse_hook_name(name)[0] for name in config.capture_specs if "hook_" in name}
+    if sites:
+        taps = _taps(hf_config, sites)
         architecture = _architecture(hf_config)
         classes = _ARCHITECTURES[architecture][0]
         if type(model).__name__ not in classes:
@@ -762,13 +772,6 @@ def _place_hooks(
             tap, path = _Tap(spec[0], "output"), spec[0]
         else:
             site, layer = _parse_hook_name(name)
-            if site not in taps:
-                raise ValueError(
-                    f"{name}: {architecture} has no {SITES[site]}"
-                    + (" (attention and MLP read the same residual stream, as in TransformerLens)"
-                       if site == "resid_mid" else "")
-                    + f"; its hooks: {[SITES[s] for s in taps]}"
-                )
             if layer is not None and layer >= hf_config.num_hidden_layers:
                 raise ValueError(f"{name}: the model has {hf_config.num_hidden_layers} layers")
             if spec != shapes[site]:
@@ -1867,15 +1870,7 @@ def capture_specs(
     unknown = [s for s in sites if s not in SITES]
     if unknown:
         raise ValueError(f"capture_specs: unknown sites {unknown}; valid: {list(SITES)}")
-    taps = _taps(hf_config)
-    missing = [s for s in sites if s not in taps]
-    if missing:
-        raise ValueError(
-            f"capture_specs: {_architecture(hf_config)} has no {[SITES[s] for s in missing]}"
-            + (" (attention and MLP read the same residual stream, as in TransformerLens)"
-               if "resid_mid" in missing else "")
-            + f"; its sites: {list(taps)}"
-        )
+    _taps(hf_config, sites)
     num_layers = hf_config.num_hidden_layers
     layers = list(range(num_layers)) if layers is None else list(layers)
     bad = [i for i in layers if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
