@@ -188,7 +188,7 @@ class _Engine:
             config = self.config = tl.configure(tl.capture_specs(hf_config, sites=self.sites), dtype=dtype,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_batching=name in _BATCHED)
-            engine_args["worker_extension_cls"] = tl.WORKER_EXTENSION
+            engine_args.update(config.llm_kwargs)
             if name in _BATCHED:
                 extra_args = tl.request_args(config, capture=_BATCHED[name])
         self.params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
@@ -196,7 +196,6 @@ class _Engine:
         self.llm = LLM(**engine_args)
         # register() had run in this process (configure() or vLLM's plugin loader): False for plain.
         self.load_model_wrapped = hasattr(Worker.load_model, "__wrapped__")
-        tl.clear_config()
         if name == "d":
             tl.set_edits(self.llm, {"blocks.0.hook_resid_post": {"op": "scale", "value": 1.0}})
         self.clock = _SmClockSamples(self.on_gpu)

@@ -48,16 +48,13 @@ if __name__ == "__main__":
     model = tempfile.mkdtemp(prefix="tiny_llama_")
     tlh.tiny_model(model)
     config = None
+    engine_args = dict(max_num_batched_tokens=1024, enable_prefix_caching=False)
     if not args.plain:
         config = tlh.configure(
             tlh.capture_specs(AutoConfig.from_pretrained(model), sites=("resid_post", "mlp_out")),
             max_num_batched_tokens=1024, dtype=torch.float32, enable_batching=True)
-    try:
-        llm = LLM(model, dtype="float32", max_num_batched_tokens=1024,
-                  enable_prefix_caching=False, skip_tokenizer_init=True, gpu_memory_utilization=0.1,
-                  worker_extension_cls=tlh.WORKER_EXTENSION)
-    finally:
-        tlh.clear_config()
+        engine_args = config.llm_kwargs
+    llm = LLM(model, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.1, **engine_args)
     captures = ("all", "prompt", "last_prompt_token", "none")
     edit = {"blocks.0.hook_mlp_out": {"op": "scale", "value": 0.5, "positions": [3, 20]}}
 
@@ -74,7 +71,7 @@ if __name__ == "__main__":
             kept = [o.request_id for o, r in zip(outputs, requests) if captures[r % 4] != "none"]
             captured = tlh.read_batched(llm, kept)
             assert len(captured) == len(kept)
-            assert [s["unread_requests"] for s in tlh._status(llm)] == [0]
+            assert tlh.status(llm)["unread_requests"] == 0
         engine = sum(_rss_mib(pid) for pid in _children(driver))
         samples.append((_rss_mib(driver), engine))
         print(f"{start + args.batch:5d} requests: driver {samples[-1][0]:7.1f} MiB, vLLM processes {engine:7.1f} MiB",

@@ -24,6 +24,7 @@ import copy
 import gc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -290,18 +291,35 @@ def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TO
 
 
 def engine_arguments(dtype="float32"):
-    """The LLM arguments of every test engine, hooks aside: small batches, so that prompts
-    are chunked and steps mix requests, and prefix caching off (cached rows never run)."""
+    """The LLM arguments of every test engine beside the config's llm_kwargs: few requests
+    a step (with MAX_TOKENS_PER_FORWARD tokens, prompts are chunked and steps mix requests)."""
     return dict(
         dtype=dtype,
         max_model_len=1024,
-        max_num_batched_tokens=MAX_TOKENS_PER_FORWARD,
         max_num_seqs=8,
-        enable_prefix_caching=False,
         skip_tokenizer_init=True,
         gpu_memory_utilization=0.05,
         seed=0,
     )
+
+
+@contextlib.contextmanager
+def environment_restored(**variables):
+    """Set environment variables (and make vLLM read them again) for the block's length."""
+    from vllm import envs
+
+    saved = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        envs.disable_envs_cache()
 
 
 @contextlib.contextmanager
@@ -317,13 +335,10 @@ def engine(
     environment=(),
     **llm_kwargs,
 ):
-    """An LLM with hooks on every layer's `sites` (default: all the family has); shut down on exit."""
-    from vllm import LLM, envs
+    """An LLM with hooks on every layer's `sites` (default: all the family has); shut down
+    on exit, and the environment as it was."""
+    from vllm import LLM
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-    saved = {key: os.environ.get(key) for key, _value in environment}
-    os.environ.update(dict(environment))
-    envs.disable_envs_cache()
     specs = tlh.capture_specs(model.hf.config, sites=sites or FAMILY_SITES[model.family])
     config = tlh.configure(
         specs,
@@ -332,22 +347,16 @@ def engine(
         enable_batching=batching,
         enable_position_interventions=positions,
     )
-    try:
-        arguments = dict(engine_arguments(dtype), enforce_eager=eager, worker_extension_cls=tlh.WORKER_EXTENSION)
-        llm = LLM(str(model.path), **{**arguments, **llm_kwargs})
-    finally:
-        tlh.clear_config()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    llm.hook_names = list(specs)
-    llm.config = config
-    try:
-        yield llm
-    finally:
-        shutdown(llm, in_process)
+    layout = "0" if in_process else "1"
+    with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING=layout, **dict(environment)):
+        arguments = {**engine_arguments(dtype), "enforce_eager": eager, **config.llm_kwargs, **llm_kwargs}
+        llm = LLM(str(model.path), **arguments)
+        llm.hook_names = list(specs)
+        llm.config = config
+        try:
+            yield llm
+        finally:
+            shutdown(llm, in_process)
 
 
 def shutdown(llm, in_process):
@@ -415,7 +424,6 @@ class TestConfigChannel:
         arguments.update(kwargs)
         with pytest.raises(ValueError, match=field):
             tlh.configure(**arguments)
-        assert tlh._CONFIG_ENV not in os.environ, "a rejected config must not be stored"
 
     @pytest.mark.parametrize(
         "mangle, field",
@@ -433,11 +441,23 @@ class TestConfigChannel:
         with pytest.raises(ValueError, match=field):
             tlh.CaptureConfig.from_json(mangle(good))
 
-    def test_clear_config_removes_it(self):
-        tlh.configure(self.SPECS, 64, torch.float32)
-        assert tlh._config_from_env() is not None
-        tlh.clear_config()
-        assert tlh._config_from_env() is None
+    def test_llm_kwargs_carry_the_config_and_what_the_engine_needs(self):
+        config = tlh.configure(self.SPECS, 64, torch.bfloat16, enable_batching=True)
+        kwargs = config.llm_kwargs
+        assert kwargs["worker_extension_cls"] == tlh.WORKER_EXTENSION == "tl_vllm_hooks.WorkerExtension"
+        assert kwargs["max_num_batched_tokens"] == 64 and kwargs["enable_prefix_caching"] is False
+        (payload,) = kwargs["additional_config"].values()
+        assert tlh.CaptureConfig.from_json(payload) == config
+        assert tlh._CONFIG_ENV not in os.environ, "configure must leave nothing behind for later engines"
+
+    @pytest.mark.parametrize(
+        "name, replacement",
+        [("clear_config", "LLM(model, **config.llm_kwargs)"), ("engine_kwargs", "config.llm_kwargs"),
+         ("absent_hooks", "status(llm)['absent']")],
+    )
+    def test_removed_calls_say_what_to_write_instead(self, name, replacement):
+        with pytest.raises(AttributeError, match=re.escape(replacement)):
+            getattr(tlh, name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
@@ -556,18 +576,17 @@ def test_step_collection_keeps_each_requests_rows():
     import numpy as np
 
     buffer = torch.zeros(32, 2)
+    config = tlh.CaptureConfig({"h": ("model.layers.0", 2)}, 32, enable_batching=True)
+    hooks = types.SimpleNamespace(config=config, placed={"h": None}, capture_buffers={"h": buffer}, device=torch.device("cpu"))
+    state = tlh._Batched(hooks, max_num_seqs=8)
     plan = tlh._RequestPlan
-    state = types.SimpleNamespace(
-        plans={
-            "A": plan(6, "prompt", {}),
-            "B": plan(4, "last_prompt_token", {}),
-            "C": plan(3, np.array([1, 5]), {}),
-            "G": plan(3, "last_prompt_token", {}),
-            "N": plan(2, "none", {}),
-        },  # D, E and F have no options: every row
-        request_table=tlh._RequestTable(), records={}, incomplete={}, capture_buffers={"h": buffer},
-        copy_stream=None, device=torch.device("cpu"), step=None,
-    )
+    state.plans.update({
+        "A": plan(6, "prompt", {}),
+        "B": plan(4, "last_prompt_token", {}),
+        "C": plan(3, np.array([1, 5]), {}),
+        "G": plan(3, "last_prompt_token", {}),
+        "N": plan(2, "none", {}),
+    })  # D, E and F have no options: every row
     for request, request_plan in state.plans.items():
         state.request_table.add(request, request_plan.kept_range, False)
 
@@ -582,7 +601,7 @@ def test_step_collection_keeps_each_requests_rows():
         buffer.zero_()
         buffer[: starts[-1], 0] = torch.from_numpy(state.step.row_positions).float()  # what the row is ...
         buffer[: starts[-1], 1] = torch.from_numpy(1000 * number + owners).float()  # ... and when, whose
-        tlh._collect_step(state)
+        state.executed()
 
     step(1, [("A", 0, 4), ("B", 0, 4), ("C", 0, 3), ("D", 0, 2), ("F", 2, 2), ("N", 0, 2)])
     step(2, [("A", 4, 2), ("B", 4, 1), ("E", 0, 0), ("C", 3, 1), ("D", 2, 1), ("G", 4, 1)])
@@ -670,12 +689,16 @@ def check_every_site_edit_per_request(llm, model: Model, reference=None, toleran
 # --- compiled flavour ----------------------------------------------------------
 
 
-class TestCompiledLlamaInProcess:
-    """Compiled engine (torch.compile/inductor), engine core in this process."""
+class TestCompiled:
+    """Compiled engines (torch.compile/inductor): Llama with the engine core in this process,
+    Qwen2 in vLLM's default separate processes."""
 
-    @pytest.fixture(scope="class")
-    def llm(self, models):
-        with engine(models["llama"], in_process=True, eager=False) as llm:
+    @pytest.fixture(scope="class", params=[("llama", True), ("qwen2", False)],
+                    ids=lambda p: f"{p[0]}-{'in-process' if p[1] else 'separate'}")
+    def llm(self, request, models):
+        family, in_process = request.param
+        with engine(models[family], in_process=in_process, eager=False) as llm:
+            llm.model = models[family]
             yield llm
 
     @pytest.fixture(scope="class")
@@ -683,13 +706,15 @@ class TestCompiledLlamaInProcess:
         tlh.reset_edits(llm)
         return capture(llm, PROMPT)
 
-    def test_every_hook_matches_transformer_lens(self, llm, baseline, models):
-        expected = models["llama"].reference(PROMPT, llm.hook_names)
-        worst = assert_matches(baseline, expected, "llama compiled")
-        print(f"\nllama compiled in-process: worst relative error {worst:.2e}")
+    def test_every_hook_matches_transformer_lens(self, llm, baseline, request):
+        worst = assert_matches(baseline, llm.model.reference(PROMPT, llm.hook_names), request.node.name)
+        print(f"\n{request.node.name}: worst relative error {worst:.2e}")
 
-    def test_an_edit_at_each_site_matches_transformer_lens(self, llm, baseline, models):
-        check_every_site_edit(llm, models["llama"], baseline)
+    def test_an_edit_at_each_site_matches_transformer_lens(self, llm, baseline):
+        check_every_site_edit(llm, llm.model, baseline)
+
+    def test_no_hook_is_absent(self, llm):
+        assert tlh.status(llm)["absent"] == []
 
     @pytest.mark.parametrize(
         "hook, edit",
@@ -701,7 +726,7 @@ class TestCompiledLlamaInProcess:
             ("blocks.1.hook_resid_post", {"op": "set", "value": "vector"}),
         ],
     )
-    def test_edit_matches_transformer_lens_with_the_same_edit(self, llm, baseline, models, hook, edit):
+    def test_edit_matches_transformer_lens_with_the_same_edit(self, llm, baseline, hook, edit):
         if edit.get("value") == "vector":
             edit = {**edit, "value": torch.linspace(-1.0, 1.0, 128)}
         tlh.set_edits(llm, {hook: edit})
@@ -709,7 +734,7 @@ class TestCompiledLlamaInProcess:
             edited = capture(llm, PROMPT)
         finally:
             tlh.reset_edits(llm)
-        expected = models["llama"].reference(PROMPT, llm.hook_names, {hook: edit})
+        expected = llm.model.reference(PROMPT, llm.hook_names, {hook: edit})
         assert_matches(edited, expected, f"edit {edit['op']} at {hook}")
         final = "ln_final.hook_normalized"
         assert relative_error(edited[final], baseline[final]) > 1e-3, "the edit changed nothing downstream"
@@ -722,7 +747,7 @@ class TestCompiledLlamaInProcess:
         for name in baseline:
             assert torch.equal(after[name], baseline[name]), f"{name} differs after reset"
 
-    def test_position_edit_touches_only_its_rows(self, llm, baseline, models):
+    def test_position_edit_touches_only_its_rows(self, llm, baseline):
         hook, positions = "blocks.0.hook_resid_post", [3, 17]
         edit = {"op": "add", "value": torch.full((128,), 0.5), "positions": positions}
         tlh.set_edits(llm, {hook: edit})
@@ -730,7 +755,7 @@ class TestCompiledLlamaInProcess:
             edited = capture(llm, PROMPT)
         finally:
             tlh.reset_edits(llm)
-        expected = models["llama"].reference(PROMPT, llm.hook_names, {hook: edit})
+        expected = llm.model.reference(PROMPT, llm.hook_names, {hook: edit})
         assert_matches(edited, expected, "position edit")
         for name in baseline:
             assert torch.equal(edited[name][:3], baseline[name][:3]), f"{name}: rows before 3 changed"
@@ -745,7 +770,7 @@ class TestCompiledLlamaInProcess:
             assert torch.equal(kept[name], baseline[name]), f"{name}: decode steps overwrote rows"
         assert set(counts.values()) == {5}, f"one prefill + 4 decode forwards, got {counts}"
 
-    def test_position_edit_reaches_generated_tokens(self, llm, models):
+    def test_position_edit_reaches_generated_tokens(self, llm):
         # The first generated token sits at position len(PROMPT): suppressing the
         # final norm there makes every logit 0, so greedy sampling picks token 0.
         (plain,) = generate(llm, [PROMPT], max_tokens=3)
@@ -782,37 +807,14 @@ class TestCompiledLlamaInProcess:
         assert torch.equal(after["ln_final.hook_normalized"], baseline["ln_final.hook_normalized"])
 
     def test_reading_more_rows_than_the_buffer_is_refused(self, llm):
-        with pytest.raises(Exception, match="num_rows must be an int in"):
+        with pytest.raises(ValueError, match="num_rows must be an int in"):
             tlh.read_captures(llm, MAX_TOKENS_PER_FORWARD + 1)
 
     def test_reading_before_any_forward_is_refused(self, llm):
         tlh.open_capture(llm)
-        with pytest.raises(Exception, match="no forward ran since open_capture"):
+        with pytest.raises(RuntimeError, match="no forward ran since open_capture"):
             tlh.read_captures(llm, len(PROMPT))
         generate(llm, [PROMPT])
-
-
-class TestCompiledQwen2SeparateProcesses:
-    """Compiled engine, engine core and worker in their own processes (vLLM's default)."""
-
-    @pytest.fixture(scope="class")
-    def llm(self, models):
-        with engine(models["qwen2"], in_process=False, eager=False) as llm:
-            yield llm
-
-    @pytest.fixture(scope="class")
-    def baseline(self, llm):
-        return capture(llm, PROMPT)
-
-    def test_every_hook_matches_transformer_lens(self, llm, baseline, models):
-        worst = assert_matches(baseline, models["qwen2"].reference(PROMPT, llm.hook_names), "qwen2")
-        print(f"\nqwen2 compiled separate processes: worst relative error {worst:.2e}")
-
-    def test_an_edit_at_each_site_matches_transformer_lens(self, llm, baseline, models):
-        check_every_site_edit(llm, models["qwen2"], baseline)
-
-    def test_no_hook_is_absent(self, llm):
-        assert tlh.absent_hooks(llm) == []
 
 
 # --- batched flavour -------------------------------------------------------------
@@ -924,25 +926,41 @@ def check_mixed_requests(llm, model, engine_edits=None, tolerance=TOLERANCE, row
     assert plain != suppressed, "the edit of the last request must not outlive it"
 
 
-class TestBatchedLlamaSeparateProcesses:
-    @pytest.fixture(scope="class")
-    def llm(self, models):
-        with engine(models["llama"], in_process=False, eager=True, batching=True) as llm:
+class TestBatched:
+    """The batched flavour: Llama eager in separate processes and compiled in this process,
+    Qwen2 eager in this process."""
+
+    @pytest.fixture(
+        scope="class",
+        params=[("llama", False, True), ("llama", True, False), ("qwen2", True, True)],
+        ids=lambda p: f"{p[0]}-{'in-process' if p[1] else 'separate'}-{'eager' if p[2] else 'compiled'}",
+    )
+    def llm(self, request, models):
+        family, in_process, eager = request.param
+        with engine(models[family], in_process=in_process, eager=eager, batching=True) as llm:
+            llm.model = models[family]
             yield llm
 
-    def test_each_request_matches_its_own_transformer_lens_run(self, llm, models):
-        worst = check_batched(llm, models["llama"])
-        print(f"\nllama batched separate processes: worst relative error {worst:.2e}")
+    def test_each_request_matches_its_own_transformer_lens_run(self, llm, request):
+        worst = check_batched(llm, llm.model, max_tokens=5)
+        print(f"\n{request.node.name}: worst relative error {worst:.2e}")
 
-    def test_an_edit_at_each_site_per_request_matches_transformer_lens(self, llm, models):
-        check_every_site_edit_per_request(llm, models["llama"])
+    def test_an_edit_at_each_site_per_request_matches_transformer_lens(self, llm):
+        check_every_site_edit_per_request(llm, llm.model)
 
-    def test_edit_applies_to_every_request(self, llm, models):
-        edits = {"blocks.0.hook_mlp_out": {"op": "scale", "value": -2.0}}
-        check_batched(llm, models["llama"], edits)
+    def test_edit_applies_to_every_request(self, llm):
+        check_batched(llm, llm.model, {"blocks.0.hook_mlp_out": {"op": "scale", "value": -2.0}})
 
-    def test_per_request_options_match_transformer_lens(self, llm, models):
-        check_mixed_requests(llm, models["llama"])
+    def test_position_edit_in_batch(self, llm):
+        edits = {"blocks.1.hook_attn_out": {"op": "add", "value": torch.linspace(-1, 1, 128), "positions": [0, 60]}}
+        check_batched(llm, llm.model, edits)
+
+    def test_per_request_options_match_transformer_lens_beside_engine_wide_edits(self, llm):
+        engine_edits = {
+            "blocks.0.hook_mlp_out": {"op": "scale", "value": -2.0},  # request 2 replaces it
+            "blocks.1.hook_attn_out": {"op": "add", "value": 0.1, "positions": [3]},
+        }
+        check_mixed_requests(llm, llm.model, engine_edits)
 
     def test_rows_are_freed_once_read(self, llm):
         outputs = generate(llm, BATCH[:1])
@@ -950,8 +968,20 @@ class TestBatchedLlamaSeparateProcesses:
         with pytest.raises(KeyError, match="no captured request"):
             tlh.read_batched(llm, [outputs[0].request_id])
 
-    def test_remove_hooks_takes_edits_out_of_an_eager_engine(self, llm):
-        # Runs last in this class: the engine has no hooks afterwards.
+    def test_hand_written_options_the_worker_refuses_surface_when_read(self, llm):
+        (output,) = generate(llm, [BATCH[0]], 2, [{"tl_vllm_hooks": {"capture": "most"}}])
+        with pytest.raises(RuntimeError, match=r"options were refused: capture: expected one of \['all'"):
+            tlh.read_batched(llm, [output.request_id])
+        tlh.reset_batched(llm)
+        check_batched(llm, llm.model, prompts=BATCH[:1])
+
+    def test_reading_captures_is_refused(self, llm):
+        with pytest.raises(RuntimeError, match=r"read_captures: this engine has batched hooks; configure\(enable_batching=False\)"):
+            tlh.read_captures(llm, 4)
+
+
+def test_remove_hooks_takes_edits_out_of_an_eager_engine(models):
+    with engine(models["llama"], sites=("final_norm",), in_process=False, eager=True, batching=True) as llm:
         (plain,) = generate(llm, BATCH[:1], max_tokens=4)
         tlh.set_edits(llm, {"ln_final.hook_normalized": {"op": "suppress"}})
         (suppressed,) = generate(llm, BATCH[:1], max_tokens=4)
@@ -961,58 +991,6 @@ class TestBatchedLlamaSeparateProcesses:
         assert list(after.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
         with pytest.raises(RuntimeError, match="this engine has no hooks"):
             tlh.read_batched(llm, [after.request_id])
-
-
-class TestBatchedCompiledLlamaInProcess:
-    """The batched flavour in a compiled engine: rows are split after each step."""
-
-    @pytest.fixture(scope="class")
-    def llm(self, models):
-        with engine(models["llama"], in_process=True, eager=False, batching=True) as llm:
-            yield llm
-
-    def test_each_request_matches_its_own_transformer_lens_run(self, llm, models):
-        worst = check_batched(llm, models["llama"], max_tokens=5)
-        print(f"\nllama batched compiled in-process: worst relative error {worst:.2e}")
-
-    def test_position_edit_in_batch(self, llm, models):
-        edits = {"blocks.1.hook_attn_out": {"op": "add", "value": torch.linspace(-1, 1, 128), "positions": [0, 60]}}
-        check_batched(llm, models["llama"], edits)
-
-    def test_per_request_options_match_transformer_lens_beside_engine_wide_edits(self, llm, models):
-        engine_edits = {
-            "blocks.0.hook_mlp_out": {"op": "scale", "value": -2.0},  # request 2 replaces it
-            "blocks.1.hook_attn_out": {"op": "add", "value": 0.1, "positions": [3]},
-        }
-        check_mixed_requests(llm, models["llama"], engine_edits)
-
-    def test_hand_written_options_the_worker_refuses_surface_when_read(self, llm, models):
-        (output,) = generate(llm, [BATCH[0]], 2, [{"tl_vllm_hooks": {"capture": "most"}}])
-        with pytest.raises(RuntimeError, match=r"options were refused: capture: expected one of \['all'"):
-            tlh.read_batched(llm, [output.request_id])
-        tlh.reset_batched(llm)
-        check_batched(llm, models["llama"], prompts=BATCH[:1])
-
-
-class TestBatchedQwen2InProcess:
-    @pytest.fixture(scope="class")
-    def llm(self, models):
-        with engine(models["qwen2"], in_process=True, eager=True, batching=True) as llm:
-            yield llm
-
-    def test_each_request_matches_its_own_transformer_lens_run(self, llm, models):
-        worst = check_batched(llm, models["qwen2"])
-        print(f"\nqwen2 batched in-process: worst relative error {worst:.2e}")
-
-    def test_an_edit_at_each_site_per_request_matches_transformer_lens(self, llm, models):
-        check_every_site_edit_per_request(llm, models["qwen2"])
-
-    def test_position_edit_in_batch(self, llm, models):
-        edits = {"blocks.2.hook_resid_post": {"op": "set", "value": 1.0, "positions": [4, 100]}}
-        check_batched(llm, models["qwen2"], edits)
-
-    def test_per_request_options_match_transformer_lens(self, llm, models):
-        check_mixed_requests(llm, models["qwen2"], {"blocks.2.hook_resid_post": {"op": "scale", "value": 1.5}})
 
 
 # --- the other families ------------------------------------------------------------------
@@ -1075,21 +1053,20 @@ def test_transformers_taps_read_what_transformer_lens_reads(models, family):
 
 PROBE = textwrap.dedent(
     """
-    # Imports stay inside main: spawned workers re-import this file, and must
-    # reach tl_vllm_hooks only through vLLM (entry point or worker extension).
-    if __name__ == "__main__":
-        import json, sys, torch
-        import tl_vllm_hooks as tlh
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+    # As a user's script: spawned workers re-import this file, and so tl_vllm_hooks,
+    # before vLLM, whose entry point or worker extension must then register it.
+    import json, sys, torch
+    import tl_vllm_hooks as tlh
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
+    if __name__ == "__main__":
         model_dir, specs, extension = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "extension"
-        tlh.configure(specs, 128, torch.float32)
-        kwargs = {"worker_extension_cls": tlh.WORKER_EXTENSION} if extension else {}
-        llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=128,
-                  enforce_eager=True, skip_tokenizer_init=True, gpu_memory_utilization=0.05,
-                  enable_prefix_caching=False, **kwargs)
-        tlh.clear_config()
+        kwargs = tlh.configure(specs, 128).llm_kwargs
+        if not extension:
+            del kwargs["worker_extension_cls"]
+        llm = LLM(model_dir, dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
+                  gpu_memory_utilization=0.05, **kwargs)
         result = {"module": tlh.__file__}
         if extension:
             tlh.open_capture(llm)
@@ -1097,7 +1074,7 @@ PROBE = textwrap.dedent(
                          SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
             (rows,) = tlh.read_captures(llm, 20).values()
             result["rows"] = rows.tolist()
-            result["worker_module"] = tlh._status(llm)[0]["module"]
+            result["worker_module"] = tlh.status(llm)["module"]
         print("PROBE " + json.dumps(result), flush=True)
     """
 )
@@ -1267,7 +1244,7 @@ class TestCudaBatched:
         # padded for CUDA graphs; each request keeps exactly its last prompt row.
         requests = [(prompt, "last_prompt_token", None) for prompt in MANY_PROMPTS]
         check_per_request(llm, llm.reference_model, requests, max_tokens=4, row_tolerance=BF16_ROW_TOLERANCE)
-        assert [status["unread_requests"] for status in tlh._status(llm)] == [0]
+        assert tlh.status(llm)["unread_requests"] == 0
 
 
 @CUDA
@@ -1358,9 +1335,9 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
         environment=environment,
         **LAYOUTS[layout],
     ) as llm:
-        statuses = tlh._status(llm)
+        statuses = [reply["result"] for reply in llm.collective_rpc("tl_status")]  # per rank
         hooks = [set(status["hooks"]) for status in statuses]
-        assert len(statuses) == 2 and tlh.absent_hooks(llm) == []
+        assert len(statuses) == 2 and tlh.status(llm)["absent"] == []
         if layout == "tp2":
             assert hooks[0] == hooks[1] == set(llm.hook_names)
             split = {name for name in llm.hook_names if name.endswith(("attn.hook_z", "mlp.hook_post"))}
@@ -1394,7 +1371,8 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
             print(message)
         tlh.reset_fire_counts(llm)
         generate(llm, [PROMPT], max_tokens=4)
-        tlh.reset_batched(llm)
+        if flavour == "batched":
+            tlh.reset_batched(llm)
         for status, reply in zip(statuses, llm.collective_rpc("tl_read_fire_counts")):
             counts = reply["result"]
             assert set(counts) == set(status["hooks"]) and set(counts.values()) == {4}, counts
@@ -1404,44 +1382,44 @@ BAD_ENGINES = textwrap.dedent(
     """
     # Each engine below must fail to start with a clear message; then a good one
     # starts in the same process and serves, and TL_VLLM_HOOKS_DISABLE=1 lets an
-    # engine with a broken config start without hooks.
+    # engine with a broken config start without hooks. Engines run in this process,
+    # so the module's own exception reaches the caller.
     if __name__ == "__main__":
         import json, os, sys, torch
         import tl_vllm_hooks as tlh
         from vllm import LLM
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         model_dir, mistral_dir = sys.argv[1], sys.argv[2]
         good = {"blocks.0.hook_mlp_out": 128}
-        base = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=128, enforce_eager=True,
-                    skip_tokenizer_init=True, gpu_memory_utilization=0.05, enable_prefix_caching=False,
-                    worker_extension_cls=tlh.WORKER_EXTENSION)
+        base = dict(dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
+                    gpu_memory_utilization=0.05)
         attempts = {
-            "path": ({"h": ("model.layers.0.mpl", 128)}, 128, False, {}),
-            "width": ({"h": ("model.layers.0.mlp.down_proj", 64)}, 128, False, {}),
-            "shape": ({"blocks.0.hook_mlp_out": 64}, 128, False, {}),
-            "layer": ({"blocks.3.hook_mlp_out": 128}, 128, False, {}),
-            "architecture": (good, 128, False, {"model": mistral_dir}),
-            "prefix": (good, 128, False, {"enable_prefix_caching": True}),
-            "rows": (good, 64, False, {}),
+            "path": ({"h": ("model.layers.0.mpl", 128)}, 128, {}),
+            "width": ({"h": ("model.layers.0.mlp.down_proj", 64)}, 128, {}),
+            "shape": ({"blocks.0.hook_mlp_out": 64}, 128, {}),
+            "layer": ({"blocks.3.hook_mlp_out": 128}, 128, {}),
+            "architecture": (good, 128, {"model": mistral_dir}),
+            "prefix": (good, 128, {"enable_prefix_caching": True}),
+            "rows": (good, 64, {"max_num_batched_tokens": 128}),
         }
         refused = {}
-        for name, (specs, rows, batching, overrides) in attempts.items():
-            tlh.configure(specs, rows, torch.float32, enable_batching=batching)
+        for name, (specs, rows, overrides) in attempts.items():
+            config = tlh.configure(specs, rows)
             try:
-                LLM(**{"model": model_dir, **base, **overrides})
-                refused[name] = False
-            except Exception:
-                refused[name] = True
-            finally:
-                tlh.clear_config()
-        tlh.configure(good, 128, torch.float32)
-        llm = LLM(model_dir, **base)
-        tlh.clear_config()
-        hooks = tlh._status(llm)[0]["hooks"]
+                LLM(**{"model": model_dir, **base, **config.llm_kwargs, **overrides})
+                refused[name] = "started"
+            except ValueError as error:
+                refused[name] = type(error).__name__
+                print(f"{name}: {error}", flush=True)
+            cleanup_dist_env_and_memory()
+        llm = LLM(model_dir, **base, **tlh.configure(good, 128).llm_kwargs)
+        hooks = tlh.status(llm)["hooks"]
         llm.llm_engine.engine_core.shutdown()
+        del llm
+        cleanup_dist_env_and_memory()
         os.environ["TL_VLLM_HOOKS_DISABLE"] = "1"
-        tlh.configure(attempts["path"][0], 128, torch.float32)
-        llm = LLM(model_dir, **base)
+        llm = LLM(model_dir, **base, **tlh.configure(attempts["path"][0], 128).llm_kwargs)
         try:
             tlh.read_fire_counts(llm)
             disabled = "hooks installed"
@@ -1461,7 +1439,7 @@ def test_bad_engine_configs_are_refused_at_startup(tmp_path, models):
     shutil.copytree(models["llama"].path, mistral)
     config = json.loads((mistral / "config.json").read_text())
     (mistral / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
-    environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run(
         [sys.executable, str(script), str(models["llama"].path), str(mistral)],
         cwd=HERE, env=environment, capture_output=True, text=True, timeout=600,
@@ -1470,7 +1448,7 @@ def test_bad_engine_configs_are_refused_at_startup(tmp_path, models):
     lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
     assert done.returncode == 0 and lines, f"probe failed:\n{log[-4000:]}"
     result = json.loads(lines[-1][len("PROBE ") :])
-    assert all(result["refused"].values()), f"engines that started anyway: {result['refused']}"
+    assert set(result["refused"].values()) == {"ValueError"}, f"engines that started anyway: {result['refused']}"
     for message in [
         "'model.layers.0.mpl' does not exist in LlamaForCausalLM; close matches: ['model.layers.0.mlp'",
         "capture_specs['h']: width 64, but model.layers.0.mlp.down_proj (RowParallelLinear) outputs rows of 128",
@@ -1579,48 +1557,34 @@ def test_example_runs_on_the_built_in_model(tmp_path, example, expected):
 # --- engines, one after another ----------------------------------------------------------
 
 
-def test_config_in_vllm_config_reaches_workers_without_the_environment(models):
-    """engine_kwargs carries the config in additional_config, for workers (Ray) that
-    do not inherit the driver's environment; the environment channel stays empty."""
-    from vllm import LLM, envs
+def test_config_in_the_environment_reaches_spawned_workers(models):
+    """For servers one does not construct: TL_VLLM_HOOKS_CONFIG instead of additional_config."""
+    from vllm import LLM
 
     model = models["llama"]
-    specs = tlh.capture_specs(model.hf.config, sites=("mlp_out",), layers=[1])
-    config = tlh.CaptureConfig(specs, MAX_TOKENS_PER_FORWARD, torch.float32)
-    tlh.clear_config()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    envs.disable_envs_cache()
-    llm = LLM(str(model.path), dtype="float32", max_model_len=256, max_num_batched_tokens=MAX_TOKENS_PER_FORWARD,
-              enforce_eager=True, enable_prefix_caching=False, skip_tokenizer_init=True,
-              gpu_memory_utilization=0.05, **tlh.engine_kwargs(config))
-    try:
-        captured = capture(llm, PROMPT)
-        assert_matches(captured, model.reference(PROMPT, ["blocks.1.hook_mlp_out"]))
-    finally:
-        shutdown(llm, in_process=True)
+    config = tlh.configure(tlh.capture_specs(model.hf.config, sites=("mlp_out",), layers=[1]), MAX_TOKENS_PER_FORWARD)
+    kwargs = {key: value for key, value in config.llm_kwargs.items() if key != "additional_config"}
+    with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING="1", TL_VLLM_HOOKS_CONFIG=config.to_json()):
+        llm = LLM(str(model.path), **engine_arguments(), enforce_eager=True, **kwargs)
+        try:
+            assert_matches(capture(llm, PROMPT), model.reference(PROMPT, ["blocks.1.hook_mlp_out"]))
+        finally:
+            shutdown(llm, in_process=False)
 
 
-def test_engine_built_without_config_has_no_hooks_and_late_configure_does_not_reach_it(models):
-    from vllm import LLM, envs
+def test_engine_built_without_the_config_has_no_hooks(models):
+    from vllm import LLM
 
-    tlh.clear_config()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    envs.disable_envs_cache()
-    llm = LLM(str(models["qwen2"].path), dtype="float32", max_model_len=256, enforce_eager=True,
-              max_num_batched_tokens=MAX_TOKENS_PER_FORWARD, enable_prefix_caching=False,
-              skip_tokenizer_init=True, gpu_memory_utilization=0.05, worker_extension_cls=tlh.WORKER_EXTENSION)
-    try:
-        with pytest.raises(RuntimeError, match="this engine has no hooks: call tl_vllm_hooks.configure"):
-            tlh.open_capture(llm)
-        tlh.configure({"layer0": ("model.layers.0", 128)}, MAX_TOKENS_PER_FORWARD, torch.float32)
+    config = tlh.configure({"layer0": ("model.layers.0", 128)}, MAX_TOKENS_PER_FORWARD)
+    with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING="1"):
+        llm = LLM(str(models["qwen2"].path), **engine_arguments(), enforce_eager=True,
+                  worker_extension_cls=config.llm_kwargs["worker_extension_cls"])
         try:
             generate(llm, [PROMPT])
-            with pytest.raises(RuntimeError, match="before LLM"):
+            with pytest.raises(RuntimeError, match=re.escape("this engine has no hooks: build it with LLM(model, **")):
                 tlh.read_fire_counts(llm)
         finally:
-            tlh.clear_config()
-    finally:
-        shutdown(llm, in_process=False)
+            shutdown(llm, in_process=False)
 
 
 def test_preempted_requests_come_back_without_duplicated_or_missing_rows(models):

@@ -1,51 +1,37 @@
-"""Read and edit a model's activations while vLLM serves it.
+"""Read and edit a model's activations while vLLM serves it, under TransformerLens hook names.
 
 One self-contained module. It installs PyTorch forward hooks inside vLLM's
-worker processes, after the weights load and before the first (traced) forward,
-so the hooks become part of the graph that torch.compile and CUDA graphs run.
+workers after the weights load and before the first (traced) forward, so the
+hooks become part of the graph that torch.compile and CUDA graphs run::
 
-Two hook flavours, chosen by ``configure(enable_batching=...)``; both run
-under torch.compile and CUDA graphs (or eager):
+    config = configure(capture_specs(hf_config, sites=("resid_post",)))
+    llm = LLM(model, **config.llm_kwargs)
 
-* compiled (default): each hook writes its module's output rows into a buffer
-  allocated once at install time, gated so that the first forward after
-  ``open_capture`` wins (a multi-token generate keeps its prompt's rows), and
-  applies an edit ``out * scale + bias`` whose tables the driver rewrites
-  between forwards. One prompt per capture.
-* batched (``enable_batching=True``): many requests per generate. Before each
-  step the host writes, outside the graph, which edit-table row each token row
-  uses (so each request can carry its own edits, ``request_args``); after it,
-  the rows each request asked for (all, its prompt, its last prompt token,
-  given positions) are gathered and copied to host memory, keyed by request
-  id, whole across chunked prefill, preemption and decode steps.
+Each hook name means the tensor TransformerLens 4.3's TransformerBridge means
+by it on that architecture; a table per architecture says where vLLM's module
+tree holds it, and an architecture not in the table is refused before the
+first forward. Every hook writes its rows into a buffer allocated at install
+time and applies an edit ``out * scale + bias`` read from tables that the host
+rewrites between forwards. Two flavours:
 
-Hook names are TransformerLens's, and each means the tensor TransformerLens
-4.3's TransformerBridge means by it on that architecture: ``hook_embed``,
-``hook_pos_embed`` (GPT-2), ``blocks.{i}.hook_resid_pre``, ``hook_resid_mid``,
-``hook_resid_post``, ``hook_attn_out``, ``hook_mlp_out``, ``attn.hook_z``,
-``mlp.hook_post`` and ``ln_final.hook_normalized``. A table, per architecture,
-says where vLLM's module tree holds each one (a module's output or input, the
-sum of vLLM's fused (hidden, residual) pair, a norm's input normalized before
-its weight) and how an edit of it flows on; an architecture not in the table
-is refused before the first forward, never hooked at a tensor that means
-something else.
+* compiled (default): ``open_capture`` arms the hooks, the next forward's rows
+  are kept (a multi-token generate keeps its prompt's); one prompt per capture.
+* batched (``enable_batching=True``): many requests per generate, each with its
+  own rows to keep and its own edits (``request_args``); after each step the
+  kept rows go to host memory per request, whole across chunked prefill,
+  preemption and decode steps.
 
 Loading: installed with pip, the ``vllm.general_plugins`` entry point calls
-``register()`` in every vLLM process. Copied into a project instead, the file
-registers itself when imported in a process that has a capture config, which
-spawned workers do when ``LLM(worker_extension_cls=WORKER_EXTENSION)`` makes
-them import it. Set ``TL_VLLM_HOOKS_DISABLE=1`` to switch the plugin off.
-
-Tested with vLLM 0.32 (CPU build, V1 model runner, tensor parallel 2) and vLLM
-0.24 on NVIDIA H200s (Model Runner V2 and V1, FULL and PIECEWISE CUDA graphs,
-tensor and pipeline parallel 2). Nothing crosses a process boundary as pickle:
-the config is JSON, tensors travel as dtype, shape and raw bytes, and a
-request's options ride in its SamplingParams.extra_args as plain values.
+``register()`` in every vLLM process; copied in, the file registers itself when
+a vLLM worker loads ``WorkerExtension`` from it, before it loads the model.
+``TL_VLLM_HOOKS_DISABLE=1`` switches it off. Nothing crosses a process boundary
+as pickle: the config is JSON, tensors travel as dtype, shape and raw bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import hashlib
 import inspect
@@ -56,26 +42,23 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+import tempfile
 from typing import Any
 
 import numpy as np
 import torch
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "SITES",
     "WORKER_EXTENSION",
     "CaptureConfig",
     "WorkerExtension",
-    "absent_hooks",
     "capture_specs",
-    "clear_config",
     "configure",
     "decode_tensor",
     "encode_tensor",
-    "engine_kwargs",
     "open_capture",
     "read_batched",
     "read_captures",
@@ -88,6 +71,7 @@ __all__ = [
     "reset_fire_counts",
     "segment_by_request",
     "set_edits",
+    "status",
     "tiny_model",
 ]
 
@@ -115,11 +99,10 @@ SITES = {
 }
 """site -> TransformerLens hook name, in the order a forward reaches them; ``{i}`` is the layer.
 
-attn_z is ``[n_heads, d_head]`` per row (the attention output per head, the
-input of the output projection) and mlp_post ``[d_mlp]`` (the MLP's
-activations, the input of its down projection); every other site is
-``[d_model]``. final_norm is the final norm's input normalized, before its
-weight and bias.
+attn_z rows are ``[n_heads, d_head]`` (attention output per head, the output
+projection's input), mlp_post rows ``[d_mlp]`` (the down projection's input),
+every other site's ``[d_model]``. final_norm is the final norm's input
+normalized, before its weight and bias.
 """
 
 _HOOK_NAME = {
@@ -137,7 +120,7 @@ def _parse_hook_name(name: str) -> tuple[str, int | None] | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Tap:
     """Where one site's tensor is in vLLM's module tree, and how an edit of it flows on.
 
@@ -157,8 +140,7 @@ class _Tap:
       normalized   a norm's input, or the sum of its two, normalized before its
                    weight and bias; an edit reaches the norm's output as
                    ``edited * weight + bias``.
-    inputs: (argument name, position) of each input an input kind reads; the
-        hook takes the argument by name when the caller passes it so.
+    inputs: (argument name, position) of each input an input kind reads.
     norm: for the norm kinds: ``rms``, ``rms_offset`` (weight applied as
         1 + weight, Gemma) or ``layer`` (mean-centred, with a bias).
     """
@@ -281,13 +263,43 @@ def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def capture_specs(
+    hf_config: Any, sites: tuple[str, ...] = ("resid_post",), layers: list[int] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """``{hook_name: row shape}`` for the model, in the order a forward reaches them.
+
+    hf_config: the model's transformers config, e.g.
+        ``AutoConfig.from_pretrained(path)``; its architecture must be one the
+        module's table places (ValueError naming it and the supported ones).
+    sites: keys of ``SITES`` the architecture has; layer sites expand over
+        ``layers`` (default all).
+    """
+    unknown = [s for s in sites if s not in SITES]
+    if unknown:
+        raise ValueError(f"capture_specs: unknown sites {unknown}; valid: {list(SITES)}")
+    _taps(hf_config, sites)
+    num_layers = hf_config.num_hidden_layers
+    layers = list(range(num_layers)) if layers is None else list(layers)
+    bad = [i for i in layers if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"capture_specs: layers {bad} outside [0, {num_layers})")
+    shapes = _site_shapes(hf_config)
+    chosen = [site for site in SITES if site in sites]  # forward order
+    specs = {SITES[site]: shapes[site] for site in chosen if site in ("embed", "pos_embed")}
+    for i in sorted(set(layers)):
+        specs.update({SITES[site].format(i=i): shapes[site] for site in chosen if "{i}" in SITES[site]})
+    if "final_norm" in chosen:
+        specs[SITES["final_norm"]] = shapes["final_norm"]
+    return specs
+
+
 # ---------------------------------------------------------------------------
-# Config channel.
-# vLLM spawns its workers, so a module global set in the driver never reaches
-# them; the config travels as JSON in one environment variable, which spawned
-# processes inherit, or in vLLM's own additional_config (engine_kwargs) for
-# workers that do not inherit it. It is validated when written and again when
-# read, since a worker may run another copy of this file.
+# Config channel. vLLM builds its workers in other processes, so a module
+# global set in the driver never reaches them: the config travels as JSON in
+# vLLM's own additional_config (which every worker receives, Ray's included,
+# and which vLLM hashes into its compile-cache key), or, for servers started
+# by hand, in one environment variable. It is validated when written and again
+# when read, since a worker may run another copy of this file.
 # ---------------------------------------------------------------------------
 
 _CONFIG_ENV = "TL_VLLM_HOOKS_CONFIG"
@@ -296,10 +308,10 @@ _ADDITIONAL_CONFIG_KEY = "tl_vllm_hooks_config"
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 WORKER_EXTENSION = f"{__name__}.WorkerExtension"
-"""Pass as ``LLM(worker_extension_cls=...)`` so the worker calls below exist."""
+"""vLLM's ``worker_extension_cls`` for this module (``config.llm_kwargs`` holds it)."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CaptureConfig:
     """What the workers hook, and how.
 
@@ -311,18 +323,18 @@ class CaptureConfig:
         that module of the model vLLM loads (its first element if it returns a
         tuple), ``width`` its last dimension. Names holding ``hook_`` are
         TransformerLens's and cannot be given a module path.
-    max_num_batched_tokens: rows of every capture buffer and of the
-        per-position edit tables; at least the engine's own
-        ``max_num_batched_tokens``.
+    max_num_batched_tokens: rows of every capture buffer and edit table, and
+        the engine's tokens per forward (``llm_kwargs`` passes it on).
     dtype: dtype of the capture buffers (a floating dtype).
     enable_batching: the batched flavour (many requests per generate, each
         with its own rows and edits) instead of the compiled one.
-    enable_position_interventions: edits may be limited to token positions.
+    enable_position_interventions: engine-wide edits may be limited to token
+        positions.
     """
 
     capture_specs: dict[str, tuple[int, ...] | tuple[str, int]]
-    max_num_batched_tokens: int
-    dtype: torch.dtype
+    max_num_batched_tokens: int = 2048
+    dtype: torch.dtype = torch.float32
     enable_batching: bool = False
     enable_position_interventions: bool = False
 
@@ -336,13 +348,10 @@ class CaptureConfig:
         object.__setattr__(self, "capture_specs", {n: _checked_spec(n, s) for n, s in specs.items()})
         if not _is_positive_int(self.max_num_batched_tokens):
             raise ValueError(
-                "max_num_batched_tokens: must be a positive int, "
-                f"got {self.max_num_batched_tokens!r}"
+                f"max_num_batched_tokens: must be a positive int, got {self.max_num_batched_tokens!r}"
             )
         if not isinstance(self.dtype, torch.dtype) or _dtype_name(self.dtype) not in _FLOAT_DTYPES:
-            raise ValueError(
-                f"dtype: expected one of torch.{', torch.'.join(_FLOAT_DTYPES)}, got {self.dtype!r}"
-            )
+            raise ValueError(f"dtype: expected one of torch.{', torch.'.join(_FLOAT_DTYPES)}, got {self.dtype!r}")
         for flag in ("enable_batching", "enable_position_interventions"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}: must be a bool, got {getattr(self, flag)!r}")
@@ -356,19 +365,23 @@ class CaptureConfig:
         """Elements in one row of hook ``name``."""
         return math.prod(self.row_shape(name))
 
+    @property
+    def llm_kwargs(self) -> dict[str, Any]:
+        """What ``LLM(model, **config.llm_kwargs)`` (or ``EngineArgs``) needs for these hooks:
+        the worker extension, the config in ``additional_config``, the buffers' tokens per
+        forward, and prefix caching off (cached tokens never run through the model)."""
+        return {
+            "worker_extension_cls": WORKER_EXTENSION,
+            "additional_config": {_ADDITIONAL_CONFIG_KEY: self.to_json()},
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "enable_prefix_caching": False,
+        }
+
     def to_json(self) -> str:
         """The wire form: JSON, with the module version that wrote it."""
-        return json.dumps(
-            {
-                "version": __version__,
-                "capture_specs": {n: list(s) for n, s in self.capture_specs.items()},
-                "max_num_batched_tokens": self.max_num_batched_tokens,
-                "dtype": _dtype_name(self.dtype),
-                "enable_batching": self.enable_batching,
-                "enable_position_interventions": self.enable_position_interventions,
-            },
-            sort_keys=True,
-        )
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        fields.update(dtype=_dtype_name(self.dtype), version=__version__)
+        return json.dumps(fields, sort_keys=True)
 
     @classmethod
     def from_json(cls, payload: str) -> CaptureConfig:
@@ -379,36 +392,23 @@ class CaptureConfig:
             raise ValueError(f"{_CONFIG_ENV}: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{_CONFIG_ENV}: expected a JSON object, got {type(data).__name__}")
-        fields = {
-            "version",
-            "capture_specs",
-            "max_num_batched_tokens",
-            "dtype",
-            "enable_batching",
-            "enable_position_interventions",
-        }
+        fields = {field.name for field in dataclasses.fields(cls)} | {"version"}
         if set(data) != fields:
             raise ValueError(
                 f"{_CONFIG_ENV}: expected fields {sorted(fields)}, "
                 f"missing {sorted(fields - set(data))}, unknown {sorted(set(data) - fields)}"
             )
-        if data["version"] != __version__:
+        if data.pop("version") != __version__:
             raise ValueError(
-                f"{_CONFIG_ENV}: written by tl_vllm_hooks {data['version']!r}, read by "
-                f"{__version__!r}; driver and workers must load the same version"
+                f"{_CONFIG_ENV}: written by another version of tl_vllm_hooks than {__version__!r}; "
+                "driver and workers must load the same version"
             )
         if data["dtype"] not in _FLOAT_DTYPES:
             raise ValueError(f"dtype: expected one of {list(_FLOAT_DTYPES)}, got {data['dtype']!r}")
-        specs = data["capture_specs"]
-        if not isinstance(specs, dict):
-            raise ValueError(f"capture_specs: expected an object, got {specs!r}")
-        return cls(
-            capture_specs={n: tuple(s) if isinstance(s, list) else s for n, s in specs.items()},
-            max_num_batched_tokens=data["max_num_batched_tokens"],
-            dtype=getattr(torch, data["dtype"]),
-            enable_batching=data["enable_batching"],
-            enable_position_interventions=data["enable_position_interventions"],
-        )
+        if not isinstance(data["capture_specs"], dict):
+            raise ValueError(f"capture_specs: expected an object, got {data['capture_specs']!r}")
+        data["capture_specs"] = {n: tuple(s) if isinstance(s, list) else s for n, s in data["capture_specs"].items()}
+        return cls(**{**data, "dtype": getattr(torch, data["dtype"])})
 
 
 def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
@@ -463,58 +463,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def configure(
-    capture_specs: dict[str, tuple[str, int]],
-    max_num_batched_tokens: int,
-    dtype: torch.dtype,
+    capture_specs: dict[str, tuple[int, ...] | tuple[str, int]],
+    max_num_batched_tokens: int = 2048,
+    dtype: torch.dtype = torch.float32,
     enable_batching: bool = False,
     enable_position_interventions: bool = False,
 ) -> CaptureConfig:
-    """Record what the next ``LLM(...)`` in this process hooks.
+    """Validate a config (ValueError naming the field) and register the patch in this process.
 
-    Validates (ValueError naming the field), stores the config where spawned
-    workers find it, and registers the patch in this process (the in-process
-    engine needs it). Call ``clear_config()`` once ``LLM(...)`` returns so that
-    a later engine does not inherit the hooks.
+    Build the engine with ``LLM(model, **config.llm_kwargs)``: the config rides
+    in the engine's own arguments, so nothing is left behind for later engines.
     """
-    config = CaptureConfig(
-        capture_specs=capture_specs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        dtype=dtype,
-        enable_batching=enable_batching,
-        enable_position_interventions=enable_position_interventions,
-    )
-    os.environ[_CONFIG_ENV] = config.to_json()
+    config = CaptureConfig(capture_specs, max_num_batched_tokens, dtype, enable_batching, enable_position_interventions)
     register()
     return config
-
-
-def clear_config() -> None:
-    """Forget the config, so engines built from now on get no hooks."""
-    os.environ.pop(_CONFIG_ENV, None)
-
-
-def _config_from_env() -> CaptureConfig | None:
-    payload = os.environ.get(_CONFIG_ENV)
-    return CaptureConfig.from_json(payload) if payload else None
-
-
-def engine_kwargs(config: CaptureConfig) -> dict[str, Any]:
-    """``LLM(**engine_kwargs(config))`` arguments that carry the config in vLLM's own config.
-
-    For workers that do not inherit the driver's environment (Ray): the config
-    rides in ``additional_config``, which vLLM ships to every worker and hashes
-    into its compile-cache key. Adds the worker extension too.
-    """
-    return {
-        "additional_config": {_ADDITIONAL_CONFIG_KEY: config.to_json()},
-        "worker_extension_cls": WORKER_EXTENSION,
-    }
-
-
-def _config_from_vllm(vllm_config: Any) -> CaptureConfig | None:
-    extra = vllm_config.additional_config
-    payload = extra.get(_ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
-    return CaptureConfig.from_json(payload) if payload else None
 
 
 def _disabled() -> bool:
@@ -522,21 +484,25 @@ def _disabled() -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Registration.
-# Hooks must exist before vLLM's first forward (the profile run), where Dynamo
-# traces the model: hooks added later are not in the compiled graph and never
-# run. Wrapping Worker.load_model puts them right after the weights load.
+# vLLM's internals: every place this module reads or wraps something of vLLM
+# beyond its public API is in this section, so a vLLM upgrade is read here.
+# Checked on vLLM 0.24.0 (CUDA: V1 runner and Model Runner V2), 0.28.0 and
+# 0.32.0 (CPU, V1 runner). Hooks must exist before vLLM's first forward (the
+# profile run), where Dynamo traces the model: hooks added later are not in
+# the compiled graph and never run, so they go in right after load_model.
 # ---------------------------------------------------------------------------
 
+_V2_BATCH = "_tl_step_batch"  # Model Runner V2's batch of the step in flight, see _wrap_steps
 _original_load_model = None
 
 
 def register() -> None:
-    """Wrap vLLM's ``Worker.load_model`` so it installs the configured hooks.
+    """Wrap vLLM's ``Worker.load_model`` (0.24-0.32: ``vllm.v1.worker.gpu_worker``, which
+    the CPU worker subclasses) so it installs the configured hooks after the weights load.
 
     Idempotent; the ``vllm.general_plugins`` entry point calls it in every vLLM
-    process. A worker loading a model with no config present gets no hooks.
-    Does nothing when ``TL_VLLM_HOOKS_DISABLE=1``.
+    process. A worker whose engine has no config gets no hooks. Does nothing
+    when ``TL_VLLM_HOOKS_DISABLE=1``.
     """
     global _original_load_model
     if _original_load_model is not None or _disabled():
@@ -547,8 +513,8 @@ def register() -> None:
 
     def load_model(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        config = _config_from_vllm(self.vllm_config) or _config_from_env()
-        if config is not None:
+        config = _engine_config(self.vllm_config)
+        if config is not None and not _disabled():
             _install(self, config)
 
     load_model.__wrapped__ = original
@@ -556,7 +522,198 @@ def register() -> None:
     _original_load_model = original
 
 
-@dataclass
+def _engine_config(vllm_config: Any) -> CaptureConfig | None:
+    """The config in the engine's additional_config, else in the environment, else None."""
+    extra = vllm_config.additional_config
+    payload = extra.get(_ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+    payload = payload or os.environ.get(_CONFIG_ENV)
+    return CaptureConfig.from_json(payload) if payload else None
+
+
+def _key_compile_cache(vllm_config: Any, config: CaptureConfig) -> None:
+    # vLLM keys its on-disk compile cache by VllmConfig.compute_hash(), which
+    # hashes additional_config but knows nothing of hooks: a config that came
+    # through the environment is added there, so a graph traced with other
+    # hooks (or none) is never served.
+    extra = vllm_config.additional_config
+    if not isinstance(extra, dict):
+        raise ValueError(
+            "additional_config: tl_vllm_hooks keys vLLM's compile cache through "
+            f"LLM(additional_config=...), which must be a dict here, got {type(extra).__name__}"
+        )
+    extra["tl_vllm_hooks"] = hashlib.sha256(config.to_json().encode()).hexdigest()
+
+
+def _engine_limits(vllm_config: Any) -> tuple[int, int, bool, Any]:
+    """(tokens per forward, requests per step, prefix caching on, the transformers config)."""
+    scheduler = vllm_config.scheduler_config
+    return (
+        scheduler.max_num_batched_tokens,
+        scheduler.max_num_seqs,
+        bool(vllm_config.cache_config.enable_prefix_caching),
+        vllm_config.model_config.hf_config,
+    )
+
+
+def _after_warm_up(worker: Any, callback: Any) -> None:
+    """Call ``callback()`` once vLLM's warm-up, compile and graph-capture forwards are done."""
+    warm_up = worker.compile_or_warm_up_model  # on the instance: CPUWorker overrides it
+
+    def compile_or_warm_up_model(*args, **kwargs):
+        result = warm_up(*args, **kwargs)
+        callback()
+        return result
+
+    worker.compile_or_warm_up_model = compile_or_warm_up_model
+
+
+def _wrap_steps(runner: Any, steps: Any) -> None:
+    """Around each step of the model runner: ``steps.schedule(scheduler_output)`` before it,
+    ``steps.prepared()`` once its inputs are prepared (before the forward),
+    ``steps.executed()`` after the forward, ``steps.finish()`` in any case.
+
+    The V1 runner prepares a step in ``_prepare_inputs`` and keeps the batch in
+    ``input_batch``; Model Runner V2 (0.24) builds a fresh InputBatch in
+    ``prepare_inputs`` and keeps it only in a local variable, so the wrapper keeps
+    it on the runner until execute_model returns, for segment_by_request.
+    """
+    execute_model = runner.execute_model
+    tracks_v2 = not hasattr(runner, "input_batch")
+    prepare_name = "prepare_inputs" if tracks_v2 else "_prepare_inputs"
+    prepare = getattr(runner, prepare_name)
+    if tracks_v2:
+        setattr(runner, _V2_BATCH, None)
+
+    def prepare_then_route(*args, **kwargs):
+        prepared = prepare(*args, **kwargs)
+        if tracks_v2:
+            setattr(runner, _V2_BATCH, prepared)
+        steps.prepared()
+        return prepared
+
+    def execute_then_collect(scheduler_output, *args, **kwargs):
+        steps.schedule(scheduler_output)
+        try:
+            result = execute_model(scheduler_output, *args, **kwargs)
+            steps.executed()
+            return result
+        finally:
+            steps.finish()
+            if tracks_v2:
+                setattr(runner, _V2_BATCH, None)
+
+    setattr(runner, prepare_name, prepare_then_route)
+    runner.execute_model = execute_then_collect
+
+
+def _unwrap(worker: Any, runner: Any) -> None:
+    for method in ("prepare_inputs", "_prepare_inputs", "execute_model", _V2_BATCH):
+        runner.__dict__.pop(method, None)
+    worker.__dict__.pop("compile_or_warm_up_model", None)
+
+
+def _scheduled(scheduler_output: Any) -> tuple[Any, list[tuple[str, int, dict, int]], dict[str, int]]:
+    """A step's scheduler output: (ids of requests finished since the last step,
+    [(id, prompt tokens, SamplingParams.extra_args, first position)] of the requests new
+    in it, {id: first position} of the others)."""
+    new = []
+    for request in scheduler_output.scheduled_new_reqs:
+        if request.prompt_token_ids is not None:
+            prompt_len = len(request.prompt_token_ids)
+        else:
+            prompt_len = int(request.prompt_embeds.shape[0])
+        extra_args = getattr(request.sampling_params, "extra_args", None) or {}
+        new.append((request.req_id, prompt_len, extra_args, request.num_computed_tokens))
+    cached = scheduler_output.scheduled_cached_reqs
+    return scheduler_output.finished_req_ids, new, dict(zip(cached.req_ids, cached.num_computed_tokens))
+
+
+def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
+    """Row offsets and request ids of the forward in flight.
+
+    Returns ``(starts, request_ids)``: request ``request_ids[i]`` owns rows
+    ``starts[i]:starts[i + 1]`` of every ``[num_tokens, width]`` activation;
+    rows past ``starts[-1]`` are padding. Ids are the worker's (the user's id
+    plus a random suffix unless vLLM was told not to add one). Valid only while a
+    forward is in flight. Raises RuntimeError when the runner's layout is not one
+    this module knows.
+    """
+    input_batch = getattr(model_runner, "input_batch", None)
+    query_start_loc = getattr(model_runner, "query_start_loc", None)
+    if input_batch is not None and query_start_loc is not None:  # V1 runner
+        request_ids = list(input_batch.req_ids)
+        return query_start_loc.np[: len(request_ids) + 1].tolist(), request_ids
+    if hasattr(model_runner, _V2_BATCH):  # Model Runner V2, see _wrap_steps
+        batch = getattr(model_runner, _V2_BATCH)
+        if batch is None:  # a forward vLLM runs without requests (profile, capture)
+            return [0], []
+        num_requests = batch.num_reqs
+        return batch.query_start_loc_np[: num_requests + 1].tolist(), list(batch.req_ids[:num_requests])
+    raise RuntimeError(
+        f"segment_by_request: cannot tell requests apart in {type(model_runner).__name__}: it "
+        "has neither input_batch.req_ids with query_start_loc (vLLM's V1 model runner) nor "
+        "a tracked step batch (Model Runner V2)"
+    )
+
+
+def _model_positions(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The token positions a vLLM model's forward(input_ids, positions, ...) receives."""
+    return kwargs["positions"] if "positions" in kwargs else args[1]
+
+
+def _is_pp_missing(module: torch.nn.Module) -> bool:
+    """A placeholder pipeline parallelism left where another rank holds the module."""
+    return type(module).__name__ == "PPMissingLayer"
+
+
+def _tensor_parallel_share(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(first column, columns) of a RowParallelLinear's input this rank holds, or None."""
+    if getattr(module, "input_is_parallel", False) and getattr(module, "tp_size", 1) > 1:
+        share = module.input_size_per_partition
+        return module.tp_rank * share, share
+    return None
+
+
+def _output_width(module: torch.nn.Module) -> int | None:
+    """The width of a module's output rows where its parameters tell it (vLLM's linear
+    layers and embeddings, norms), else None: the hook checks rows at the first forward."""
+    if hasattr(module, "embedding_dim"):  # before the next: vLLM's vocabulary embeddings have both
+        return module.embedding_dim
+    if hasattr(module, "output_size_per_partition"):
+        return module.output_size if getattr(module, "gather_output", False) else module.output_size_per_partition
+    weight = getattr(module, "weight", None)
+    if type(module).__name__.endswith("Norm") and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return weight.shape[0]
+    return None
+
+
+def _norm_eps(module: torch.nn.Module) -> float:
+    """vLLM's RMSNorm keeps it as variance_epsilon, torch's LayerNorm as eps."""
+    return getattr(module, "variance_epsilon", None) or module.eps
+
+
+def _forward_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of the module's forward arguments (a CustomOp's, whose forward takes *args)."""
+    parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters) and hasattr(module, "forward_native"):
+        parameters = list(inspect.signature(type(module).forward_native).parameters.values())[1:]
+    return [p.name for p in parameters]
+
+
+def _driver_vllm_config(llm: Any) -> Any:
+    """The VllmConfig of an offline ``LLM``."""
+    return llm.llm_engine.vllm_config
+
+
+
+# ---------------------------------------------------------------------------
+# Worker state. Built once, in _HookState, before the profile run,
+# torch.compile and CUDA-graph capture, so compiled code always sees the same
+# tensors; between forwards only their contents are rewritten.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
 class _PlacedHook:
     """One hook as this worker holds it: its module and tap, its row shape and the
     columns of a full row it holds ([n_heads / tp, d_head] and a slice of the columns
@@ -573,49 +730,38 @@ class _PlacedHook:
 
 
 class _HookState:
-    """Everything one worker's hooks share: buffers, handles, per-request records.
-
-    Buffers are allocated once, here, before the profile run, torch.compile and
-    CUDA-graph capture, so compiled code always sees the same tensors; between
-    forwards only their contents are rewritten, never the tensors themselves.
-    """
+    """Everything one worker's hooks share: buffers, edit tables, handles and the flavour."""
 
     def __init__(
         self,
         config: CaptureConfig,
         model: torch.nn.Module,
-        runner: Any,
-        num_slots: int,
         placed: dict[str, _PlacedHook],
         absent: list[str],
+        max_num_seqs: int,
     ):
         self.config = config
-        self.runner = runner
-        device = next(model.parameters()).device
-        max_rows = config.max_num_batched_tokens
-        self.device = device
-        self.edit_dtype = next(model.parameters()).dtype
         self.placed = placed
         self.hook_names = list(placed)
         self.absent = absent
         self.handles: list[Any] = []
+        self.device = device = next(model.parameters()).device
+        self.edit_dtype = next(model.parameters()).dtype
+        max_rows = config.max_num_batched_tokens
 
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        # Positions of the tokens in the forward in flight, written by a
-        # pre-hook on the whole model; the compiled flavour's edits by
-        # position read them.
-        self.positions = zeros(max_rows)
         self.fire_counts = zeros(len(placed))
         # One int64 per hook: 0 = open (the next forward writes its rows),
-        # 1 = closed. The compiled flavour opens them on open_capture, the
-        # batched flavour before each step: one fill for all hooks.
+        # 1 = closed; one fill opens them all.
         self.capture_flags = zeros(len(placed))
         self.capture_buffers = {name: zeros(max_rows, hook.width, dtype=config.dtype) for name, hook in placed.items()}
-        # Edit tables, out = out * scale + bias; see _edit_table_shape.
+        flavour = _Batched if config.enable_batching else _Compiled
+        self.flavour = flavour(self, max_num_seqs)
+        # Edit tables, out = out * scale + bias: the flavour gives their shape.
         self.scales = {
-            name: torch.ones(_edit_table_shape(config, hook.width, num_slots), dtype=self.edit_dtype, device=device)
+            name: torch.ones(self.flavour.table_shape(hook.width), dtype=self.edit_dtype, device=device)
             for name, hook in placed.items()
         }
         self.biases = {name: torch.zeros_like(scale) for name, scale in self.scales.items()}
@@ -625,116 +771,66 @@ class _HookState:
         norm_taps = [name for name, hook in placed.items() if hook.tap.norm]
         self.norm_rows = {name: zeros(max_rows, placed[name].width, dtype=torch.float32) for name in norm_taps}
         self.norm_changed = {name: zeros(max_rows, 1, dtype=torch.bool) for name in norm_taps}
-        # Batched flavour. Row r of the forward in flight uses row
-        # row_edit_index[k, r] of hook k's edit tables; the host writes it
-        # before each forward. Requests with their own edits hold one of
-        # num_slots table rows while they run.
-        self.num_slots = num_slots
-        self.row_edit_index = zeros(len(placed), max_rows)
-        self.row_edit_index_dirty = False
-        self.slots: dict[str, int] = {}
-        self.plans: dict[str, _RequestPlan] = {}
-        self.request_table = _RequestTable()
-        self.first_positions: dict[str, int] | None = None  # of the step being prepared
-        self.step: _StepLayout | None = None  # of the step whose forward is in flight
-        self.records: dict[str, _RequestRows] = {}
-        self.incomplete: dict[str, str] = {}
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def forget_warm_up(self) -> None:
         """Drop what vLLM's own warm-up and graph-capture forwards left behind."""
         self.fire_counts.zero_()
         self.capture_flags.fill_(1)
-        self.plans.clear()
-        self.request_table = _RequestTable()
-        self.slots.clear()
-        self.clear_batched()
-
-    def clear_batched(self) -> None:
-        self.records.clear()
-        self.incomplete.clear()
-
-    def edit_tensors(self, hook_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(scale table, bias table, the [max_rows] index of each row into them, or None)
-        of the hook at ``hook_index`` in hook_names."""
-        name = self.hook_names[hook_index]
-        if self.config.enable_batching:
-            index = self.row_edit_index[hook_index]
-        elif self.config.enable_position_interventions:
-            index = self.positions
-        else:
-            index = None
-        return self.scales[name], self.biases[name], index
+        self.flavour.forget_warm_up()
 
     def local_columns(self, name: str, row: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a full-width edit row or table."""
         start, stop = self.placed[name].columns
         return row[..., start:stop]
 
-    def host_rows_ready(self) -> None:
-        """Wait for the copies of captured rows to host memory still in flight."""
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()
-
-
-def _global_rows(config: CaptureConfig) -> int:
-    """Rows of the engine-wide part of an edit table: one per position, or one."""
-    return config.max_num_batched_tokens + 1 if config.enable_position_interventions else 1
-
-
-def _edit_table_shape(config: CaptureConfig, width: int, num_slots: int) -> tuple[int, ...]:
-    """Shape of one hook's scale (and bias) table.
-
-    Compiled flavour: ``[width]``, or ``[max_rows + 1, width]`` indexed by
-    token position when edits by position are on (the last row serves every
-    position past max_rows, so it carries an edit without positions and is
-    identity under one limited to positions). Batched flavour: those engine-wide
-    rows (always 2-D), then one identity row, then ``num_slots`` rows that
-    requests with their own edits hold while they run.
-    """
-    if config.enable_batching:
-        return (_global_rows(config) + 1 + num_slots, width)
-    if config.enable_position_interventions:
-        return (_global_rows(config), width)
-    return (width,)
+    def shards(self) -> dict[str, int]:
+        """For each hook this rank holds a tensor-parallel part of: where its part starts
+        along the first dimension of a row (a head, or an MLP unit)."""
+        return {
+            name: hook.columns[0] // math.prod(hook.row_shape[1:])
+            for name, hook in self.placed.items()
+            if hook.width != self.config.width(name)
+        }
 
 
 def _install(worker: Any, config: CaptureConfig) -> None:
     runner = worker.model_runner
     model = runner.get_model()
-    engine_rows = worker.vllm_config.scheduler_config.max_num_batched_tokens
+    engine_rows, max_num_seqs, prefix_caching, hf_config = _engine_limits(worker.vllm_config)
     if engine_rows > config.max_num_batched_tokens:
         raise ValueError(
             f"max_num_batched_tokens: the engine schedules up to {engine_rows} tokens per "
-            f"forward but the capture buffers hold {config.max_num_batched_tokens}; configure "
-            f"at least {engine_rows} or pass LLM(max_num_batched_tokens=...) no larger"
+            f"forward but the capture buffers hold {config.max_num_batched_tokens}; build it "
+            "with LLM(model, **config.llm_kwargs), which passes the buffers' size on"
         )
-    if worker.vllm_config.cache_config.enable_prefix_caching:
+    if prefix_caching:
         raise ValueError(
             "enable_prefix_caching: tokens served from vLLM's prefix cache never run through "
             "the model, so their activations would be missing; build the engine with "
-            "LLM(..., enable_prefix_caching=False)"
+            "LLM(model, **config.llm_kwargs), which turns it off"
         )
     _uninstall(worker)
-    placed, absent = _place_hooks(model, worker.vllm_config.model_config.hf_config, config)
-    state = _HookState(config, model, runner, worker.vllm_config.scheduler_config.max_num_seqs, placed, absent)
-    if config.enable_position_interventions and not config.enable_batching:
-        state.handles.append(
-            model.register_forward_pre_hook(_make_positions_hook(state.positions), with_kwargs=True)
-        )
+    placed, absent = _place_hooks(model, hf_config, config)
+    state = _HookState(config, model, placed, absent, max_num_seqs)
     for index in range(len(placed)):
         _attach_hook(state, index)
-    if config.enable_batching:
-        _collect_after_each_step(runner, state)
-    _forget_warm_up_after(worker, state)
+    state.flavour.attach(model, runner)
+    _after_warm_up(worker, state.forget_warm_up)
     worker._tl_hooks = state
-    _key_compile_cache(worker, config)
+    _key_compile_cache(worker.vllm_config, config)
     logger.info(
         "tl_vllm_hooks: %d hooks installed (%s flavour), %d absent on this rank",
-        len(placed),
-        "batched" if config.enable_batching else "compiled",
-        len(absent),
+        len(placed), state.flavour.name, len(absent),
     )
+
+
+def _uninstall(worker: Any) -> None:
+    state = getattr(worker, "_tl_hooks", None)
+    if state is not None:
+        for handle in state.handles:
+            handle.remove()
+        _unwrap(worker, worker.model_runner)
+        worker._tl_hooks = None
 
 
 def _place_hooks(
@@ -796,28 +892,9 @@ def _place_hooks(
     return placed, absent
 
 
-def _output_width(module: torch.nn.Module) -> int | None:
-    """The width of a module's output rows where its parameters tell it (linear layers,
-    embeddings, norms), else None: the hook checks the rows it gets at the first forward."""
-    if hasattr(module, "embedding_dim"):  # before the next: vLLM's vocabulary embeddings have both
-        return module.embedding_dim
-    if hasattr(module, "output_size_per_partition"):  # vLLM's linear layers
-        return module.output_size if getattr(module, "gather_output", False) else module.output_size_per_partition
-    weight = getattr(module, "weight", None)
-    if type(module).__name__.endswith("Norm") and isinstance(weight, torch.Tensor) and weight.dim() == 1:
-        return weight.shape[0]
-    return None
-
-
 def _check_inputs(module: torch.nn.Module, tap: _Tap, path: str) -> None:
     """Refuse a tap whose inputs are not where the table says (a vLLM that renamed them)."""
-    if not tap.inputs:
-        return
-    forward = type(module).forward
-    parameters = list(inspect.signature(forward).parameters.values())[1:]
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters) and hasattr(module, "forward_native"):
-        parameters = list(inspect.signature(type(module).forward_native).parameters.values())[1:]  # CustomOp
-    names = [p.name for p in parameters]
+    names = _forward_parameters(module) if tap.inputs else []
     for name, position in tap.inputs:
         if position >= len(names) or names[position] != name:
             raise ValueError(
@@ -831,35 +908,11 @@ def _rank_share(module: torch.nn.Module, tap: _Tap, row_shape: tuple[int, ...]) 
     tensor-parallel row-split projection (attn_z, mlp_post) is split by columns, heads
     first; everything else is whole on every rank."""
     width = math.prod(row_shape)
-    if tap.kind == "input" and getattr(module, "input_is_parallel", False) and getattr(module, "tp_size", 1) > 1:
-        share = module.input_size_per_partition
-        start = module.tp_rank * share
-        return (row_shape[0] * share // width, *row_shape[1:]), (start, start + share)
-    return row_shape, (0, width)
-
-
-def _forget_warm_up_after(worker: Any, state: _HookState) -> None:
-    # On the instance: platform workers (CPUWorker) override the method.
-    warm_up = worker.compile_or_warm_up_model
-
-    def compile_or_warm_up_model(*args, **kwargs):
-        result = warm_up(*args, **kwargs)
-        state.forget_warm_up()
-        return result
-
-    worker.compile_or_warm_up_model = compile_or_warm_up_model
-
-
-def _uninstall(worker: Any) -> None:
-    state = getattr(worker, "_tl_hooks", None)
-    if state is not None:
-        for handle in state.handles:
-            handle.remove()
-        for method in ("prepare_inputs", "_prepare_inputs", "execute_model"):
-            state.runner.__dict__.pop(method, None)
-        state.runner.__dict__.pop(_V2_BATCH, None)
-        worker.__dict__.pop("compile_or_warm_up_model", None)
-        worker._tl_hooks = None
+    share = _tensor_parallel_share(module) if tap.kind == "input" else None
+    if share is None:
+        return row_shape, (0, width)
+    start, columns = share
+    return (row_shape[0] * columns // width, *row_shape[1:]), (start, start + columns)
 
 
 def _resolve_module(model: torch.nn.Module, modules: dict, path: str) -> torch.nn.Module | None:
@@ -880,49 +933,23 @@ def _resolve_module(model: torch.nn.Module, modules: dict, path: str) -> torch.n
     )
 
 
-def _is_pp_missing(module: torch.nn.Module) -> bool:
-    return type(module).__name__ == "PPMissingLayer"
-
-
-def _key_compile_cache(worker: Any, config: CaptureConfig) -> None:
-    # vLLM keys its on-disk compile cache by VllmConfig.compute_hash(), which
-    # knows nothing of hooks: without this a cached graph traced without (or
-    # with other) hooks would be served. additional_config is part of the key.
-    extra = worker.vllm_config.additional_config
-    if not isinstance(extra, dict):
-        raise ValueError(
-            "additional_config: tl_vllm_hooks keys vLLM's compile cache through "
-            f"LLM(additional_config=...), which must be a dict here, got {type(extra).__name__}"
-        )
-    extra["tl_vllm_hooks"] = hashlib.sha256(config.to_json().encode()).hexdigest()
-
-
 # ---------------------------------------------------------------------------
-# Hooks.
-# Traced into the compiled graph and replayed by CUDA graphs: no Python
+# Hooks. Traced into the compiled graph and replayed by CUDA graphs: no Python
 # branching on tensor values, no host transfers, no side effects other than
-# in-place writes into the buffers above. Python branches on closure constants
-# (the flavour, the tap kind) and on static facts of a call (whether an argument
+# in-place writes into the state's buffers. Python branches on closure
+# constants (the tap kind) and on static facts of a call (whether an argument
 # came by name, whether the residual is None, the width) are fixed at trace
 # time. Every activation is handled as [rows, width]: vLLM's native models pass
 # [tokens, width], its Transformers backend [1, tokens, width].
 # ---------------------------------------------------------------------------
 
 
-def _make_positions_hook(positions_buffer: torch.Tensor):
-    def hook(_module, args, kwargs):
-        positions = kwargs["positions"] if "positions" in kwargs else args[1]
-        positions_buffer.narrow(0, 0, positions.shape[0]).copy_(positions)
-
-    return hook
-
-
-def _edit_rows(scale, bias, index, num_rows):
+def _select_edit(scale, bias, index, num_rows):
     """The edit's (scale, bias) for the forward's rows, broadcastable to [num_rows, width].
 
     scale, bias: [width], or 2-D tables whose row for forward row r is
-    ``index[r]`` (a [max_rows] int64 buffer: token positions in the compiled
-    flavour, clamped to the table's last row; host-written rows in the batched).
+    ``index[r]`` (a [max_rows] int64 buffer the flavour keeps), clamped to the
+    table's last row.
     """
     if index is None:
         return scale, bias
@@ -959,12 +986,11 @@ def _attach_hook(state: _HookState, index: int) -> None:
     """Register the forward hooks (and pre-hooks) that read and edit hook ``index``."""
     name = state.hook_names[index]
     placed = state.placed[name]
-    tap, module = placed.tap, placed.module
+    tap, module, width = placed.tap, placed.module, placed.width
     capture_buffer = state.capture_buffers[name]
     capture_flag = state.capture_flags.narrow(0, index, 1)
     fire_count = state.fire_counts.narrow(0, index, 1)
-    scale, bias, row_index = state.edit_tensors(index)
-    width = placed.width
+    scale, bias, row_index = state.scales[name], state.biases[name], state.flavour.row_index(index)
 
     def as_rows(tensor):
         if tensor.shape[-1] != width:
@@ -975,15 +1001,14 @@ def _attach_hook(state: _HookState, index: int) -> None:
         return tensor.view(-1, width)
 
     def keep(activation):
-        """The first forward after the flag opens wins (open_capture, or each step in
-        the batched flavour); later ones rewrite what is there."""
+        """The first forward after the flag opens wins; later ones rewrite what is there."""
         fire_count.add_(1)
         kept = capture_buffer.narrow(0, 0, activation.shape[0])
         kept.copy_(torch.where(capture_flag.bool(), kept, activation))
         capture_flag.fill_(1)
 
     def edit_of(rows):
-        return _edit_rows(scale, bias, row_index, rows.shape[0])
+        return _select_edit(scale, bias, row_index, rows.shape[0])
 
     if tap.kind == "output":
 
@@ -1042,7 +1067,7 @@ def _attach_hook(state: _HookState, index: int) -> None:
     # post-hook rewrites only the output rows the edit changed, so an unedited
     # forward keeps vLLM's own output bit for bit.
     norm_rows, norm_changed = state.norm_rows[name], state.norm_changed[name]
-    eps = getattr(module, "variance_epsilon", None) or module.eps
+    eps = _norm_eps(module)
     normalized = tap.kind == "normalized"
 
     def pre_hook(_module, args, kwargs):
@@ -1070,35 +1095,277 @@ def _attach_hook(state: _HookState, index: int) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Batched flavour. The hooks above run in every forward; what depends on which
-# requests are in a step happens on the host, outside any graph: before the
-# forward, each row's edit-table row is written into row_edit_index; after it,
-# the rows each request asked for are gathered on the device and copied to host
-# memory (asynchronously on CUDA, on a side stream, so the next step's forward
-# overlaps the copy). So it runs with torch.compile and CUDA graphs as it does
-# in an eager engine.
+# Tensor wire format. vLLM's RPC carries msgpack values, not tensors, and this
+# module never asks for pickle: a tensor travels as dtype name, shape and its
+# raw bytes, so every dtype (bfloat16 included) round-trips bit for bit.
 # ---------------------------------------------------------------------------
 
+_WIRE_DTYPES = _FLOAT_DTYPES + ("int64", "int32", "bool")
+
+
+def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """``{"dtype": str, "shape": list[int], "data": bytes}``, exact for every dtype."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    return {
+        "dtype": _dtype_name(tensor.dtype),
+        "shape": list(tensor.shape),
+        "data": tensor.reshape(-1).view(torch.uint8).numpy().tobytes(),
+    }
+
+
+def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
+    """Inverse of ``encode_tensor``: a CPU tensor of the encoded dtype and shape."""
+    if not isinstance(message, dict) or set(message) != {"dtype", "shape", "data"}:
+        raise ValueError(f"decode_tensor: expected keys dtype, shape, data; got {message!r:.200}")
+    if message["dtype"] not in _WIRE_DTYPES:
+        raise ValueError(f"decode_tensor: dtype {message['dtype']!r} is not one of {_WIRE_DTYPES}")
+    dtype = getattr(torch, message["dtype"])
+    shape = [int(size) for size in message["shape"]]
+    data = bytes(message["data"])
+    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if len(data) != expected:
+        raise ValueError(
+            f"decode_tensor: {len(data)} bytes for a {message['dtype']} tensor of shape {shape}, "
+            f"expected {expected}"
+        )
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------
+# Edits. One wire form for every flavour: per hook, an op, an optional value
+# (a number or a row-shaped tensor) and optional positions. Each becomes a
+# (scale, bias) pair with out = out * scale + bias. Checked in the driver
+# before anything is sent, and again in the worker.
+# ---------------------------------------------------------------------------
+
+_EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
 _REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
 _CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
+
+
+def _parse_edit(
+    edit: dict[str, Any], name: str, row_shape: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+    """Validate one wire edit: its (scale, bias) rows, [width] float64, and its positions."""
+    if not isinstance(edit, dict):
+        raise ValueError(f"edits[{name!r}]: expected a dict with 'op', got {edit!r}")
+    if not set(edit) <= {"op", "value", "positions"} or "op" not in edit:
+        raise ValueError(
+            f"edits[{name!r}]: keys must be 'op' plus optional 'value' and 'positions', got {sorted(edit)}"
+        )
+    op = edit["op"]
+    if op not in _EDIT_OPS:
+        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
+    if _EDIT_OPS[op] != ("value" in edit):
+        need = "needs a 'value'" if _EDIT_OPS[op] else "takes no 'value'"
+        raise ValueError(f"edits[{name!r}]: op {op!r} {need}")
+    width = math.prod(row_shape)
+    shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
+    valid = f"a finite number or a finite float tensor of shape {' or '.join(map(str, map(list, shapes)))}"
+    value = torch.zeros(width, dtype=torch.float64)
+    if _EDIT_OPS[op]:
+        raw = edit["value"]
+        try:
+            if isinstance(raw, bool) or (isinstance(raw, (list, tuple)) and any(isinstance(v, bool) for v in raw)):
+                raise TypeError("a bool is not a number")
+            vector = decode_tensor(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
+        if vector.dim() == 0:
+            vector = vector.expand(width)
+        if tuple(vector.shape) not in shapes or not vector.is_floating_point():
+            raise ValueError(
+                f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)} ({vector.dtype})"
+            )
+        value = vector.reshape(width).to(torch.float64)
+        if not torch.isfinite(value).all():
+            raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
+    keeps, adds = {"suppress": (0, 0), "scale": (value, 0), "add": (1, value), "set": (0, value)}[op]
+    scale_row = torch.zeros(width, dtype=torch.float64).add_(keeps)
+    bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
+    positions = edit.get("positions")
+    if positions is not None and not _is_position_list(positions):
+        raise ValueError(
+            f"edits[{name!r}]: positions must be a non-empty list of token positions "
+            f"(ints >= 0), got {positions!r}"
+        )
+    return scale_row, bias_row, None if positions is None else list(positions)
+
+
+def _global_rows(config: CaptureConfig) -> int:
+    """Rows of the engine-wide part of an edit table: one per position (and one for every
+    position past them), or one."""
+    return config.max_num_batched_tokens + 1 if config.enable_position_interventions else 1
+
+
+def _engine_wide_tables(
+    edit: dict[str, Any], name: str, config: CaptureConfig, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An engine-wide edit as (scale, bias): [width], or [max_rows + 1, width] by position."""
+    width = config.width(name)
+    scale_row, bias_row, positions = _parse_edit(edit, name, config.row_shape(name))
+    if not config.enable_position_interventions:
+        if positions is not None:
+            raise ValueError(
+                f"edits[{name!r}]: positions need configure(enable_position_interventions=True)"
+                + (" or, per request, request_args(edits=...)" if config.enable_batching else "")
+            )
+        return scale_row.to(dtype), bias_row.to(dtype)
+    shape = (_global_rows(config), width)
+    if positions is None:
+        # Every row, the last (every position past the table) included.
+        return scale_row.expand(shape).to(dtype), bias_row.expand(shape).to(dtype)
+    limit = shape[0] - 1
+    if max(positions) >= limit:
+        raise ValueError(
+            f"edits[{name!r}]: positions must be < {limit} (max_num_batched_tokens) for an "
+            f"engine-wide edit, got {positions!r}"
+            + ("; request_args(edits=...) takes any position" if config.enable_batching else "")
+        )
+    scale = torch.ones(shape, dtype=torch.float64)
+    bias = torch.zeros(shape, dtype=torch.float64)
+    scale[positions] = scale_row
+    bias[positions] = bias_row
+    return scale.to(dtype), bias.to(dtype)
+
+
+def _check_hook_name(name: Any, config: CaptureConfig) -> None:
+    if name not in config.capture_specs:
+        close = difflib.get_close_matches(str(name), list(config.capture_specs), n=3)
+        raise ValueError(
+            f"edits: {name!r} is not a configured hook"
+            + (f"; close matches: {close}" if close else "")
+            + f"; configured: {sorted(config.capture_specs)}"
+        )
+
+
+def _parse_request_options(
+    options: Any, config: CaptureConfig, dtype: torch.dtype
+) -> tuple[str | np.ndarray, dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]]]:
+    """Validate one request's wire options (see request_args): (capture, edits by hook),
+    each edit (scale row, bias row, sorted int64 positions or None) in ``dtype``."""
+    if not isinstance(options, dict) or not set(options) <= {"capture", "edits"}:
+        raise ValueError(
+            f"request options: expected a dict with keys 'capture' and 'edits', got {options!r:.200}"
+        )
+    capture = options.get("capture", "all")
+    if isinstance(capture, (list, tuple)):
+        if not _is_position_list(capture):
+            raise ValueError(
+                f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}"
+            )
+        capture = np.unique(np.asarray(capture, dtype=np.int64))
+    elif capture not in _CAPTURE_MODES:
+        raise ValueError(
+            f"capture: expected one of {list(_CAPTURE_MODES)} or a list of token positions, got {capture!r}"
+        )
+    edits = options.get("edits") or {}
+    if not isinstance(edits, dict):
+        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
+    parsed = {}
+    for name, edit in edits.items():
+        _check_hook_name(name, config)
+        scale_row, bias_row, positions = _parse_edit(edit, name, config.row_shape(name))
+        positions = None if positions is None else np.unique(np.asarray(positions, dtype=np.int64))
+        parsed[name] = (scale_row.to(dtype), bias_row.to(dtype), positions)
+    return capture, parsed
+
+
+def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
+    source = torch.from_numpy(array)
+    if target.device.type == "cuda":
+        source = source.pin_memory()  # the copy is queued; pinned memory outlives it
+    target.copy_(source, non_blocking=True)
+
+
+# ---------------------------------------------------------------------------
+# Flavours: what differs between the compiled and the batched hooks, behind
+# one interface (name, table_shape, row_index, engine_wide, attach,
+# forget_warm_up, unread_requests). The hooks above run in every forward;
+# what depends on which requests are in a step happens on the host, outside
+# any graph, so both run under torch.compile and CUDA graphs as eagerly.
+# ---------------------------------------------------------------------------
+
+
+class _Compiled:
+    """One prompt per capture: ``open_capture`` arms the hooks and the next forward's rows
+    stay until the next open. Edit tables are [width], or, with edits by position,
+    [max_rows + 1, width] indexed by each row's token position (the last row serves every
+    position past max_rows: an edit without positions is there, identity under one
+    limited to positions)."""
+
+    name = "compiled"
+    unread_requests = 0
+
+    def __init__(self, state: _HookState, _max_num_seqs: int):
+        self.config = state.config
+        self.state = state
+        # Token positions of the forward in flight, written by a pre-hook on the model.
+        by_position = self.config.enable_position_interventions
+        rows = self.config.max_num_batched_tokens
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=state.device) if by_position else None
+
+    def table_shape(self, width: int) -> tuple[int, ...]:
+        return (width,) if self.positions is None else (_global_rows(self.config), width)
+
+    def row_index(self, _hook_index: int) -> torch.Tensor | None:
+        return self.positions
+
+    def engine_wide(self, table: torch.Tensor) -> torch.Tensor:
+        return table
+
+    def attach(self, model: torch.nn.Module, _runner: Any) -> None:
+        if self.positions is None:
+            return
+        positions = self.positions
+
+        def record_positions(_module, args, kwargs):
+            given = _model_positions(args, kwargs)
+            positions.narrow(0, 0, given.shape[0]).copy_(given)
+
+        self.state.handles.append(model.register_forward_pre_hook(record_positions, with_kwargs=True))
+
+    def forget_warm_up(self) -> None:
+        pass
+
+    def read(self, num_rows: int) -> dict[str, torch.Tensor]:
+        """{hook: [num_rows, *row shape]} of the armed forward, on the device."""
+        state = self.state
+        if not _is_positive_int(num_rows) or num_rows > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"read_captures: num_rows must be an int in [1, {self.config.max_num_batched_tokens}] "
+                f"(the capture buffer), got {num_rows!r}; a longer prompt is split by chunked "
+                "prefill and only its first chunk is kept"
+            )
+        still_open = [n for n, flag in zip(state.hook_names, state.capture_flags.tolist()) if flag == 0]
+        if still_open:
+            raise RuntimeError(f"read_captures: no forward ran since open_capture for hooks {still_open}")
+        return {
+            name: buffer[:num_rows].view(num_rows, *state.placed[name].row_shape)
+            for name, buffer in state.capture_buffers.items()
+        }
+
+
 _NO_LAST_POSITION = np.iinfo(np.int64).max
 _KEEP_ALL = (0, _NO_LAST_POSITION)  # kept_range of a request without options
 
 
-@dataclass
+@dataclasses.dataclass
 class _RequestPlan:
     """One request's options: which of its rows to keep, and its own edits.
 
     capture: one of _CAPTURE_MODES, or a sorted int64 array of positions.
     edits: hook -> (scale row, bias row, positions or None), rows [width] in
     the model's dtype on the CPU.
+    kept_range: (first, last) position kept; first == -1 marks a list of positions.
     """
 
     prompt_len: int
     capture: str | np.ndarray
     edits: dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]]
-    # (first, last) position kept; first == -1 marks a list of positions.
-    kept_range: tuple[int, int] = field(init=False)
+    kept_range: tuple[int, int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         last_prompt = self.prompt_len - 1
@@ -1106,7 +1373,7 @@ class _RequestPlan:
             self.kept_range = (-1, _NO_LAST_POSITION)
         else:
             self.kept_range = {
-                "all": (0, _NO_LAST_POSITION),
+                "all": _KEEP_ALL,
                 "prompt": (0, last_prompt),
                 "last_prompt_token": (last_prompt, last_prompt),
                 "none": (0, -1),
@@ -1163,7 +1430,7 @@ class _RequestTable:
         return entries
 
 
-@dataclass
+@dataclasses.dataclass
 class _StepLayout:
     """The rows of one forward: request i owns rows starts[i]:starts[i + 1], the first of
     them at token position first_positions[i]; its numbers are entries[i] of the request table."""
@@ -1172,8 +1439,8 @@ class _StepLayout:
     request_ids: list[str]
     first_positions: np.ndarray  # int64 [num_requests]
     entries: np.ndarray  # int64 [num_requests]
-    counts: np.ndarray = field(init=False)  # int64 [num_requests], rows each request runs
-    row_positions: np.ndarray = field(init=False)  # int64 [num_rows], each row's token position
+    counts: np.ndarray = dataclasses.field(init=False)  # int64 [num_requests], rows each request runs
+    row_positions: np.ndarray = dataclasses.field(init=False)  # int64 [num_rows], each row's position
 
     def __post_init__(self) -> None:
         self.counts = np.diff(self.starts)
@@ -1181,7 +1448,7 @@ class _StepLayout:
         self.row_positions = np.repeat(offsets, self.counts) + np.arange(self.starts[-1])
 
 
-@dataclass
+@dataclasses.dataclass
 class _RequestRows:
     """What was kept of one request so far: one chunk per step that kept rows.
 
@@ -1190,493 +1457,281 @@ class _RequestRows:
     costs each request one append, not one tensor per hook.
     """
 
-    chunks: list[tuple[dict[str, torch.Tensor], int, int, np.ndarray]] = field(default_factory=list)
+    chunks: list[tuple[dict[str, torch.Tensor], int, int, np.ndarray]] = dataclasses.field(default_factory=list)
 
     def rows(self, name: str) -> list[torch.Tensor]:
         return [step_rows[name][start:end] for step_rows, start, end, _positions in self.chunks]
 
 
-def _collect_after_each_step(runner: Any, state: _HookState) -> None:
-    """Wrap the runner's execute_model and its input preparation, on this instance.
+class _Batched:
+    """Many requests per generate. Before each forward the host writes which edit-table
+    row each token row uses (``row_edit_index``); after it, the rows each request keeps
+    are gathered on the device and copied to host memory (on CUDA asynchronously, on a
+    side stream, so the next step's forward overlaps the copy), keyed by request id.
 
-    The V1 runner prepares a step in ``_prepare_inputs`` and keeps the batch
-    in ``input_batch``; Model Runner V2 builds a fresh InputBatch in
-    ``prepare_inputs`` and keeps it only in a local variable, so the wrapper
-    keeps it on the runner until execute_model returns. Either way the step's
-    layout is known once preparation returns, before the forward.
+    Edit tables: the engine-wide rows (as in the compiled flavour, always 2-D), then one
+    identity row, then ``max_num_seqs`` slots that requests with their own edits hold
+    while they run.
     """
-    execute_model = runner.execute_model
-    tracks_v2 = not hasattr(runner, "input_batch")
-    prepare_name = "prepare_inputs" if tracks_v2 else "_prepare_inputs"
-    prepare = getattr(runner, prepare_name)
-    if tracks_v2:
-        setattr(runner, _V2_BATCH, None)
 
-    def prepare_then_route_edits(*args, **kwargs):
-        prepared = prepare(*args, **kwargs)
-        if tracks_v2:
-            setattr(runner, _V2_BATCH, prepared)
-        _begin_step(state)
-        return prepared
+    name = "batched"
 
-    def collecting_execute_model(scheduler_output, *args, **kwargs):
-        _note_requests(state, scheduler_output)
-        state.capture_flags.zero_()  # this step's forward writes its rows
+    def __init__(self, state: _HookState, max_num_seqs: int):
+        self.state = state
+        self.config = state.config
+        self.num_slots = max_num_seqs
+        num_rows = self.config.max_num_batched_tokens
+        # Row r of the forward in flight uses row row_edit_index[k, r] of hook k's tables.
+        self.row_edit_index = torch.zeros(len(state.placed), num_rows, dtype=torch.int64, device=state.device)
+        self.row_edit_index_dirty = False
+        self.slots: dict[str, int] = {}  # request id -> slot holding its edits
+        self.plans: dict[str, _RequestPlan] = {}
+        self.request_table = _RequestTable()
+        self.first_positions: dict[str, int] | None = None  # of the step being prepared
+        self.step: _StepLayout | None = None  # of the step whose forward is in flight
+        self.records: dict[str, _RequestRows] = {}
+        self.incomplete: dict[str, str] = {}  # request id -> why its rows cannot be read
+        self.copy_stream = torch.cuda.Stream(state.device) if state.device.type == "cuda" else None
+
+    def table_shape(self, width: int) -> tuple[int, ...]:
+        return (_global_rows(self.config) + 1 + self.num_slots, width)
+
+    def row_index(self, hook_index: int) -> torch.Tensor:
+        return self.row_edit_index[hook_index]
+
+    def engine_wide(self, table: torch.Tensor) -> torch.Tensor:
+        return table[: _global_rows(self.config)]
+
+    def attach(self, _model: torch.nn.Module, runner: Any) -> None:
+        self.runner = runner
+        _wrap_steps(runner, self)
+
+    def forget_warm_up(self) -> None:
+        self.plans.clear()
+        self.request_table = _RequestTable()
+        self.slots.clear()
+        self.clear()
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.incomplete.clear()
+
+    @property
+    def unread_requests(self) -> int:
+        return len(self.records)
+
+    # Steps, in the order _wrap_steps calls them.
+
+    def schedule(self, scheduler_output: Any) -> None:
+        """Read the step's new requests' options and every request's first position."""
+        finished, new, first_positions = _scheduled(scheduler_output)
+        for request_id in finished:
+            self.plans.pop(request_id, None)
+            self.request_table.remove(request_id)
+            self.slots.pop(request_id, None)
+        for request_id, prompt_len, extra_args, first_position in new:
+            plan = self.plans[request_id] = self._plan(request_id, prompt_len, extra_args.get(_REQUEST_KEY))
+            self.request_table.add(request_id, plan.kept_range, bool(plan.edits))
+            if not (isinstance(plan.capture, str) and plan.capture == "none"):
+                self.records.setdefault(request_id, _RequestRows())  # read_batched knows it from now on
+            first_positions[request_id] = first_position
+        self.first_positions = first_positions
+        self.state.capture_flags.zero_()  # this step's forward writes its rows
+
+    def _plan(self, request_id: str, prompt_len: int, options: Any) -> _RequestPlan:
+        if options is None:
+            return _RequestPlan(prompt_len, "all", {})
         try:
-            result = execute_model(scheduler_output, *args, **kwargs)
-            if state.step is not None:
-                _collect_step(state)
-            return result
-        finally:
-            state.first_positions = None
-            state.step = None
-            if tracks_v2:
-                setattr(runner, _V2_BATCH, None)
+            capture, edits = _parse_request_options(options, self.config, self.state.edit_dtype)
+        except (ValueError, TypeError) as error:
+            # request_args checks this in the driver; a hand-written extra_args that
+            # fails here must not stop the engine: the request runs unedited and
+            # reading it raises this message.
+            self.incomplete[request_id] = f"its options were refused: {error}"
+            return _RequestPlan(prompt_len, "none", {})
+        edits = {name: edit for name, edit in edits.items() if name in self.state.capture_buffers}
+        return _RequestPlan(prompt_len, capture, edits)
 
-    setattr(runner, prepare_name, prepare_then_route_edits)
-    runner.execute_model = collecting_execute_model
-
-
-def _note_requests(state: _HookState, scheduler_output: Any) -> None:
-    """Read the step's new requests' options and every request's first position."""
-    for request_id in scheduler_output.finished_req_ids:
-        state.plans.pop(request_id, None)
-        state.request_table.remove(request_id)
-        state.slots.pop(request_id, None)
-    first_positions = {}
-    for new in scheduler_output.scheduled_new_reqs:
-        plan = state.plans[new.req_id] = _plan_for(state, new)
-        state.request_table.add(new.req_id, plan.kept_range, bool(plan.edits))
-        if not (isinstance(plan.capture, str) and plan.capture == "none"):
-            state.records.setdefault(new.req_id, _RequestRows())  # read_batched knows it from now on
-        first_positions[new.req_id] = new.num_computed_tokens
-    cached = scheduler_output.scheduled_cached_reqs
-    first_positions.update(zip(cached.req_ids, cached.num_computed_tokens))
-    state.first_positions = first_positions
-
-
-def _plan_for(state: _HookState, new_request: Any) -> _RequestPlan:
-    if new_request.prompt_token_ids is not None:
-        prompt_len = len(new_request.prompt_token_ids)
-    else:
-        prompt_len = int(new_request.prompt_embeds.shape[0])
-    extra_args = getattr(new_request.sampling_params, "extra_args", None) or {}
-    options = extra_args.get(_REQUEST_KEY)
-    if options is None:
-        return _RequestPlan(prompt_len, "all", {})
-    try:
-        capture, edits = _parse_request_options(options, state.config, state.edit_dtype)
-    except (ValueError, TypeError) as error:
-        # request_args checks this in the driver; a hand-written extra_args that
-        # fails here must not stop the engine: the request runs unedited and
-        # reading it raises this message.
-        state.incomplete[new_request.req_id] = f"its options were refused: {error}"
-        return _RequestPlan(prompt_len, "none", {})
-    edits = {name: edit for name, edit in edits.items() if name in state.capture_buffers}
-    return _RequestPlan(prompt_len, capture, edits)
-
-
-def _begin_step(state: _HookState) -> None:
-    """After the step is prepared, before its forward: route each row to its edit."""
-    if state.first_positions is None:  # preparation outside execute_model
-        return
-    starts, request_ids = segment_by_request(state.runner)
-    if not request_ids:
-        return
-    first = np.fromiter(
-        map(state.first_positions.get, request_ids, itertools.repeat(-1)), dtype=np.int64, count=len(request_ids)
-    )
-    if (first < 0).any():
-        # Every request of a step is in its scheduler output; if one is not,
-        # its rows cannot be placed: say so when read rather than guess.
-        for i in np.flatnonzero(first < 0):
-            state.incomplete[request_ids[i]] = "a step ran it without its scheduler output entry"
-        return
-    entries = state.request_table.entries(request_ids)
-    starts = np.asarray(starts, dtype=np.int64)
-    state.step = _StepLayout(starts, request_ids, first, entries)
-    row_positions = state.step.row_positions
-
-    global_rows = _global_rows(state.config)
-    edited = np.flatnonzero(state.request_table.has_edits[entries])
-    if global_rows == 1 and not edited.size:
-        # Every row uses the engine-wide row 0: write the index only if a
-        # request's edit changed it since.
-        if state.row_edit_index_dirty:
-            state.row_edit_index.zero_()
-            state.row_edit_index_dirty = False
-        return
-    state.row_edit_index_dirty = True
-    index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(state.hook_names), 0)
-    for i in edited:
-        request_id = request_ids[i]
-        plan = state.plans[request_id]
-        slot_row = _slot_row(state, request_id, plan, request_ids)
-        rows = slice(starts[i], starts[i + 1])
-        for k, name in enumerate(state.hook_names):
-            if name not in plan.edits:
-                continue
-            positions = plan.edits[name][2]
-            if positions is None:
-                index[k, rows] = slot_row
-            else:
-                hit = np.isin(row_positions[rows], positions)
-                index[k, rows] = np.where(hit, slot_row, global_rows)  # identity row
-    _copy_to_device(index, state.row_edit_index[:, : starts[-1]])
-
-
-def _slot_row(state: _HookState, request_id: str, plan: _RequestPlan, step_ids: list[str]) -> int:
-    """The edit-table row of the slot holding this request's edits, written there on first use."""
-    first_slot_row = _global_rows(state.config) + 1  # past the engine-wide rows and identity
-    if request_id in state.slots:
-        return first_slot_row + state.slots[request_id]
-    taken = set(state.slots.values())
-    free = [slot for slot in range(state.num_slots) if slot not in taken]
-    if not free:
-        # A step holds at most max_num_seqs = num_slots requests, so some slot
-        # belongs to a request outside this step (preempted or finished).
-        in_step = set(step_ids)
-        holder = next(r for r in state.slots if r not in in_step)
-        free = [state.slots.pop(holder)]
-    slot = free[0]
-    state.slots[request_id] = slot
-    row = first_slot_row + slot
-    for name, (scale_row, bias_row, _positions) in plan.edits.items():
-        state.scales[name][row].copy_(state.local_columns(name, scale_row))
-        state.biases[name][row].copy_(state.local_columns(name, bias_row))
-    return row
-
-
-def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
-    source = torch.from_numpy(array)
-    if target.device.type == "cuda":
-        source = source.pin_memory()  # the copy is queued; pinned memory outlives it
-    target.copy_(source, non_blocking=True)
-
-
-def _kept_rows(state: _HookState, step: _StepLayout) -> np.ndarray:
-    """Boolean mask over the step's rows: which ones their request keeps."""
-    counts = step.counts
-    first = state.request_table.kept_first[step.entries]
-    last = state.request_table.kept_last[step.entries]
-    positions = step.row_positions
-    kept = (positions >= np.repeat(first, counts)) & (positions <= np.repeat(last, counts))
-    for i in np.flatnonzero(first < 0):  # requests keeping a list of positions
-        rows = slice(step.starts[i], step.starts[i + 1])
-        kept[rows] = np.isin(positions[rows], state.plans[step.request_ids[i]].capture)
-    return kept
-
-
-def _collect_step(state: _HookState) -> None:
-    """After the forward: send the kept rows to host memory, per request.
-
-    Runs every step for every request in it: numpy over the step's rows and
-    requests, and Python work only for the requests that kept rows or whose
-    rows did not follow on from their last step's.
-    """
-    step = state.step
-    starts = step.starts
-    kept = _kept_rows(state, step)
-    num_run = step.counts
-    running = num_run > 0  # (reduceat would read one row for an empty segment)
-    kept_per_request = np.zeros(len(num_run), dtype=np.int64)
-    if running.any():
-        kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), starts[:-1][running])
-    kept_rows = np.flatnonzero(kept)
-    host_rows = _rows_to_host(state, kept_rows) if kept_rows.size else {}
-    request_ids, first_positions = step.request_ids, step.first_positions
-    next_position = state.request_table.next_position
-    expected = next_position[step.entries]
-    next_position[step.entries[running]] = (first_positions + num_run)[running]
-    offsets = np.cumsum(kept_per_request) - kept_per_request
-    for i in np.flatnonzero(running & ((kept_per_request > 0) | (first_positions != expected))):
-        start, end = int(offsets[i]), int(offsets[i] + kept_per_request[i])
-        chunk = (host_rows, start, end, step.row_positions[kept_rows[start:end]])
-        _accumulate(state, request_ids[i], int(expected[i]), int(first_positions[i]), chunk)
-
-
-def _rows_to_host(state: _HookState, kept_rows: np.ndarray) -> dict[str, torch.Tensor]:
-    """{hook: [len(kept_rows), width]} on the host, gathered from the capture buffers.
-
-    On CUDA the gather runs on the compute stream (the next forward rewrites
-    the buffers) and the copy into pinned memory on a side stream: nothing
-    waits for it until the rows are read (host_rows_ready).
-    """
-    buffers = state.capture_buffers
-    if kept_rows.size == kept_rows[-1] + 1:  # rows 0..n-1: a copy of the slice
-        gathered = {name: buffer[: kept_rows.size].clone() for name, buffer in buffers.items()}
-    else:
-        index = torch.empty(kept_rows.size, dtype=torch.int64, device=state.device)
-        _copy_to_device(kept_rows, index)
-        gathered = {name: buffer.index_select(0, index) for name, buffer in buffers.items()}
-    if state.copy_stream is None:
-        return gathered
-    state.copy_stream.wait_stream(torch.cuda.current_stream(state.device))
-    host_rows = {}
-    with torch.cuda.stream(state.copy_stream):
-        for name, rows in gathered.items():
-            host_rows[name] = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            host_rows[name].copy_(rows, non_blocking=True)
-            rows.record_stream(state.copy_stream)
-    return host_rows
-
-
-def _accumulate(
-    state: _HookState,
-    request_id: str,
-    expected: int,
-    first_position: int,
-    chunk: tuple[dict[str, torch.Tensor], int, int, np.ndarray],
-) -> None:
-    """Add one step's chunk of a request whose rows ran from first_position; expected
-    is the position its rows should have started at, had they followed on."""
-    if first_position < expected:
-        # Preempted and recomputed from first_position: drop what it kept past
-        # that point, so no row appears twice.
-        record = state.records.get(request_id)
-        if record is not None:
-            record.chunks = [
-                (rows, start, start + keep, positions[:keep])
-                for rows, start, _end, positions in record.chunks
-                if (keep := int(np.searchsorted(positions, first_position)))
-            ]
-    elif first_position > expected:
-        state.incomplete[request_id] = (
-            f"rows for positions {expected}..{first_position - 1} never ran through the model "
-            "(prefix caching reused them); build the engine with enable_prefix_caching=False"
+    def prepared(self) -> None:
+        """After the step is prepared, before its forward: route each row to its edit."""
+        if self.first_positions is None:  # preparation outside execute_model
+            return
+        starts, request_ids = segment_by_request(self.runner)
+        if not request_ids:
+            return
+        first = np.fromiter(
+            map(self.first_positions.get, request_ids, itertools.repeat(-1)), dtype=np.int64, count=len(request_ids)
         )
-    if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
-        state.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
+        if (first < 0).any():
+            # Every request of a step is in its scheduler output; if one is not,
+            # its rows cannot be placed: say so when read rather than guess.
+            for i in np.flatnonzero(first < 0):
+                self.incomplete[request_ids[i]] = "a step ran it without its scheduler output entry"
+            return
+        starts = np.asarray(starts, dtype=np.int64)
+        self.step = _StepLayout(starts, request_ids, first, self.request_table.entries(request_ids))
+        row_positions = self.step.row_positions
+        global_rows = _global_rows(self.config)
+        edited = np.flatnonzero(self.request_table.has_edits[self.step.entries])
+        if global_rows == 1 and not edited.size:
+            # Every row uses the engine-wide row 0: write the index only if a
+            # request's edit changed it since.
+            if self.row_edit_index_dirty:
+                self.row_edit_index.zero_()
+                self.row_edit_index_dirty = False
+            return
+        self.row_edit_index_dirty = True
+        hook_names = self.state.hook_names
+        index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(hook_names), 0)
+        for i in edited:
+            plan = self.plans[request_ids[i]]
+            slot_row = self._slot_row(request_ids[i], plan, request_ids)
+            rows = slice(starts[i], starts[i + 1])
+            for k, name in enumerate(hook_names):
+                if name not in plan.edits:
+                    continue
+                positions = plan.edits[name][2]
+                if positions is None:
+                    index[k, rows] = slot_row
+                else:
+                    hit = np.isin(row_positions[rows], positions)
+                    index[k, rows] = np.where(hit, slot_row, global_rows)  # identity row
+        _copy_to_device(index, self.row_edit_index[:, : starts[-1]])
 
+    def _slot_row(self, request_id: str, plan: _RequestPlan, step_ids: list[str]) -> int:
+        """The edit-table row of the slot holding this request's edits, written there on first use."""
+        first_slot_row = _global_rows(self.config) + 1  # past the engine-wide rows and identity
+        if request_id in self.slots:
+            return first_slot_row + self.slots[request_id]
+        taken = set(self.slots.values())
+        free = [slot for slot in range(self.num_slots) if slot not in taken]
+        if not free:
+            # A step holds at most max_num_seqs = num_slots requests, so some slot
+            # belongs to a request outside this step (preempted or finished).
+            in_step = set(step_ids)
+            holder = next(r for r in self.slots if r not in in_step)
+            free = [self.slots.pop(holder)]
+        self.slots[request_id] = free[0]
+        row = first_slot_row + free[0]
+        state = self.state
+        for name, (scale_row, bias_row, _positions) in plan.edits.items():
+            state.scales[name][row].copy_(state.local_columns(name, scale_row))
+            state.biases[name][row].copy_(state.local_columns(name, bias_row))
+        return row
 
-# ---------------------------------------------------------------------------
-# Request segmentation: which rows of the flattened batch belong to which
-# request. Host-side bookkeeping of the model runner; valid only while a
-# forward is in flight.
-# ---------------------------------------------------------------------------
+    def executed(self) -> None:
+        """After the forward: send the kept rows to host memory, per request.
 
+        Runs every step for every request in it: numpy over the step's rows and
+        requests, and Python work only for the requests that kept rows or whose
+        rows did not follow on from their last step's.
+        """
+        step = self.step
+        if step is None:
+            return
+        starts = step.starts
+        kept = self._kept_rows(step)
+        num_run = step.counts
+        running = num_run > 0  # (reduceat would read one row for an empty segment)
+        kept_per_request = np.zeros(len(num_run), dtype=np.int64)
+        if running.any():
+            kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), starts[:-1][running])
+        kept_rows = np.flatnonzero(kept)
+        host_rows = self._rows_to_host(kept_rows) if kept_rows.size else {}
+        next_position = self.request_table.next_position
+        expected = next_position[step.entries]
+        next_position[step.entries[running]] = (step.first_positions + num_run)[running]
+        offsets = np.cumsum(kept_per_request) - kept_per_request
+        for i in np.flatnonzero(running & ((kept_per_request > 0) | (step.first_positions != expected))):
+            start, end = int(offsets[i]), int(offsets[i] + kept_per_request[i])
+            chunk = (host_rows, start, end, step.row_positions[kept_rows[start:end]])
+            self._accumulate(step.request_ids[i], int(expected[i]), int(step.first_positions[i]), chunk)
 
-def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
-    """Row offsets and request ids of the forward in flight.
+    def finish(self) -> None:
+        self.first_positions = None
+        self.step = None
 
-    Returns ``(starts, request_ids)``: request ``request_ids[i]`` owns rows
-    ``starts[i]:starts[i + 1]`` of every ``[num_tokens, width]`` activation;
-    rows past ``starts[-1]`` are padding. Ids are the worker's (the user's id
-    plus a random suffix unless vLLM was told not to add one). Raises
-    RuntimeError when the runner's layout is not one this module knows.
-    """
-    input_batch = getattr(model_runner, "input_batch", None)
-    query_start_loc = getattr(model_runner, "query_start_loc", None)
-    if input_batch is not None and query_start_loc is not None:  # V1 runner
-        request_ids = list(input_batch.req_ids)
-        starts = query_start_loc.np[: len(request_ids) + 1].tolist()
-        return starts, request_ids
-    if hasattr(model_runner, _V2_BATCH):  # Model Runner V2, see _collect_after_each_step
-        batch = getattr(model_runner, _V2_BATCH)
-        if batch is None:  # a forward vLLM runs without requests (profile, capture)
-            return [0], []
-        num_requests = batch.num_reqs
-        return batch.query_start_loc_np[: num_requests + 1].tolist(), list(batch.req_ids[:num_requests])
-    from vllm.forward_context import get_forward_context, is_forward_context_available
+    def _kept_rows(self, step: _StepLayout) -> np.ndarray:
+        """Boolean mask over the step's rows: which ones their request keeps."""
+        first = self.request_table.kept_first[step.entries]
+        last = self.request_table.kept_last[step.entries]
+        positions = step.row_positions
+        kept = (positions >= np.repeat(first, step.counts)) & (positions <= np.repeat(last, step.counts))
+        for i in np.flatnonzero(first < 0):  # requests keeping a list of positions
+            rows = slice(step.starts[i], step.starts[i + 1])
+            kept[rows] = np.isin(positions[rows], self.plans[step.request_ids[i]].capture)
+        return kept
 
-    detail = "no forward context either"
-    if is_forward_context_available():
-        metadata = get_forward_context().attn_metadata
-        detail = f"the forward context holds attention metadata ({type(metadata).__name__})"
-    raise RuntimeError(
-        f"segment_by_request: cannot tell requests apart in {type(model_runner).__name__}: it "
-        "has neither input_batch.req_ids with query_start_loc (vLLM's V1 model runner) nor "
-        f"a tracked step batch (Model Runner V2), and {detail} but no request ids"
-    )
+    def _rows_to_host(self, kept_rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """{hook: [len(kept_rows), width]} on the host, gathered from the capture buffers.
 
+        On CUDA the gather runs on the compute stream (the next forward rewrites
+        the buffers) and the copy into pinned memory on a side stream: nothing
+        waits for it until the rows are read (host_rows_ready).
+        """
+        buffers, device = self.state.capture_buffers, self.state.device
+        if kept_rows.size == kept_rows[-1] + 1:  # rows 0..n-1: a copy of the slice
+            gathered = {name: buffer[: kept_rows.size].clone() for name, buffer in buffers.items()}
+        else:
+            index = torch.empty(kept_rows.size, dtype=torch.int64, device=device)
+            _copy_to_device(kept_rows, index)
+            gathered = {name: buffer.index_select(0, index) for name, buffer in buffers.items()}
+        if self.copy_stream is None:
+            return gathered
+        self.copy_stream.wait_stream(torch.cuda.current_stream(device))
+        host_rows = {}
+        with torch.cuda.stream(self.copy_stream):
+            for name, rows in gathered.items():
+                host_rows[name] = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                host_rows[name].copy_(rows, non_blocking=True)
+                rows.record_stream(self.copy_stream)
+        return host_rows
 
-_V2_BATCH = "_tl_step_batch"  # set by _collect_after_each_step
-
-
-# ---------------------------------------------------------------------------
-# Tensor wire format. vLLM's RPC carries msgpack values, not tensors, and this
-# module never asks for pickle: a tensor travels as dtype name, shape and its
-# raw bytes, so every dtype (bfloat16 included) round-trips bit for bit.
-# ---------------------------------------------------------------------------
-
-_WIRE_DTYPES = _FLOAT_DTYPES + ("int64", "int32", "bool")
-
-
-def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
-    """``{"dtype": str, "shape": list[int], "data": bytes}``, exact for every dtype."""
-    tensor = tensor.detach().to("cpu").contiguous()
-    return {
-        "dtype": _dtype_name(tensor.dtype),
-        "shape": list(tensor.shape),
-        "data": tensor.reshape(-1).view(torch.uint8).numpy().tobytes(),
-    }
-
-
-def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
-    """Inverse of ``encode_tensor``: a CPU tensor of the encoded dtype and shape."""
-    if not isinstance(message, dict) or set(message) != {"dtype", "shape", "data"}:
-        raise ValueError(f"decode_tensor: expected keys dtype, shape, data; got {message!r:.200}")
-    if message["dtype"] not in _WIRE_DTYPES:
-        raise ValueError(f"decode_tensor: dtype {message['dtype']!r} is not one of {_WIRE_DTYPES}")
-    dtype = getattr(torch, message["dtype"])
-    shape = [int(size) for size in message["shape"]]
-    data = bytes(message["data"])
-    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if len(data) != expected:
-        raise ValueError(
-            f"decode_tensor: {len(data)} bytes for a {message['dtype']} tensor of shape {shape}, "
-            f"expected {expected}"
-        )
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-# ---------------------------------------------------------------------------
-# Edits. One wire form for every flavour: per hook, an op, an optional value
-# (a scalar or a width-vector) and optional positions. Each becomes a pair of
-# tables (scale, bias) with out = out * scale + bias.
-# ---------------------------------------------------------------------------
-
-_EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
-
-
-def _edit_row(
-    edit: dict[str, Any], name: str, row_shape: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
-    """Validate one wire edit: its (scale, bias) rows, [width] float64, and its positions."""
-    if not isinstance(edit, dict):
-        raise ValueError(f"edits[{name!r}]: expected a dict with 'op', got {edit!r}")
-    allowed = {"op", "value", "positions"}
-    if not set(edit) <= allowed or "op" not in edit:
-        raise ValueError(
-            f"edits[{name!r}]: keys must be 'op' plus optional 'value' and 'positions', "
-            f"got {sorted(edit)}"
-        )
-    op = edit["op"]
-    if op not in _EDIT_OPS:
-        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
-    if _EDIT_OPS[op] != ("value" in edit):
-        need = "needs a 'value'" if _EDIT_OPS[op] else "takes no 'value'"
-        raise ValueError(f"edits[{name!r}]: op {op!r} {need}")
-    width = math.prod(row_shape)
-    shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
-    valid = f"a finite number or a finite float tensor of shape {' or '.join(map(str, map(list, shapes)))}"
-    value = torch.zeros(width, dtype=torch.float64)
-    if _EDIT_OPS[op]:
-        raw = edit["value"]
-        try:
-            if isinstance(raw, bool) or (isinstance(raw, (list, tuple)) and any(isinstance(v, bool) for v in raw)):
-                raise TypeError("a bool is not a number")
-            vector = decode_tensor(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
-        if vector.dim() == 0:
-            vector = vector.expand(width)
-        if tuple(vector.shape) not in shapes or not vector.is_floating_point():
-            raise ValueError(
-                f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)} ({vector.dtype})"
+    def _accumulate(
+        self, request_id: str, expected: int, first_position: int, chunk: tuple[dict, int, int, np.ndarray]
+    ) -> None:
+        """Add one step's chunk of a request whose rows ran from first_position; expected
+        is the position its rows should have started at, had they followed on."""
+        if first_position < expected:
+            # Preempted and recomputed from first_position: drop what it kept past
+            # that point, so no row appears twice.
+            record = self.records.get(request_id)
+            if record is not None:
+                record.chunks = [
+                    (rows, start, start + keep, positions[:keep])
+                    for rows, start, _end, positions in record.chunks
+                    if (keep := int(np.searchsorted(positions, first_position)))
+                ]
+        elif first_position > expected:
+            self.incomplete[request_id] = (
+                f"rows for positions {expected}..{first_position - 1} never ran through the model "
+                "(prefix caching reused them); build the engine with enable_prefix_caching=False"
             )
-        value = vector.reshape(width).to(torch.float64)
-        if not torch.isfinite(value).all():
-            raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
-    scale_row = torch.ones(width, dtype=torch.float64)
-    bias_row = torch.zeros(width, dtype=torch.float64)
-    if op == "suppress":
-        scale_row.zero_()
-    elif op == "scale":
-        scale_row = value
-    elif op == "add":
-        bias_row = value
-    else:
-        scale_row.zero_()
-        bias_row = value
-    positions = edit.get("positions")
-    if positions is not None and not _is_position_list(positions):
-        raise ValueError(
-            f"edits[{name!r}]: positions must be a non-empty list of token positions "
-            f"(ints >= 0), got {positions!r}"
-        )
-    return scale_row, bias_row, None if positions is None else list(positions)
+        if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
+            self.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
 
-
-def _edit_tables(
-    edit: dict[str, Any], name: str, config: CaptureConfig, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An engine-wide edit as (scale, bias) tables: [width], or [max_rows + 1, width] by position."""
-    width = config.width(name)
-    scale_row, bias_row, positions = _edit_row(edit, name, config.row_shape(name))
-    if not config.enable_position_interventions:
-        if positions is not None:
-            raise ValueError(
-                f"edits[{name!r}]: positions need configure(enable_position_interventions=True)"
-                + (" or, per request, request_args(edits=...)" if config.enable_batching else "")
-            )
-        return scale_row.to(dtype), bias_row.to(dtype)
-    shape = (_global_rows(config), width)
-    if positions is None:
-        # Every row, the last (every position past the table) included.
-        return scale_row.expand(shape).to(dtype), bias_row.expand(shape).to(dtype)
-    limit = shape[0] - 1
-    if max(positions) >= limit:
-        raise ValueError(
-            f"edits[{name!r}]: positions must be < {limit} (max_num_batched_tokens) for an "
-            f"engine-wide edit, got {positions!r}"
-            + ("; request_args(edits=...) takes any position" if config.enable_batching else "")
-        )
-    scale = torch.ones(shape, dtype=torch.float64)
-    bias = torch.zeros(shape, dtype=torch.float64)
-    scale[positions] = scale_row
-    bias[positions] = bias_row
-    return scale.to(dtype), bias.to(dtype)
-
-
-def _check_hook_name(name: Any, config: CaptureConfig) -> None:
-    if name not in config.capture_specs:
-        close = difflib.get_close_matches(str(name), list(config.capture_specs), n=3)
-        raise ValueError(
-            f"edits: {name!r} is not a configured hook"
-            + (f"; close matches: {close}" if close else "")
-            + f"; configured: {sorted(config.capture_specs)}"
-        )
-
-
-def _parse_request_options(
-    options: Any, config: CaptureConfig, dtype: torch.dtype
-) -> tuple[str | np.ndarray, dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]]]:
-    """Validate one request's wire options (see request_args): (capture, edits by hook)."""
-    if not isinstance(options, dict) or not set(options) <= {"capture", "edits"}:
-        raise ValueError(
-            f"request options: expected a dict with keys 'capture' and 'edits', got {options!r:.200}"
-        )
-    capture = options.get("capture", "all")
-    if isinstance(capture, (list, tuple)):
-        if not _is_position_list(capture):
-            raise ValueError(
-                f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}"
-            )
-        capture = np.unique(np.asarray(capture, dtype=np.int64))
-    elif capture not in _CAPTURE_MODES:
-        raise ValueError(
-            f"capture: expected one of {list(_CAPTURE_MODES)} or a list of token positions, "
-            f"got {capture!r}"
-        )
-    edits = options.get("edits") or {}
-    if not isinstance(edits, dict):
-        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
-    parsed = {}
-    for name, edit in edits.items():
-        _check_hook_name(name, config)
-        scale_row, bias_row, positions = _edit_row(edit, name, config.row_shape(name))
-        positions = None if positions is None else np.unique(np.asarray(positions, dtype=np.int64))
-        parsed[name] = (scale_row.to(dtype), bias_row.to(dtype), positions)
-    return capture, parsed
-
-
-# ---------------------------------------------------------------------------
-# Worker calls. Mixed into vLLM's worker by LLM(worker_extension_cls=...) and
-# reached through llm.collective_rpc; arguments and results are msgpack values.
-# ---------------------------------------------------------------------------
+    def read(self, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """{user id: {hook: [rows, *row shape]}} of the given requests, which are then
+        forgotten; every id must match exactly one captured request, or nothing is read."""
+        state = self.state
+        matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)))
+        for user_id, worker_id in matches.items():
+            if worker_id in self.incomplete:
+                raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # the copies to host still in flight
+        results = {}
+        for user_id, worker_id in matches.items():
+            record = self.records.pop(worker_id)
+            results[user_id] = {}
+            for name, hook in state.placed.items():
+                chunks = record.rows(name)
+                # Ordinary memory, not the pinned pages the chunks live in.
+                rows = torch.empty(sum(chunk.shape[0] for chunk in chunks), hook.width, dtype=self.config.dtype)
+                if chunks:
+                    torch.cat(chunks, out=rows)
+                results[user_id][name] = rows.view(rows.shape[0], *hook.row_shape)
+        return results
 
 
 def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, str]:
@@ -1688,12 +1743,16 @@ def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, 
         if len(found) != 1:
             problem = "no captured request" if not found else f"several captured requests {found}"
             raise KeyError(
-                f"read_batched: request id {user_id!r} matches {problem}; captured ids: "
-                f"{sorted(worker_ids)[:10]}"
+                f"read_batched: request id {user_id!r} matches {problem}; captured ids: {sorted(worker_ids)[:10]}"
             )
         matches[user_id] = found[0]
     return matches
 
+
+# ---------------------------------------------------------------------------
+# Worker calls. Mixed into vLLM's worker by worker_extension_cls and reached
+# through llm.collective_rpc; arguments and results are msgpack values.
+# ---------------------------------------------------------------------------
 
 _USER_ERRORS = (ValueError, KeyError, RuntimeError)
 
@@ -1715,30 +1774,28 @@ def _errors_as_data(method):
     return wrapper
 
 
-def _shards(state: _HookState) -> dict[str, int]:
-    """For each hook this rank holds a tensor-parallel part of: where its part starts along
-    the first dimension of a row (a head, or an MLP unit)."""
-    shards = {}
-    for name, hook in state.placed.items():
-        if hook.width != state.config.width(name):
-            shards[name] = hook.columns[0] // math.prod(hook.row_shape[1:])
-    return shards
-
-
-class WorkerExtension:
-    """Methods vLLM mixes into each worker; call them with the driver helpers.
-
-    Each returns ``{"result": value}`` or ``{"error": [exception type, message]}``.
+class _WorkerExtension:
+    """``WorkerExtension``: methods vLLM mixes into each worker; call them with the driver
+    helpers. Each returns ``{"result": value}`` or ``{"error": [exception type, message]}``.
     """
 
     def _tl_state(self) -> _HookState:
         state = getattr(self, "_tl_hooks", None)
         if state is None:
             raise RuntimeError(
-                "tl_vllm_hooks: this engine has no hooks: call tl_vllm_hooks.configure(...) "
-                "before LLM(...), and keep TL_VLLM_HOOKS_DISABLE unset"
+                "tl_vllm_hooks: this engine has no hooks: build it with "
+                "LLM(model, **tl_vllm_hooks.configure(...).llm_kwargs), and keep TL_VLLM_HOOKS_DISABLE unset"
             )
         return state
+
+    def _tl_flavour(self, flavour: type, call: str) -> Any:
+        current = self._tl_state().flavour
+        if not isinstance(current, flavour):
+            raise RuntimeError(
+                f"{call}: this engine has {current.name} hooks; configure(enable_batching="
+                f"{flavour is _Batched}) gives {flavour.name} ones"
+            )
+        return current
 
     @_errors_as_data
     def tl_status(self) -> dict[str, Any]:
@@ -1749,8 +1806,8 @@ class WorkerExtension:
             "config": state.config.to_json(),
             "hooks": list(state.hook_names),
             "absent": list(state.absent),
-            "shards": _shards(state),
-            "unread_requests": len(state.records),
+            "shards": state.shards(),
+            "unread_requests": state.flavour.unread_requests,
         }
 
     @_errors_as_data
@@ -1759,16 +1816,13 @@ class WorkerExtension:
         unknown = sorted(set(edits) - set(state.hook_names) - set(state.absent))
         if unknown:
             raise ValueError(f"edits: unknown hooks {unknown}; configured: {state.hook_names}")
-        tables = {
-            name: _edit_tables(edits[name], name, state.config, state.edit_dtype)
+        tables = {  # every edit checked before any table changes
+            name: _engine_wide_tables(edits[name], name, state.config, state.edit_dtype)
             for name in state.hook_names
             if name in edits
         }
-        global_rows = _global_rows(state.config) if state.config.enable_batching else None
         for name in state.hook_names:
-            scale, bias = state.scales[name], state.biases[name]
-            if global_rows is not None:  # the engine-wide rows of a batched table
-                scale, bias = scale[:global_rows], bias[:global_rows]
+            scale, bias = state.flavour.engine_wide(state.scales[name]), state.flavour.engine_wide(state.biases[name])
             if name in tables:
                 scale.copy_(state.local_columns(name, tables[name][0]))
                 bias.copy_(state.local_columns(name, tables[name][1]))
@@ -1782,26 +1836,8 @@ class WorkerExtension:
 
     @_errors_as_data
     def tl_read_captures(self, num_rows: int) -> dict[str, Any]:
-        state = self._tl_state()
-        if state.config.enable_batching:
-            raise RuntimeError("read_captures: this engine uses batched hooks; use read_batched")
-        if not _is_positive_int(num_rows) or num_rows > state.config.max_num_batched_tokens:
-            raise ValueError(
-                f"read_captures: num_rows must be an int in [1, "
-                f"{state.config.max_num_batched_tokens}] (the capture buffer), got {num_rows!r}; "
-                "a longer prompt is split by chunked prefill and only its first chunk is kept"
-            )
-        flags = state.capture_flags.tolist()
-        still_open = [n for n, flag in zip(state.hook_names, flags) if flag == 0]
-        if still_open:
-            raise RuntimeError(
-                f"read_captures: no forward ran since open_capture for hooks {still_open}"
-            )
-        rows = {
-            name: encode_tensor(buffer[:num_rows].view(num_rows, *state.placed[name].row_shape))
-            for name, buffer in state.capture_buffers.items()
-        }
-        return {"shards": _shards(state), "rows": rows}
+        rows = self._tl_flavour(_Compiled, "read_captures").read(num_rows)
+        return {"shards": self._tl_state().shards(), "rows": {n: encode_tensor(r) for n, r in rows.items()}}
 
     @_errors_as_data
     def tl_read_fire_counts(self) -> dict[str, int]:
@@ -1814,41 +1850,40 @@ class WorkerExtension:
 
     @_errors_as_data
     def tl_read_batched(self, request_ids: list[str]) -> dict[str, Any]:
-        """Rows of the given (user-visible) request ids, which are then forgotten.
-
-        ``{"shards": ..., "rows": {request_id: {hook_name: encoded [rows, *row shape]}}}``;
-        every id must match exactly one captured request, or nothing is read.
-        """
-        state = self._tl_state()
-        if not state.hook_names:  # a pipeline rank that holds none of the hooks
+        """``{"shards": ..., "rows": {request_id: {hook_name: encoded [rows, *row shape]}}}``."""
+        flavour = self._tl_flavour(_Batched, "read_batched")
+        if not flavour.state.hook_names:  # a pipeline rank that holds none of the hooks
             return {"shards": {}, "rows": {}}
-        known = sorted(set(state.records) | set(state.incomplete))
-        matches = _match_request_ids(request_ids, known)
-        for user_id, worker_id in matches.items():
-            if worker_id in state.incomplete:
-                raise RuntimeError(f"read_batched: request {user_id!r}: {state.incomplete[worker_id]}")
-        state.host_rows_ready()
-        results: dict[str, dict[str, Any]] = {}
-        for user_id, worker_id in matches.items():
-            record = state.records.pop(worker_id)
-            results[user_id] = {}
-            for name in state.hook_names:
-                chunks = record.rows(name)
-                # Ordinary memory, not the pinned pages the chunks live in.
-                num_rows = sum(chunk.shape[0] for chunk in chunks)
-                rows = torch.empty(num_rows, state.placed[name].width, dtype=state.config.dtype)
-                if chunks:
-                    torch.cat(chunks, out=rows)
-                results[user_id][name] = encode_tensor(rows.view(num_rows, *state.placed[name].row_shape))
-        return {"shards": _shards(state), "rows": results}
+        rows = flavour.read(request_ids)
+        encoded = {r: {n: encode_tensor(t) for n, t in by_hook.items()} for r, by_hook in rows.items()}
+        return {"shards": flavour.state.shards(), "rows": encoded}
 
     @_errors_as_data
     def tl_reset_batched(self) -> None:
-        self._tl_state().clear_batched()
+        self._tl_flavour(_Batched, "reset_batched").clear()
 
     @_errors_as_data
     def tl_remove_hooks(self) -> None:
         _uninstall(self)
+
+
+_REMOVED = {
+    "clear_config": "configure() leaves nothing behind any more; build the engine with "
+    "LLM(model, **config.llm_kwargs) and drop the clear_config() call",
+    "engine_kwargs": "write LLM(model, **config.llm_kwargs)",
+    "absent_hooks": "write status(llm)['absent']",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WorkerExtension":
+        # How a vLLM worker loads its worker_extension_cls, before it loads the model.
+        # A copied-in file has no entry point to register it: it registers here.
+        register()
+        return _WorkerExtension
+    if name in _REMOVED:
+        raise AttributeError(f"tl_vllm_hooks.{name} was removed in 0.2: {_REMOVED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -1856,43 +1891,14 @@ class WorkerExtension:
 # collective_rpc and returns torch tensors keyed by hook name.
 # ---------------------------------------------------------------------------
 
-def capture_specs(
-    hf_config: Any, sites: tuple[str, ...] = ("resid_post",), layers: list[int] | None = None
-) -> dict[str, tuple[int, ...]]:
-    """``{hook_name: row shape}`` for the model, in the order a forward reaches them.
-
-    hf_config: the model's transformers config, e.g.
-        ``AutoConfig.from_pretrained(path)``; its architecture must be one the
-        module's table places (ValueError naming it and the supported ones).
-    sites: keys of ``SITES`` the architecture has; layer sites expand over
-        ``layers`` (default all).
-    """
-    unknown = [s for s in sites if s not in SITES]
-    if unknown:
-        raise ValueError(f"capture_specs: unknown sites {unknown}; valid: {list(SITES)}")
-    _taps(hf_config, sites)
-    num_layers = hf_config.num_hidden_layers
-    layers = list(range(num_layers)) if layers is None else list(layers)
-    bad = [i for i in layers if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"capture_specs: layers {bad} outside [0, {num_layers})")
-    shapes = _site_shapes(hf_config)
-    chosen = [site for site in SITES if site in sites]  # forward order
-    specs = {SITES[site]: shapes[site] for site in chosen if site in ("embed", "pos_embed")}
-    for i in sorted(set(layers)):
-        specs.update({SITES[site].format(i=i): shapes[site] for site in chosen if "{i}" in SITES[site]})
-    if "final_norm" in chosen:
-        specs[SITES["final_norm"]] = shapes["final_norm"]
-    return specs
-
 
 def _rpc(llm: Any, method: str, *args: Any) -> list[Any]:
     """One result per worker; a worker's error is raised here with its own type."""
-    extension = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls
+    extension = _driver_vllm_config(llm).parallel_config.worker_extension_cls
     if extension != WORKER_EXTENSION:
         raise RuntimeError(
             f"tl_vllm_hooks: the engine's worker_extension_cls is {extension!r}; build it with "
-            f"LLM(..., worker_extension_cls={WORKER_EXTENSION!r})"
+            "LLM(model, **config.llm_kwargs)"
         )
     replies = llm.collective_rpc(method, args=args)
     for reply in replies:
@@ -1902,17 +1908,25 @@ def _rpc(llm: Any, method: str, *args: Any) -> list[Any]:
     return [reply["result"] for reply in replies]
 
 
-def _status(llm: Any) -> list[dict[str, Any]]:
-    return _rpc(llm, "tl_status")
+def status(llm: Any) -> dict[str, Any]:
+    """The hooks as the engine's workers hold them.
 
-
-def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    # Pipeline ranks hold disjoint hooks: the first rank that has a hook speaks for it.
-    merged: dict[str, Any] = {}
-    for result in per_rank:
-        for name, value in result.items():
-            merged.setdefault(name, value)
-    return merged
+    ``{"version": str, "module": path of the workers' copy, "config": CaptureConfig,
+    "hooks": names installed on some rank in forward order, "absent": names whose module is
+    on no rank, "unread_requests": batched requests with rows not yet read (the most of any
+    rank), "ranks": number of workers}``.
+    """
+    ranks = _rpc(llm, "tl_status")
+    hooks = list(dict.fromkeys(name for rank in ranks for name in rank["hooks"]))
+    return {
+        "version": ranks[0]["version"],
+        "module": ranks[0]["module"],
+        "config": CaptureConfig.from_json(ranks[0]["config"]),
+        "hooks": hooks,
+        "absent": sorted({name for rank in ranks for name in rank["absent"]} - set(hooks)),
+        "unread_requests": max(rank["unread_requests"] for rank in ranks),
+        "ranks": len(ranks),
+    }
 
 
 def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, Any]]]) -> dict[str, torch.Tensor]:
@@ -1945,25 +1959,10 @@ def read_captures(llm: Any, num_rows: int) -> dict[str, torch.Tensor]:
 
     The row shape is ``[d_model]``, ``[n_heads, d_head]`` (attn_z) or ``[d_mlp]``
     (mlp_post), whole also under tensor parallelism. num_rows is the prompt length
-    in tokens; the prompt must fit one forward (``<= max_num_batched_tokens``) and
-    prefix caching must be off.
+    in tokens; the prompt must fit one forward (``<= max_num_batched_tokens``).
     """
     replies = _rpc(llm, "tl_read_captures", num_rows)
     return _join_ranks([(reply["shards"], reply["rows"]) for reply in replies])
-
-
-def set_edits(llm: Any, edits: dict[str, dict[str, Any]]) -> None:
-    """Replace every engine-wide edit: hooks not named go back to identity.
-
-    edits: ``{hook_name: {"op": op, "value": v, "positions": [p, ...]}}`` with op
-    one of ``suppress`` (no value), ``scale``, ``add`` or ``set``; v a number or
-    a 1-D tensor of the hook's width; positions (optional) token positions in
-    the sequence, needing ``enable_position_interventions=True``. Applies to
-    every forward from the next one on.
-    """
-    wire = _edits_to_wire(edits)
-    _check_edits(llm, wire)
-    _rpc(llm, "tl_set_edits", wire)
 
 
 def _edits_to_wire(edits: Any) -> Any:
@@ -1981,6 +1980,30 @@ def _edits_to_wire(edits: Any) -> Any:
     return wire
 
 
+def set_edits(llm: Any, edits: dict[str, dict[str, Any]]) -> None:
+    """Replace every engine-wide edit: hooks not named go back to identity.
+
+    edits: ``{hook_name: {"op": op, "value": v, "positions": [p, ...]}}`` with op
+    one of ``suppress`` (no value), ``scale``, ``add`` or ``set``; v a finite
+    number or a float tensor of the row's shape (or flat); positions (optional)
+    token positions, needing ``enable_position_interventions=True``. Checked here
+    (ValueError) before any rank changes; applies from the next forward on.
+    """
+    wire = _edits_to_wire(edits)
+    config = status(llm)["config"]
+    if not isinstance(wire, dict):
+        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r}")
+    for name, edit in wire.items():
+        _check_hook_name(name, config)
+        _engine_wide_tables(edit, name, config, torch.float32)
+    _rpc(llm, "tl_set_edits", wire)
+
+
+def reset_edits(llm: Any) -> None:
+    """Every hook back to identity."""
+    _rpc(llm, "tl_set_edits", {})
+
+
 def request_args(
     config: CaptureConfig,
     capture: str | list[int] = "all",
@@ -1989,65 +2012,29 @@ def request_args(
     """One request's options in the batched flavour: ``SamplingParams(extra_args=request_args(...))``.
 
     config: the engine's config (what ``configure`` returned).
-    capture: which of the request's rows are kept and returned by
-        ``read_batched``: ``"all"`` (prompt and generated tokens, the default
-        for requests without options), ``"prompt"``, ``"last_prompt_token"``,
-        ``"none"``, or a list of token positions. Rows not kept never leave
-        the device.
-    edits: as in ``set_edits``, applied to this request's rows only; a hook
-        edited here ignores the engine-wide edit on that hook for this
-        request. Positions may be any token position.
+    capture: which of the request's rows ``read_batched`` returns: ``"all"``
+        (prompt and generated tokens, the default for requests without
+        options), ``"prompt"``, ``"last_prompt_token"``, ``"none"``, or a list
+        of token positions. Rows not kept never leave the device.
+    edits: as in ``set_edits``, for this request's rows only; a hook edited
+        here ignores the engine-wide edit on that hook for this request.
+        Positions may be any token position.
 
-    Validated here (ValueError naming the problem) before anything is sent. The
-    options ride with the request to the workers as JSON-like values (tensors
-    as dtype, shape and bytes). Merge the result into any extra_args of your own.
+    Validated here (ValueError naming the problem) before anything is sent; the
+    options travel as plain values (tensors as dtype, shape and bytes). Merge the
+    result into any extra_args of your own.
     """
     if not isinstance(config, CaptureConfig):
         raise ValueError(f"request_args: config must be the CaptureConfig of the engine, got {config!r:.100}")
     if not config.enable_batching:
         raise ValueError(
-            "request_args: per-request options need the batched flavour: "
-            "configure(..., enable_batching=True)"
+            "request_args: per-request options need the batched flavour: configure(..., enable_batching=True)"
         )
     options: dict[str, Any] = {"capture": list(capture) if isinstance(capture, tuple) else capture}
     if edits:
         options["edits"] = _edits_to_wire(edits)
     _parse_request_options(options, config, torch.float32)
     return {_REQUEST_KEY: options}
-
-
-def _check_edits(llm: Any, edits: dict[str, Any]) -> None:
-    # The workers check too; checking here first raises a plain ValueError in
-    # the driver before anything changes on any rank.
-    status = _status(llm)[0]
-    config = CaptureConfig.from_json(status["config"])
-    if not isinstance(edits, dict):
-        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r}")
-    for name, edit in edits.items():
-        _check_hook_name(name, config)
-        _edit_tables(edit, name, config, torch.float32)
-
-
-def reset_edits(llm: Any) -> None:
-    """Every hook back to identity."""
-    _rpc(llm, "tl_set_edits", {})
-
-
-def read_fire_counts(llm: Any) -> dict[str, int]:
-    """How often each hook ran since the last reset, per hook (rank 0's view per hook)."""
-    return _merge_ranks(_rpc(llm, "tl_read_fire_counts"))
-
-
-def reset_fire_counts(llm: Any) -> None:
-    """Zero every hook's fire count."""
-    _rpc(llm, "tl_reset_fire_counts")
-
-
-def absent_hooks(llm: Any) -> list[str]:
-    """Hooks whose module lives on no rank (a hook absent on only some ranks is fine)."""
-    statuses = _status(llm)
-    present = {name for status in statuses for name in status["hooks"]}
-    return sorted({name for status in statuses for name in status["absent"]} - present)
 
 
 def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -2074,10 +2061,23 @@ def reset_batched(llm: Any) -> None:
     _rpc(llm, "tl_reset_batched")
 
 
+def read_fire_counts(llm: Any) -> dict[str, int]:
+    """How often each hook ran since the last reset (the first rank holding it)."""
+    counts: dict[str, int] = {}
+    for rank in _rpc(llm, "tl_read_fire_counts"):
+        for name, count in rank.items():
+            counts.setdefault(name, count)
+    return counts
+
+
+def reset_fire_counts(llm: Any) -> None:
+    """Zero every hook's fire count."""
+    _rpc(llm, "tl_reset_fire_counts")
+
+
 def remove_hooks(llm: Any) -> None:
     """Remove every hook from every worker (a compiled graph keeps what it traced)."""
     _rpc(llm, "tl_remove_hooks")
-
 
 # ---------------------------------------------------------------------------
 # Command line. Runs in the driver; everything above stays importable without it.
@@ -2180,8 +2180,6 @@ def _demo_reference(hf_model: Any, token_ids: list[int], names: list[str], edits
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import tempfile
-
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -2190,21 +2188,9 @@ def _demo(args: argparse.Namespace) -> int:
     hf_model = tiny_model(model_dir)
     num_layers = hf_model.config.num_hidden_layers
     specs = capture_specs(hf_model.config, sites=("embed", "resid_post", "attn_out", "mlp_out", "final_norm"))
-    configure(specs, max_num_batched_tokens=256, dtype=torch.float32)
-    try:
-        llm = LLM(
-            model_dir,
-            dtype="float32",
-            max_model_len=512,
-            max_num_batched_tokens=256,
-            enforce_eager=args.eager,
-            enable_prefix_caching=False,
-            skip_tokenizer_init=True,
-            gpu_memory_utilization=0.1,
-            worker_extension_cls=WORKER_EXTENSION,
-        )
-    finally:
-        clear_config()
+    config = configure(specs, max_num_batched_tokens=256)
+    llm = LLM(model_dir, dtype="float32", max_model_len=512, enforce_eager=args.eager, gpu_memory_utilization=0.1,
+              **config.llm_kwargs)
     prompt = [(37 * i + 11) % 512 for i in range(24)]
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
@@ -2227,7 +2213,7 @@ def _demo(args: argparse.Namespace) -> int:
     def error(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b.double()).norm() / b.double().norm())
 
-    print(f"\ntl_vllm_hooks {__version__} demo: random Llama {num_layers} layers x 128, fp32, "
+    print(f"tl_vllm_hooks {__version__} demo: random Llama {num_layers} layers x 128, fp32, "
           f"{len(prompt)}-token prompt, {'eager' if args.eager else 'compiled'} engine")
     print(f"{'hook':28} {'rows x width':>13} {'rel err vs HF':>14} "
           f"{'edit moved it':>14} {'edited rel err':>15}")
@@ -2275,24 +2261,13 @@ def _capture(args: argparse.Namespace) -> int:
     sites = tuple(args.sites.split(","))
     specs = capture_specs(hf_config, sites=sites, layers=args.layers)
     dtype = getattr(torch, args.dtype)
-    configure(specs, args.max_num_batched_tokens, dtype, enable_batching=True)
-    try:
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            skip_tokenizer_init=True,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            worker_extension_cls=WORKER_EXTENSION,
-        )
-    finally:
-        clear_config()
+    config = configure(specs, args.max_num_batched_tokens, dtype, enable_batching=True)
+    llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, skip_tokenizer_init=True,
+              gpu_memory_utilization=args.gpu_memory_utilization, **config.llm_kwargs)
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts],
         SamplingParams(max_tokens=1, detokenize=False),
-        use_tqdm=True,
+        use_tqdm=args.verbose,
     )
     captured = read_batched(llm, [o.request_id for o in outputs])
     tensors = {
@@ -2344,7 +2319,7 @@ def _compare(args: argparse.Namespace) -> int:
             scale = float(expected[name].double().norm()) or 1.0
             relative = float(difference.norm()) / scale
             worst[name] = (max(worst[name][0], float(difference.max())), max(worst[name][1], relative))
-        print(f"compared prompt {index + 1}/{len(prompts)}", file=sys.stderr, flush=True)
+        logger.info("compared prompt %d/%d", index + 1, len(prompts))
     print(f"{args.file} ({metadata['dtype']}, vLLM {metadata.get('vllm_version')}) vs TransformerLens fp32, "
           f"{len(prompts)} prompts; tolerance {args.tolerance:g} (relative L2)")
     print(f"{'hook':28} {'max abs err':>12} {'rel L2 err':>11}")
@@ -2363,7 +2338,7 @@ def _plot_errors(worst: dict[str, tuple[float, float]], path: str, tolerance: fl
         matplotlib.use("Agg")
         from matplotlib import pyplot
     except ImportError:
-        print(f"--plot: matplotlib is not installed, so {path} was not written", file=sys.stderr)
+        print(f"--plot: matplotlib is not installed, so {path} was not written")
         return
     figure, axes = pyplot.subplots(figsize=(max(6, 0.35 * len(worst)), 4))
     axes.bar(range(len(worst)), [relative for _a, relative in worst.values()])
@@ -2374,20 +2349,22 @@ def _plot_errors(worst: dict[str, tuple[float, float]], path: str, tolerance: fl
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    print(f"wrote {path}", file=sys.stderr)
+    print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tl_vllm_hooks", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", action="store_true", help="show vLLM's logging and progress bars")
     demo = commands.add_parser(
-        "demo", help="capture and edit a tiny random Llama in vLLM and check it against transformers"
+        "demo", parents=[common], help="capture and edit a tiny random Llama in vLLM and check it against transformers"
     )
     demo.add_argument("--eager", action="store_true", help="build the engine with enforce_eager=True")
     demo.add_argument(
         "--tolerance", type=float, default=1e-5, help="exit 1 past this relative error (default 1e-5)"
     )
-    capture = commands.add_parser("capture", help="capture hooks of given prompts into a safetensors file")
+    capture = commands.add_parser("capture", parents=[common], help="capture hooks of given prompts into a safetensors file")
     capture.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
     capture.add_argument("--token-ids", action="append", help='one prompt as token ids, "1 2 3"; repeatable')
     capture.add_argument("--prompts", help="a text file, one prompt per line (needs the model's tokenizer)")
@@ -2400,24 +2377,55 @@ def main(argv: list[str] | None = None) -> int:
     capture.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     capture.add_argument("--out", required=True, help="the safetensors file to write")
     compare = commands.add_parser(
-        "compare", help="compare a capture file with TransformerLens on the same model (needs transformer-lens)"
+        "compare", parents=[common], help="compare a capture file with TransformerLens on the same model (needs transformer-lens)"
     )
     compare.add_argument("file", help="a file written by the capture command")
     compare.add_argument("--model", help="the model to load (default: the path in the file's metadata)")
     compare.add_argument("--tolerance", type=float, default=1e-4, help="exit 1 past this relative L2 error")
     compare.add_argument("--plot", help="also write a bar chart of the errors to this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    command = {"demo": _demo, "capture": _capture, "compare": _compare}[args.command]
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO)
+        return _run(command, args, sys.stderr)
+    return _run_quietly(command, args)
+
+
+def _run(command: Any, args: argparse.Namespace, errors: Any) -> int:
     try:
-        return {"demo": _demo, "capture": _capture, "compare": _compare}[args.command](args)
+        return command(args)
     except (ValueError, KeyError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}", file=errors)
         return 2
 
 
-if os.environ.get(_CONFIG_ENV):
-    # A copied-in file is no entry point: register when a worker imports it.
-    register()
+def _run_quietly(command: Any, args: argparse.Namespace) -> int:
+    """Run a command with file descriptors 1 and 2 going to a temporary log, as do the
+    vLLM processes it starts (they inherit them): only its result (printed to sys.stdout)
+    and its errors reach the terminal, with the log's last lines if it crashes."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's logging in this process
+    sys.stdout.flush()
+    sys.stderr.flush()
+    terminal = os.dup(1), os.dup(2)
+    original_stdout = sys.stdout
+    with tempfile.TemporaryFile() as log, os.fdopen(os.dup(terminal[1]), "w") as errors:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        sys.stdout = os.fdopen(os.dup(terminal[0]), "w", buffering=1)
+        try:
+            return _run(command, args, errors)
+        except BaseException:
+            log.seek(0)
+            tail = log.read().decode(errors="replace").splitlines()[-30:]
+            print("\n".join(["last lines of vLLM's output (--verbose shows all of it):", *tail]), file=errors)
+            raise
+        finally:
+            sys.stdout.close()
+            sys.stdout = original_stdout
+            for fd, saved in zip((1, 2), terminal):
+                os.dup2(saved, fd)
+                os.close(saved)
+
 
 if __name__ == "__main__":
     # Run the imported module, not this __main__ copy, so WORKER_EXTENSION and

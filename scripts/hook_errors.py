@@ -50,12 +50,8 @@ def vllm_rows(family_dir, specs, batching, all_edits):
     from vllm.inputs import TokensPrompt
 
     config = tlh.configure(specs, 128, torch.float32, enable_batching=batching)
-    try:
-        llm = LLM(family_dir, dtype="float32", max_model_len=512, max_num_batched_tokens=128, max_num_seqs=16,
-                  enforce_eager=batching, enable_prefix_caching=False, skip_tokenizer_init=True,
-                  gpu_memory_utilization=0.05, worker_extension_cls=tlh.WORKER_EXTENSION)
-    finally:
-        tlh.clear_config()
+    llm = LLM(family_dir, dtype="float32", max_model_len=512, max_num_seqs=16, enforce_eager=batching,
+              skip_tokenizer_init=True, gpu_memory_utilization=0.05, **config.llm_kwargs)
     cases = [{}] + [{name: {"op": "add", "value": value}} for name, value in all_edits.items()]
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     results = []
