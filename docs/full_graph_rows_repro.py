@@ -11,26 +11,11 @@ token's logprobs (top 20) are set against transformers' on the prompt and the to
 generated before it (the same weights rounded to bf16, as vLLM loads them, computed in
 fp32); bf16 rounding keeps every token within ~0.08, so a request more than 0.3 off is a
 wrong row. Prints the wrong requests of each generate and how many generates had one.
-    python3 repro_full_graph_rows.py [--cudagraph-mode FULL] [--runner v2] [--generates 24]
+    python3 docs/full_graph_rows_repro.py [--cudagraph-mode FULL] [--runner v2] [--generates 24]
         [--prompts many] [--num-prompts 40]
         [--compilation-config '{"cudagraph_capture_sizes": [16, 32, 64, 128]}']
-Measured on the H200 (2026-11-30; this script then checked the first generated token
-only), Model Runner V2 and FULL, 12 generates each: "many",
-request 1 (3 tokens) 1.088 off in 4 of 12; with --num-prompts 2, in 12 of 12; with capture
-sizes of 16 to 128 tokens only, request 1 never, but request 0 (1 token) 4.014 off in 1 of
-12. So most of it follows from one cause, read in vLLM 0.24's source: V2 captures the FULL
-graphs of mixed batches of up to 8 tokens with one token per request, so with a maximum
-query length of 1, for which FlashAttention 3 drops the causal mask (head size <= 64); a step
-holding request 0's first decode and request 1's 3-token prompt (4 tokens) replays such a
-graph, and request 1's first rows see its later tokens (how many requests share the first
-steps depends on when they reach the engine, hence "some generates"). The 1-token
-request's row in graphs of 16 tokens or more is not explained by it. V1 and FULL: with
-"batch", later generated tokens of the 9- and 57-token prompts come out 4-7 off in every
-generate (measured with the same check in tl_vllm_hooks' scripts/probe_first_rows.py
---workload batch; this script's "batch" has not run on a GPU yet). With vLLM's default
-FULL_AND_PIECEWISE nothing was wrong: V1, every token of the MIXED_REQUESTS prompts of
-tl_vllm_hooks' tests in 6 of 6 generates; V2, the first tokens of "many" in 24 of 24. (On a
-CPU, ``--runner v1 --cudagraph-mode NONE`` runs it end to end.)
+On a CPU, ``--runner v1 --cudagraph-mode NONE`` runs it end to end. What it found on the
+H200, and the likely cause: docs/full-cudagraph-rows.md.
 """
 import argparse
 import json

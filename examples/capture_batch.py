@@ -12,7 +12,6 @@ import argparse
 import os
 import tempfile
 
-import torch
 from transformers import AutoConfig
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -28,18 +27,10 @@ if __name__ == "__main__":  # vLLM spawns its workers
     if not args.model:
         tlh.tiny_model(model)
 
-    tlh.configure(
-        tlh.capture_specs(AutoConfig.from_pretrained(model), sites=("resid_post",)),
-        max_num_batched_tokens=512,
-        dtype=torch.float32,
-        enable_batching=True,
-    )
-    try:
-        llm = LLM(model, dtype="float32", max_num_batched_tokens=512, enforce_eager=True, enable_prefix_caching=False,
-                  skip_tokenizer_init=True, gpu_memory_utilization=0.1,
-                  worker_extension_cls=tlh.WORKER_EXTENSION)
-    finally:
-        tlh.clear_config()
+    config = tlh.configure(tlh.capture_specs(AutoConfig.from_pretrained(model), sites=("resid_post",)),
+                           enable_batching=True)
+    llm = LLM(model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, gpu_memory_utilization=0.1,
+              **config.llm_kwargs)
 
     prompts = [list(range(1, 1 + length)) for length in (5, 40, 200)]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],

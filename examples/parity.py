@@ -34,13 +34,8 @@ if __name__ == "__main__":
     hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     specs = tlh.capture_specs(hf_model.config, sites=("resid_post", "attn_out", "mlp_out"))
 
-    tlh.configure(specs, max_num_batched_tokens=512, dtype=torch.float32)
-    try:
-        llm = LLM(model, dtype="float32", max_num_batched_tokens=512, enable_prefix_caching=False,
-                  skip_tokenizer_init=True, gpu_memory_utilization=0.1,
-                  worker_extension_cls=tlh.WORKER_EXTENSION)
-    finally:
-        tlh.clear_config()
+    config = tlh.configure(specs)
+    llm = LLM(model, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.1, **config.llm_kwargs)
 
     token_ids = [(13 * i + 5) % hf_model.config.vocab_size for i in range(32)]
     tlh.open_capture(llm)

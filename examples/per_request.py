@@ -30,18 +30,8 @@ if __name__ == "__main__":  # vLLM spawns its workers
         tlh.tiny_model(model)
 
     hf_config = AutoConfig.from_pretrained(model)
-    config = tlh.configure(
-        tlh.capture_specs(hf_config, sites=("resid_post",)),
-        max_num_batched_tokens=512,
-        dtype=torch.float32,
-        enable_batching=True,
-    )
-    try:
-        llm = LLM(model, dtype="float32", max_num_batched_tokens=512, enable_prefix_caching=False,
-                  skip_tokenizer_init=True, gpu_memory_utilization=0.1,
-                  worker_extension_cls=tlh.WORKER_EXTENSION)
-    finally:
-        tlh.clear_config()
+    config = tlh.configure(tlh.capture_specs(hf_config, sites=("resid_post",)), enable_batching=True)
+    llm = LLM(model, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.1, **config.llm_kwargs)
 
     direction = torch.randn(hf_config.hidden_size, generator=torch.Generator().manual_seed(0))
     steer = {"blocks.0.hook_resid_post": {"op": "add", "value": 8.0 * direction, "positions": list(range(10, 20))}}

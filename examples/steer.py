@@ -28,15 +28,10 @@ if __name__ == "__main__":
     model = args.model or tempfile.mkdtemp(prefix="tiny_llama_")
     if not args.model:
         tlh.tiny_model(model)
-    config = AutoConfig.from_pretrained(model)
+    hf_config = AutoConfig.from_pretrained(model)
 
-    tlh.configure(tlh.capture_specs(config, sites=("resid_post",), layers=[args.layer]),
-                  max_num_batched_tokens=512, dtype=torch.float32)
-    try:
-        llm = LLM(model, dtype="float32", max_num_batched_tokens=512, enable_prefix_caching=False, skip_tokenizer_init=True,
-                  gpu_memory_utilization=0.1, worker_extension_cls=tlh.WORKER_EXTENSION)
-    finally:
-        tlh.clear_config()
+    config = tlh.configure(tlh.capture_specs(hf_config, sites=("resid_post",), layers=[args.layer]))
+    llm = LLM(model, dtype="float32", skip_tokenizer_init=True, gpu_memory_utilization=0.1, **config.llm_kwargs)
 
     prompt = TokensPrompt(prompt_token_ids=[11, 42, 7, 99, 3, 250, 18])
     params = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False)
@@ -44,7 +39,7 @@ if __name__ == "__main__":
     def tokens():
         return list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
 
-    direction = torch.nn.functional.normalize(torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(0)), dim=0)
+    direction = torch.nn.functional.normalize(torch.randn(hf_config.hidden_size, generator=torch.Generator().manual_seed(0)), dim=0)
     plain = tokens()
     tlh.set_edits(llm, {f"blocks.{args.layer}.hook_resid_post": {"op": "add", "value": args.strength * direction}})
     steered = tokens()

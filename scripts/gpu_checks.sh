@@ -8,10 +8,6 @@
 #                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code", or
 #                                                # --cases plain,a,b,c,d --side-by-side (one process, alternating)
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
-#   bash scripts/gpu_checks.sh probe [flags]     # batched flavour: capture modes and copy variants
-#                                                # in one engine (scripts/probe_batched_copies.py; --profile)
-#   bash scripts/gpu_checks.sh step-host-time [flags]  # the batched flavour's host work per step, in-process
-#                                                # engine (scripts/probe_step_host_time.py; --capture none)
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -56,14 +52,8 @@ case "$what" in
     python3 bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2 --out "$out/bench-tp.json" "${@:2}" \
       > "$out/bench-tp.log" 2>&1 || status=1
     tail -n 12 "$out/bench-tp.log" ;;
-  probe)
-    python3 scripts/probe_batched_copies.py --out "$out/probe" "${@:2}" > "$out/probe.log" 2>&1 || status=1
-    tail -n 12 "$out/probe.log" ;;
-  step-host-time)
-    python3 scripts/probe_step_host_time.py "${@:2}" > "$out/step-host-time.log" 2>&1 || status=1
-    grep "^generate" "$out/step-host-time.log" ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp|probe|step-host-time [flags]" >&2
+    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp [flags]" >&2
     exit 2 ;;
 esac
 exit $status
