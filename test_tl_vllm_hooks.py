@@ -1498,15 +1498,30 @@ def run_command(arguments, cwd, timeout=300):
     )
 
 
-def test_capture_command_writes_what_compare_confirms(tmp_path, models):
-    model = models["gemma2"]
-    out = tmp_path / "acts.safetensors"
+@pytest.fixture(scope="module")
+def capture_run(tmp_path_factory, models):
+    """The capture command on Gemma 2's tiny model: (its finished process, the file it wrote)."""
+    directory = tmp_path_factory.mktemp("capture")
+    out = directory / "acts.safetensors"
     done = run_command(
-        ["-m", "tl_vllm_hooks", "capture", str(model.path), "--token-ids", "1 2 3 4 5 6",
+        ["-m", "tl_vllm_hooks", "capture", str(models["gemma2"].path), "--token-ids", "1 2 3 4 5 6",
          "--token-ids", "9,8,7", "--sites", "resid_mid,attn_z", "--layers", "0,2", "--out", str(out)],
-        tmp_path,
+        directory,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done, out
+
+
+def test_command_line_prints_only_its_result(capture_run):
+    done, out = capture_run
+    assert done.stdout.splitlines() == [
+        f"wrote {out}: 2 prompts x 4 hooks (float32), tensors named prompt{{i}}.{{hook}}"
+    ] and done.stderr == "", done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_capture_command_writes_what_compare_confirms(tmp_path, models, capture_run):
+    model = models["gemma2"]
+    _done, out = capture_run
     from safetensors import safe_open
 
     with safe_open(str(out), framework="pt") as archive:

@@ -347,9 +347,7 @@ class CaptureConfig:
             )
         object.__setattr__(self, "capture_specs", {n: _checked_spec(n, s) for n, s in specs.items()})
         if not _is_positive_int(self.max_num_batched_tokens):
-            raise ValueError(
-                f"max_num_batched_tokens: must be a positive int, got {self.max_num_batched_tokens!r}"
-            )
+            raise ValueError(f"max_num_batched_tokens: must be a positive int, got {self.max_num_batched_tokens!r}")
         if not isinstance(self.dtype, torch.dtype) or _dtype_name(self.dtype) not in _FLOAT_DTYPES:
             raise ValueError(f"dtype: expected one of torch.{', torch.'.join(_FLOAT_DTYPES)}, got {self.dtype!r}")
         for flag in ("enable_batching", "enable_position_interventions"):
@@ -485,7 +483,8 @@ def _disabled() -> bool:
 
 # ---------------------------------------------------------------------------
 # vLLM's internals: every place this module reads or wraps something of vLLM
-# beyond its public API is in this section, so a vLLM upgrade is read here.
+# beyond its public API is in this section (the module paths and argument names
+# of the architecture tables above aside), so a vLLM upgrade is read here.
 # Checked on vLLM 0.24.0 (CUDA: V1 runner and Model Runner V2), 0.28.0 and
 # 0.32.0 (CPU, V1 runner). Hooks must exist before vLLM's first forward (the
 # profile run), where Dynamo traces the model: hooks added later are not in
@@ -501,8 +500,8 @@ def register() -> None:
     the CPU worker subclasses) so it installs the configured hooks after the weights load.
 
     Idempotent; the ``vllm.general_plugins`` entry point calls it in every vLLM
-    process. A worker whose engine has no config gets no hooks. Does nothing
-    when ``TL_VLLM_HOOKS_DISABLE=1``.
+    process. A worker whose engine has no config gets no hooks, and so does every
+    worker of a process with ``TL_VLLM_HOOKS_DISABLE=1``.
     """
     global _original_load_model
     if _original_load_model is not None or _disabled():
@@ -1176,9 +1175,7 @@ def _parse_edit(
         if vector.dim() == 0:
             vector = vector.expand(width)
         if tuple(vector.shape) not in shapes or not vector.is_floating_point():
-            raise ValueError(
-                f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)} ({vector.dtype})"
-            )
+            raise ValueError(f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)} ({vector.dtype})")
         value = vector.reshape(width).to(torch.float64)
         if not torch.isfinite(value).all():
             raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
@@ -1247,15 +1244,11 @@ def _parse_request_options(
     """Validate one request's wire options (see request_args): (capture, edits by hook),
     each edit (scale row, bias row, sorted int64 positions or None) in ``dtype``."""
     if not isinstance(options, dict) or not set(options) <= {"capture", "edits"}:
-        raise ValueError(
-            f"request options: expected a dict with keys 'capture' and 'edits', got {options!r:.200}"
-        )
+        raise ValueError(f"request options: expected a dict with keys 'capture' and 'edits', got {options!r:.200}")
     capture = options.get("capture", "all")
     if isinstance(capture, (list, tuple)):
         if not _is_position_list(capture):
-            raise ValueError(
-                f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}"
-            )
+            raise ValueError(f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}")
         capture = np.unique(np.asarray(capture, dtype=np.int64))
     elif capture not in _CAPTURE_MODES:
         raise ValueError(
@@ -1667,7 +1660,7 @@ class _Batched:
 
         On CUDA the gather runs on the compute stream (the next forward rewrites
         the buffers) and the copy into pinned memory on a side stream: nothing
-        waits for it until the rows are read (host_rows_ready).
+        waits for it until read_batched reads the rows.
         """
         buffers, device = self.state.capture_buffers, self.state.device
         if kept_rows.size == kept_rows[-1] + 1:  # rows 0..n-1: a copy of the slice
@@ -2361,9 +2354,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo", parents=[common], help="capture and edit a tiny random Llama in vLLM and check it against transformers"
     )
     demo.add_argument("--eager", action="store_true", help="build the engine with enforce_eager=True")
-    demo.add_argument(
-        "--tolerance", type=float, default=1e-5, help="exit 1 past this relative error (default 1e-5)"
-    )
+    demo.add_argument("--tolerance", type=float, default=1e-5, help="exit 1 past this relative error (default 1e-5)")
     capture = commands.add_parser("capture", parents=[common], help="capture hooks of given prompts into a safetensors file")
     capture.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
     capture.add_argument("--token-ids", action="append", help='one prompt as token ids, "1 2 3"; repeatable')
