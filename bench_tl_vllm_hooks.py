@@ -7,6 +7,8 @@
     python bench_tl_vllm_hooks.py --cases plain,b --repeats 1 --compiled-code code/  # then diff -r
     python bench_tl_vllm_hooks.py --cases plain,b,f --side-by-side   # one process, generates alternate
     python bench_tl_vllm_hooks.py --compilation-config '{"inductor_compile_config": {"combo_kernels": false}}'
+    python bench_tl_vllm_hooks.py --tiny --cases plain,f --hidden-size 512 --num-layers 4 \
+        --num-prompts 64 --prompt-len 256 --max-tokens 1 --repeats 3   # CPU: rows into the driver (GB/s)
 
 Each case builds a fresh engine in a fresh subprocess (this file with ``--run-cases``),
 which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
@@ -216,8 +218,11 @@ class _Engine:
             elapsed, start = time.perf_counter() - start, time.perf_counter()
         if name in _BATCHED:
             captured = tl.read_batched(llm, [o.request_id for o in outputs])  # also frees the rows
+            read_s = time.perf_counter() - start
             rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
-            check = f"{len(captured)} requests x {len(captured[outputs[0].request_id])} hooks, rows {rows}"
+            read_bytes = sum(t.numel() * t.element_size() for hooks in captured.values() for t in hooks.values())
+            check = (f"{len(captured)} requests x {len(captured[outputs[0].request_id])} hooks, rows {rows}, "
+                     f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s")
         elif self.sites:
             captured = tl.read_captures(llm, args.prompt_len)
             finite = all(bool(t.isfinite().all()) for t in captured.values())
@@ -480,6 +485,8 @@ def main() -> None:
     parser.add_argument("--side-by-side", action="store_true",
                         help="every case's engine in one process, sharing the device; generates alternate")
     parser.add_argument("--run-cases", help=argparse.SUPPRESS)
+    parser.add_argument("--hidden-size", type=int, help="another model width (heads of 64, MLP twice as wide)")
+    parser.add_argument("--num-layers", type=int, help="another number of layers")
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for field, default in zip(_WORKLOAD_FIELDS, _TINY_WORKLOAD if args.tiny else _FULL_WORKLOAD):
@@ -507,7 +514,13 @@ def main() -> None:
     import torch
 
     args.on_gpu = torch.cuda.is_available()
-    shape = _TINY_MODEL if args.tiny else _FULL_MODEL
+    shape = dict(_TINY_MODEL if args.tiny else _FULL_MODEL)
+    if args.hidden_size:
+        width = args.hidden_size
+        shape.update(hidden_size=width, num_attention_heads=width // 64, num_key_value_heads=max(1, width // 256),
+                     intermediate_size=2 * width)
+    if args.num_layers:
+        shape.update(num_hidden_layers=args.num_layers)
     with tempfile.TemporaryDirectory(prefix="bench_tl_vllm_hooks_") as root:
         args.model, args.plugin_dir = os.path.join(root, "model"), _plugin_dir(os.path.join(root, "plugin"))
         _make_model(args.model, shape)

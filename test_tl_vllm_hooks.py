@@ -22,10 +22,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import glob
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -937,8 +939,11 @@ class TestBatched:
     )
     def llm(self, request, models):
         family, in_process, eager = request.param
+        stale_file = dead_workers_row_file()
         with engine(models[family], in_process=in_process, eager=eager, batching=True) as llm:
             llm.model = models[family]
+            llm.stale_file = stale_file
+            llm.in_process = in_process
             yield llm
 
     def test_each_request_matches_its_own_transformer_lens_run(self, llm, request):
@@ -975,9 +980,52 @@ class TestBatched:
         tlh.reset_batched(llm)
         check_batched(llm, llm.model, prompts=BATCH[:1])
 
+    def test_rows_reach_the_driver_through_shared_memory(self, llm):
+        (output,) = generate(llm, [BATCH[0]])
+        (reply,) = llm.collective_rpc("tl_read_batched", args=([output.request_id], socket.gethostname()))
+        reply = reply["result"]
+        assert reply["shared"] and reply["file"].startswith("/dev/shm/tl_vllm_hooks-"), reply["file"]
+        mapped = tlh._mapped_rows(reply["file"])
+        assert not os.path.exists(reply["file"]), "the driver unlinks the file once it is mapped"
+        rows = {name: tlh._tensor_at(mapped, message) for name, message in reply["rows"][output.request_id].items()}
+        assert_matches(rows, llm.model.reference(BATCH[0], llm.hook_names), "through /dev/shm")
+
+    def test_rows_for_a_driver_on_another_host_come_through_the_rpc(self, llm):
+        (output,) = generate(llm, [BATCH[0]])
+        (reply,) = llm.collective_rpc("tl_read_batched", args=([output.request_id], "another-host"))
+        reply = reply["result"]
+        assert not reply["shared"] and reply["file"] is None
+        rows = {name: tlh.decode_tensor(message) for name, message in reply["rows"][output.request_id].items()}
+        assert_matches(rows, llm.model.reference(BATCH[0], llm.hook_names), "through the RPC")
+
+    def test_read_batched_says_when_rows_come_through_the_rpc(self, llm, monkeypatch):
+        if llm.in_process:
+            pytest.skip("an engine in this process shares its host name with the driver")
+        (output,) = generate(llm, [BATCH[0]])
+        monkeypatch.setattr(socket, "gethostname", lambda: "another-host")  # the driver's, here
+        with pytest.warns(UserWarning, match="rows come through vLLM's RPC, which is slow"):
+            rows = tlh.read_batched(llm, [output.request_id])[output.request_id]
+        assert_matches(rows, llm.model.reference(BATCH[0], llm.hook_names), "through the RPC")
+
+    def test_reads_leave_no_row_files_behind(self, llm):
+        outputs = generate(llm, BATCH)
+        tlh.read_batched(llm, [output.request_id for output in outputs])
+        assert glob.glob("/dev/shm/tl_vllm_hooks-*") == []
+
+    def test_a_dead_workers_row_files_are_removed_when_hooks_install(self, llm):
+        assert not llm.stale_file.exists()
+
     def test_reading_captures_is_refused(self, llm):
         with pytest.raises(RuntimeError, match=r"read_captures: this engine has batched hooks; configure\(enable_batching=False\)"):
             tlh.read_captures(llm, 4)
+
+
+def dead_workers_row_file() -> Path:
+    """A row file in /dev/shm as a worker killed before its driver mapped it leaves it."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    path = Path(f"/dev/shm/tl_vllm_hooks-{int(dead.stdout)}-0")
+    path.write_bytes(b"rows")
+    return path
 
 
 def test_remove_hooks_takes_edits_out_of_an_eager_engine(models):

@@ -31,8 +31,11 @@ as pickle: the config is JSON, tensors travel as dtype, shape and raw bytes.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import dataclasses
 import difflib
+import glob
 import hashlib
 import inspect
 import itertools
@@ -41,8 +44,10 @@ import logging
 import math
 import os
 import re
+import socket
 import sys
 import tempfile
+import warnings
 from typing import Any
 
 import numpy as np
@@ -660,6 +665,13 @@ def _model_positions(args: tuple, kwargs: dict) -> torch.Tensor:
     return kwargs["positions"] if "positions" in kwargs else args[1]
 
 
+def _tensor_parallel_rank() -> int:
+    """This worker's rank in its tensor-parallel group (0 without tensor parallelism)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
 def _is_pp_missing(module: torch.nn.Module) -> bool:
     """A placeholder pipeline parallelism left where another rank holds the module."""
     return type(module).__name__ == "PPMissingLayer"
@@ -809,6 +821,8 @@ def _install(worker: Any, config: CaptureConfig) -> None:
             "LLM(model, **config.llm_kwargs), which turns it off"
         )
     _uninstall(worker)
+    _sweep_shared_files()
+    atexit.register(_sweep_shared_files, own=True)
     placed, absent = _place_hooks(model, hf_config, config)
     state = _HookState(config, model, placed, absent, max_num_seqs)
     for index in range(len(placed)):
@@ -1130,6 +1144,59 @@ def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
     if not data:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# Batched rows, which can be gigabytes, reach a driver on the worker's host through a
+# file in /dev/shm (shared memory): the worker writes them there once, the RPC carries
+# their dtypes, shapes and byte offsets, and the driver maps the file and unlinks it
+# at once, so the rows live exactly as long as its tensors. A file whose writer died
+# before the driver mapped it is removed when the next engine installs its hooks.
+
+_SHARED_DIR = "/dev/shm"
+_SHARED_PREFIX = "tl_vllm_hooks-"
+_shared_file_numbers = itertools.count()
+
+
+def _shared_file(driver_host: str) -> str | None:
+    """A new file for rows to a driver on ``driver_host``; None if that is another host
+    or this one has no /dev/shm."""
+    if driver_host != socket.gethostname() or not os.path.isdir(_SHARED_DIR):
+        return None
+    return os.path.join(_SHARED_DIR, f"{_SHARED_PREFIX}{os.getpid()}-{next(_shared_file_numbers)}")
+
+
+def _sweep_shared_files(own: bool = False) -> None:
+    """Unlink the row files of processes that are gone (and, with ``own``, this one's)."""
+    for path in glob.glob(os.path.join(_SHARED_DIR, _SHARED_PREFIX + "*")):
+        pid = os.path.basename(path)[len(_SHARED_PREFIX) :].partition("-")[0]
+        if pid.isdigit() and ((own and int(pid) == os.getpid()) or not _process_alive(int(pid))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _mapped_rows(path: str) -> Any:
+    """The worker's row file, mapped copy-on-write (its tensors are writable, the file is
+    never written) and unlinked: the mapping lives as long as the tensors made from it."""
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
+    os.unlink(path)
+    return mapped
+
+
+def _tensor_at(mapped: Any, message: dict[str, Any]) -> torch.Tensor:
+    """The tensor ``{"dtype", "shape", "offset"}`` describes in a mapped row file."""
+    dtype = getattr(torch, message["dtype"])
+    size = math.prod(message["shape"]) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(mapped[message["offset"] : message["offset"] + size]).view(dtype).view(message["shape"])
 
 
 # ---------------------------------------------------------------------------
@@ -1703,28 +1770,41 @@ class _Batched:
         if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
             self.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
 
-    def read(self, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """{user id: {hook: [rows, *row shape]}} of the given requests, which are then
-        forgotten; every id must match exactly one captured request, or nothing is read."""
-        state = self.state
+    def read(self, request_ids: list[str], names: list[str], path: str | None) -> dict[str, dict[str, Any]]:
+        """{user id: {hook: message}} of the given requests' rows at the hooks ``names``,
+        which are then forgotten (every hook's); every id must match exactly one captured
+        request, or nothing is read. Each message is the encoded [rows, *row shape], or,
+        with ``path``, its dtype, shape and byte offset in that file, written here."""
         matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)))
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
                 raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
         if self.copy_stream is not None:
             self.copy_stream.synchronize()  # the copies to host still in flight
-        results = {}
-        for user_id, worker_id in matches.items():
-            record = self.records.pop(worker_id)
-            results[user_id] = {}
-            for name, hook in state.placed.items():
-                chunks = record.rows(name)
-                # Ordinary memory, not the pinned pages the chunks live in.
-                rows = torch.empty(sum(chunk.shape[0] for chunk in chunks), hook.width, dtype=self.config.dtype)
-                if chunks:
-                    torch.cat(chunks, out=rows)
-                results[user_id][name] = rows.view(rows.shape[0], *hook.row_shape)
-        return results
+        records = {user_id: self.records.pop(worker_id) for user_id, worker_id in matches.items()}
+        dtype, placed = self.config.dtype, self.state.placed
+        parts = [(user_id, name, record.rows(name)) for user_id, record in records.items() for name in names]
+        item = torch.empty((), dtype=dtype).element_size()
+        total = item * sum(placed[name].width * sum(c.shape[0] for c in chunks) for _u, name, chunks in parts)
+        mapped = np.memmap(path, dtype=np.uint8, mode="w+", shape=(total,)) if path and total else None
+        messages: dict[str, dict[str, Any]] = {user_id: {} for user_id in records}
+        offset = 0
+        for user_id, name, chunks in parts:
+            hook = placed[name]
+            shape = [sum(chunk.shape[0] for chunk in chunks), *hook.row_shape]
+            size = math.prod(shape) * item
+            if mapped is None:  # ordinary memory, not the pinned pages the chunks live in
+                rows = torch.empty(shape[0], hook.width, dtype=dtype)
+            else:
+                rows = torch.from_numpy(mapped[offset : offset + size]).view(dtype).view(shape[0], hook.width)
+            if chunks:
+                torch.cat(chunks, out=rows)
+            if mapped is None:
+                messages[user_id][name] = encode_tensor(rows.view(shape))
+            else:
+                messages[user_id][name] = {"dtype": _dtype_name(dtype), "shape": shape, "offset": offset}
+            offset += size
+        return messages
 
 
 def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, str]:
@@ -1842,14 +1922,25 @@ class _WorkerExtension:
         self._tl_state().fire_counts.zero_()
 
     @_errors_as_data
-    def tl_read_batched(self, request_ids: list[str]) -> dict[str, Any]:
-        """``{"shards": ..., "rows": {request_id: {hook_name: encoded [rows, *row shape]}}}``."""
+    def tl_read_batched(self, request_ids: list[str], driver_host: str = "") -> dict[str, Any]:
+        """``{"shards", "shared", "file", "rows": {request_id: {hook_name: message}}}``.
+
+        For a driver on this host (``driver_host``) with /dev/shm, ``shared`` is true and
+        the rows are in ``file`` (None when there are none), each message their dtype,
+        shape and byte offset; else each message is the encoded rows. Replicated hooks
+        come from the first tensor-parallel rank only.
+        """
         flavour = self._tl_flavour(_Batched, "read_batched")
+        path = _shared_file(driver_host)
+        reply = {"shards": flavour.state.shards(), "shared": path is not None, "file": None, "rows": {}}
         if not flavour.state.hook_names:  # a pipeline rank that holds none of the hooks
-            return {"shards": {}, "rows": {}}
-        rows = flavour.read(request_ids)
-        encoded = {r: {n: encode_tensor(t) for n, t in by_hook.items()} for r, by_hook in rows.items()}
-        return {"shards": flavour.state.shards(), "rows": encoded}
+            return reply
+        shards = reply["shards"]
+        names = [name for name in flavour.state.hook_names if name in shards or _tensor_parallel_rank() == 0]
+        reply["rows"] = flavour.read(request_ids, names, path)
+        if path is not None and os.path.exists(path):
+            reply["file"] = path
+        return reply
 
     @_errors_as_data
     def tl_reset_batched(self) -> None:
@@ -1922,22 +2013,20 @@ def status(llm: Any) -> dict[str, Any]:
     }
 
 
-def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, Any]]]) -> dict[str, torch.Tensor]:
-    """One tensor per hook from each rank's (shards, {hook_name: encoded rows}).
+def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """One tensor per hook from each rank's (shards, {hook_name: rows}).
 
     Tensor-parallel ranks hold a replicated activation whole, or, for the input
     of a row-split projection (attn_z, mlp_post), each its part of the row's
     first dimension: the parts are joined in order. Pipeline ranks hold
     disjoint hooks.
     """
-    parts: dict[str, dict[int, Any]] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}
     for shards, rows in per_rank:
-        for name, message in rows.items():
-            parts.setdefault(name, {}).setdefault(shards.get(name, -1), message)
+        for name, tensor in rows.items():
+            parts.setdefault(name, {}).setdefault(shards.get(name, -1), tensor)
     return {
-        name: decode_tensor(by_start[-1])
-        if -1 in by_start
-        else torch.cat([decode_tensor(by_start[start]) for start in sorted(by_start)], dim=1)
+        name: by_start[-1] if -1 in by_start else torch.cat([by_start[start] for start in sorted(by_start)], dim=1)
         for name, by_start in parts.items()
     }
 
@@ -1955,7 +2044,7 @@ def read_captures(llm: Any, num_rows: int) -> dict[str, torch.Tensor]:
     in tokens; the prompt must fit one forward (``<= max_num_batched_tokens``).
     """
     replies = _rpc(llm, "tl_read_captures", num_rows)
-    return _join_ranks([(reply["shards"], reply["rows"]) for reply in replies])
+    return _join_ranks([(reply["shards"], {n: decode_tensor(m) for n, m in reply["rows"].items()}) for reply in replies])
 
 
 def _edits_to_wire(edits: Any) -> Any:
@@ -2041,12 +2130,21 @@ def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.
     """
     if isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids):
         raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")
-    replies = _rpc(llm, "tl_read_batched", list(request_ids))
-    read = {request_id for reply in replies for request_id in reply["rows"]}
-    return {
-        request_id: _join_ranks([(reply["shards"], reply["rows"].get(request_id, {})) for reply in replies])
-        for request_id in read
-    }
+    per_rank = []
+    for reply in _rpc(llm, "tl_read_batched", list(request_ids), socket.gethostname()):
+        if not reply["shared"] and any(reply["rows"].values()):
+            warnings.warn(
+                "read_batched: rows come through vLLM's RPC, which is slow: a worker runs on another host "
+                "than this driver, or its host has no /dev/shm", stacklevel=2
+            )
+        mapped = _mapped_rows(reply["file"]) if reply["file"] else None
+        rows = {
+            request_id: {n: decode_tensor(m) if mapped is None else _tensor_at(mapped, m) for n, m in by_hook.items()}
+            for request_id, by_hook in reply["rows"].items()
+        }
+        per_rank.append((reply["shards"], rows))
+    read = {request_id for _shards, rows in per_rank for request_id in rows}
+    return {request_id: _join_ranks([(shards, rows.get(request_id, {})) for shards, rows in per_rank]) for request_id in read}
 
 
 def reset_batched(llm: Any) -> None:
