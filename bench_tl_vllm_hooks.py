@@ -203,8 +203,8 @@ class _Engine:
         self.clock = _SmClockSamples(self.on_gpu)
 
     def generate(self) -> tuple:
-        """(outputs, generate seconds, read seconds, what was read, median SM clock in MHz);
-        reads are not timed."""
+        """(outputs, generate seconds, read seconds (None without hooks), what was read,
+        median SM clock in MHz)."""
         import torch
 
         tl, llm, name, args = self.tl, self.llm, self.name, self.args
@@ -225,11 +225,12 @@ class _Engine:
                      f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s")
         elif self.sites:
             captured = tl.read_captures(llm, args.prompt_len)
+            read_s = time.perf_counter() - start
             finite = all(bool(t.isfinite().all()) for t in captured.values())
             check = f"{len(captured)} hooks x {args.prompt_len} rows, finite={finite}"
         else:
-            check = None
-        return outputs, elapsed, time.perf_counter() - start if self.sites else None, check, self.clock.median()
+            read_s, check = None, None
+        return outputs, elapsed, read_s, check, self.clock.median()
 
     def result(self, runs: list[tuple], alone: bool) -> dict:
         """The case's result from its timed runs (generate()'s tuples); alone: the only engine in

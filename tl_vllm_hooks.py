@@ -822,6 +822,7 @@ def _install(worker: Any, config: CaptureConfig) -> None:
         )
     _uninstall(worker)
     _sweep_shared_files()
+    atexit.unregister(_sweep_shared_files)  # once per process, however many installs
     atexit.register(_sweep_shared_files, own=True)
     placed, absent = _place_hooks(model, hf_config, config)
     state = _HookState(config, model, placed, absent, max_num_seqs)
@@ -1770,11 +1771,14 @@ class _Batched:
         if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
             self.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
 
-    def read(self, request_ids: list[str], names: list[str], path: str | None) -> dict[str, dict[str, Any]]:
-        """{user id: {hook: message}} of the given requests' rows at the hooks ``names``,
-        which are then forgotten (every hook's); every id must match exactly one captured
-        request, or nothing is read. Each message is the encoded [rows, *row shape], or,
-        with ``path``, its dtype, shape and byte offset in that file, written here."""
+    def read(
+        self, request_ids: list[str], names: list[str], path: str | None
+    ) -> tuple[dict[str, dict[str, Any]], str | None]:
+        """({user id: {hook: message}}, the file written or None) for the given requests'
+        rows at the hooks ``names``, which are then forgotten (every hook's); every id must
+        match exactly one captured request, or nothing is read. Each message is the encoded
+        [rows, *row shape], or, with ``path`` and rows to write, its dtype, shape and byte
+        offset in that file, written here."""
         matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)))
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
@@ -1783,15 +1787,19 @@ class _Batched:
             self.copy_stream.synchronize()  # the copies to host still in flight
         records = {user_id: self.records.pop(worker_id) for user_id, worker_id in matches.items()}
         dtype, placed = self.config.dtype, self.state.placed
-        parts = [(user_id, name, record.rows(name)) for user_id, record in records.items() for name in names]
+        parts = []  # (user id, hook, chunks, rows)
+        for user_id, record in records.items():
+            for name in names:
+                chunks = record.rows(name)
+                parts.append((user_id, name, chunks, sum(chunk.shape[0] for chunk in chunks)))
         item = torch.empty((), dtype=dtype).element_size()
-        total = item * sum(placed[name].width * sum(c.shape[0] for c in chunks) for _u, name, chunks in parts)
+        total = item * sum(placed[name].width * num_rows for _u, name, _c, num_rows in parts)
         mapped = np.memmap(path, dtype=np.uint8, mode="w+", shape=(total,)) if path and total else None
         messages: dict[str, dict[str, Any]] = {user_id: {} for user_id in records}
         offset = 0
-        for user_id, name, chunks in parts:
+        for user_id, name, chunks, num_rows in parts:
             hook = placed[name]
-            shape = [sum(chunk.shape[0] for chunk in chunks), *hook.row_shape]
+            shape = [num_rows, *hook.row_shape]
             size = math.prod(shape) * item
             if mapped is None:  # ordinary memory, not the pinned pages the chunks live in
                 rows = torch.empty(shape[0], hook.width, dtype=dtype)
@@ -1804,7 +1812,7 @@ class _Batched:
             else:
                 messages[user_id][name] = {"dtype": _dtype_name(dtype), "shape": shape, "offset": offset}
             offset += size
-        return messages
+        return messages, None if mapped is None else path
 
 
 def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, str]:
@@ -1935,11 +1943,9 @@ class _WorkerExtension:
         reply = {"shards": flavour.state.shards(), "shared": path is not None, "file": None, "rows": {}}
         if not flavour.state.hook_names:  # a pipeline rank that holds none of the hooks
             return reply
-        shards = reply["shards"]
-        names = [name for name in flavour.state.hook_names if name in shards or _tensor_parallel_rank() == 0]
-        reply["rows"] = flavour.read(request_ids, names, path)
-        if path is not None and os.path.exists(path):
-            reply["file"] = path
+        first_rank, shards = _tensor_parallel_rank() == 0, reply["shards"]
+        names = [name for name in flavour.state.hook_names if first_rank or name in shards]
+        reply["rows"], reply["file"] = flavour.read(request_ids, names, path)
         return reply
 
     @_errors_as_data
