@@ -111,8 +111,7 @@ normalized, before its weight and bias.
 """
 
 _HOOK_NAME = {
-    re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$"): site
-    for site, template in SITES.items()
+    re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$"): site for site, template in SITES.items()
 }
 
 
@@ -250,8 +249,11 @@ def _taps(hf_config: Any, sites: set[str] | tuple[str, ...]) -> dict[str, _Tap]:
     if missing:
         raise ValueError(
             f"{architecture} has no {[SITES[site] for site in missing]}"
-            + (" (attention and MLP read the same residual stream, as in TransformerLens)"
-               if "resid_mid" in missing else "")
+            + (
+                " (attention and MLP read the same residual stream, as in TransformerLens)"
+                if "resid_mid" in missing
+                else ""
+            )
             + f"; its sites: {list(taps)}"
         )
     return taps
@@ -716,7 +718,6 @@ def _driver_vllm_config(llm: Any) -> Any:
     return llm.llm_engine.vllm_config
 
 
-
 # ---------------------------------------------------------------------------
 # Worker state. Built once, in _HookState, before the profile run,
 # torch.compile and CUDA-graph capture, so compiled code always sees the same
@@ -834,7 +835,9 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     _key_compile_cache(worker.vllm_config, config)
     logger.info(
         "tl_vllm_hooks: %d hooks installed (%s flavour), %d absent on this rank",
-        len(placed), state.flavour.name, len(absent),
+        len(placed),
+        state.flavour.name,
+        len(absent),
     )
 
 
@@ -917,7 +920,9 @@ def _check_inputs(module: torch.nn.Module, tap: _Tap, path: str) -> None:
             )
 
 
-def _rank_share(module: torch.nn.Module, tap: _Tap, row_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, int]]:
+def _rank_share(
+    module: torch.nn.Module, tap: _Tap, row_shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, int]]:
     """(row shape, columns) of the part of each row this rank holds. The input of a
     tensor-parallel row-split projection (attn_z, mlp_post) is split by columns, heads
     first; everything else is whole on every rank."""
@@ -1070,7 +1075,10 @@ def _attach_hook(state: _HookState, index: int) -> None:
                 return _with_arguments(args, kwargs, [(first, first_at, edited.view_as(hidden))])
             edited_residual = as_rows(residual) * row_scale
             keep(edited + edited_residual)
-            replaced = [(first, first_at, edited.view_as(hidden)), (second, second_at, edited_residual.view_as(residual))]
+            replaced = [
+                (first, first_at, edited.view_as(hidden)),
+                (second, second_at, edited_residual.view_as(residual)),
+            ]
             return _with_arguments(args, kwargs, replaced)
 
         state.handles.append(module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True))
@@ -1253,8 +1261,7 @@ def _parse_edit(
     positions = edit.get("positions")
     if positions is not None and not _is_position_list(positions):
         raise ValueError(
-            f"edits[{name!r}]: positions must be a non-empty list of token positions "
-            f"(ints >= 0), got {positions!r}"
+            f"edits[{name!r}]: positions must be a non-empty list of token positions " f"(ints >= 0), got {positions!r}"
         )
     return scale_row, bias_row, None if positions is None else list(positions)
 
@@ -2050,7 +2057,9 @@ def read_captures(llm: Any, num_rows: int) -> dict[str, torch.Tensor]:
     in tokens; the prompt must fit one forward (``<= max_num_batched_tokens``).
     """
     replies = _rpc(llm, "tl_read_captures", num_rows)
-    return _join_ranks([(reply["shards"], {n: decode_tensor(m) for n, m in reply["rows"].items()}) for reply in replies])
+    return _join_ranks(
+        [(reply["shards"], {n: decode_tensor(m) for n, m in reply["rows"].items()}) for reply in replies]
+    )
 
 
 def _edits_to_wire(edits: Any) -> Any:
@@ -2141,7 +2150,8 @@ def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.
         if not reply["shared"] and any(reply["rows"].values()):
             warnings.warn(
                 "read_batched: rows come through vLLM's RPC, which is slow: a worker runs on another host "
-                "than this driver, or its host has no /dev/shm", stacklevel=2
+                "than this driver, or its host has no /dev/shm",
+                stacklevel=2,
             )
         mapped = _mapped_rows(reply["file"]) if reply["file"] else None
         rows = {
@@ -2150,7 +2160,10 @@ def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.
         }
         per_rank.append((reply["shards"], rows))
     read = {request_id for _shards, rows in per_rank for request_id in rows}
-    return {request_id: _join_ranks([(shards, rows.get(request_id, {})) for shards, rows in per_rank]) for request_id in read}
+    return {
+        request_id: _join_ranks([(shards, rows.get(request_id, {})) for shards, rows in per_rank])
+        for request_id in read
+    }
 
 
 def reset_batched(llm: Any) -> None:
@@ -2175,6 +2188,7 @@ def reset_fire_counts(llm: Any) -> None:
 def remove_hooks(llm: Any) -> None:
     """Remove every hook from every worker (a compiled graph keeps what it traced)."""
     _rpc(llm, "tl_remove_hooks")
+
 
 # ---------------------------------------------------------------------------
 # Command line. Runs in the driver; everything above stays importable without it.
@@ -2245,11 +2259,13 @@ def _demo_reference(hf_model: Any, token_ids: list[int], names: list[str], edits
     model = hf_model.model
     sites = {"hook_embed": model.embed_tokens}
     for i, layer in enumerate(model.layers):
-        sites.update({
-            f"blocks.{i}.hook_resid_post": layer,
-            f"blocks.{i}.hook_attn_out": layer.self_attn,
-            f"blocks.{i}.hook_mlp_out": layer.mlp,
-        })
+        sites.update(
+            {
+                f"blocks.{i}.hook_resid_post": layer,
+                f"blocks.{i}.hook_attn_out": layer.self_attn,
+                f"blocks.{i}.hook_mlp_out": layer.mlp,
+            }
+        )
 
     def make_hook(name: str):
         def hook(_module, _inputs, output):
@@ -2263,7 +2279,9 @@ def _demo_reference(hf_model: Any, token_ids: list[int], names: list[str], edits
 
     def final_norm(module, inputs):
         x = inputs[0][0].double()
-        captured["ln_final.hook_normalized"] = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).float()
+        captured["ln_final.hook_normalized"] = (
+            x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+        ).float()
 
     handles = [sites[name].register_forward_hook(make_hook(name)) for name in names if name in sites]
     handles.append(model.norm.register_forward_pre_hook(final_norm))
@@ -2286,8 +2304,14 @@ def _demo(args: argparse.Namespace) -> int:
     num_layers = hf_model.config.num_hidden_layers
     specs = capture_specs(hf_model.config, sites=("embed", "resid_post", "attn_out", "mlp_out", "final_norm"))
     config = configure(specs, max_num_batched_tokens=256)
-    llm = LLM(model_dir, dtype="float32", max_model_len=512, enforce_eager=args.eager, gpu_memory_utilization=0.1,
-              **config.llm_kwargs)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=args.eager,
+        gpu_memory_utilization=0.1,
+        **config.llm_kwargs,
+    )
     prompt = [(37 * i + 11) % 512 for i in range(24)]
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
@@ -2310,10 +2334,11 @@ def _demo(args: argparse.Namespace) -> int:
     def error(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b.double()).norm() / b.double().norm())
 
-    print(f"tl_vllm_hooks {__version__} demo: random Llama {num_layers} layers x 128, fp32, "
-          f"{len(prompt)}-token prompt, {'eager' if args.eager else 'compiled'} engine")
-    print(f"{'hook':28} {'rows x width':>13} {'rel err vs HF':>14} "
-          f"{'edit moved it':>14} {'edited rel err':>15}")
+    print(
+        f"tl_vllm_hooks {__version__} demo: random Llama {num_layers} layers x 128, fp32, "
+        f"{len(prompt)}-token prompt, {'eager' if args.eager else 'compiled'} engine"
+    )
+    print(f"{'hook':28} {'rows x width':>13} {'rel err vs HF':>14} " f"{'edit moved it':>14} {'edited rel err':>15}")
     worst = 0.0
     for name in specs:
         shape = "x".join(map(str, plain[name].shape))
@@ -2359,8 +2384,14 @@ def _capture(args: argparse.Namespace) -> int:
     specs = capture_specs(hf_config, sites=sites, layers=args.layers)
     dtype = getattr(torch, args.dtype)
     config = configure(specs, args.max_num_batched_tokens, dtype, enable_batching=True)
-    llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, skip_tokenizer_init=True,
-              gpu_memory_utilization=args.gpu_memory_utilization, **config.llm_kwargs)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        **config.llm_kwargs,
+    )
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts],
         SamplingParams(max_tokens=1, detokenize=False),
@@ -2382,7 +2413,9 @@ def _capture(args: argparse.Namespace) -> int:
         "prompts": json.dumps(prompts),
     }
     save_file(tensors, args.out, metadata=metadata)
-    print(f"wrote {args.out}: {len(prompts)} prompts x {len(specs)} hooks ({args.dtype}), tensors named prompt{{i}}.{{hook}}")
+    print(
+        f"wrote {args.out}: {len(prompts)} prompts x {len(specs)} hooks ({args.dtype}), tensors named prompt{{i}}.{{hook}}"
+    )
     return 0
 
 
@@ -2417,8 +2450,10 @@ def _compare(args: argparse.Namespace) -> int:
             relative = float(difference.norm()) / scale
             worst[name] = (max(worst[name][0], float(difference.max())), max(worst[name][1], relative))
         logger.info("compared prompt %d/%d", index + 1, len(prompts))
-    print(f"{args.file} ({metadata['dtype']}, vLLM {metadata.get('vllm_version')}) vs TransformerLens fp32, "
-          f"{len(prompts)} prompts; tolerance {args.tolerance:g} (relative L2)")
+    print(
+        f"{args.file} ({metadata['dtype']}, vLLM {metadata.get('vllm_version')}) vs TransformerLens fp32, "
+        f"{len(prompts)} prompts; tolerance {args.tolerance:g} (relative L2)"
+    )
     print(f"{'hook':28} {'max abs err':>12} {'rel L2 err':>11}")
     for name, (absolute, relative) in worst.items():
         flag = "" if relative <= args.tolerance else "  <- over tolerance"
@@ -2459,11 +2494,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--eager", action="store_true", help="build the engine with enforce_eager=True")
     demo.add_argument("--tolerance", type=float, default=1e-5, help="exit 1 past this relative error (default 1e-5)")
-    capture = commands.add_parser("capture", parents=[common], help="capture hooks of given prompts into a safetensors file")
+    capture = commands.add_parser(
+        "capture", parents=[common], help="capture hooks of given prompts into a safetensors file"
+    )
     capture.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
     capture.add_argument("--token-ids", action="append", help='one prompt as token ids, "1 2 3"; repeatable')
     capture.add_argument("--prompts", help="a text file, one prompt per line (needs the model's tokenizer)")
-    capture.add_argument("--sites", default="resid_post", help=f"comma list of {', '.join(SITES)} (as the architecture has)")
+    capture.add_argument(
+        "--sites", default="resid_post", help=f"comma list of {', '.join(SITES)} (as the architecture has)"
+    )
     capture.add_argument(
         "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list (default all)"
     )
@@ -2472,7 +2511,9 @@ def main(argv: list[str] | None = None) -> int:
     capture.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     capture.add_argument("--out", required=True, help="the safetensors file to write")
     compare = commands.add_parser(
-        "compare", parents=[common], help="compare a capture file with TransformerLens on the same model (needs transformer-lens)"
+        "compare",
+        parents=[common],
+        help="compare a capture file with TransformerLens on the same model (needs transformer-lens)",
     )
     compare.add_argument("file", help="a file written by the capture command")
     compare.add_argument("--model", help="the model to load (default: the path in the file's metadata)")
