@@ -52,6 +52,7 @@ import tempfile
 import time
 
 _MARKER = "@@BENCH_TL_VLLM_HOOKS@@ "
+_IN_PROCESS = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # in a case's process: engine and worker here
 
 CASES = {
     "plain": "plain vLLM, compiled",
@@ -62,14 +63,15 @@ CASES = {
     "e": "batched eager capture of resid_post, read_batched",
     "f": "batched, compiled: resid_post of prompt tokens, every request",
     "g": "(f) keeping only each request's last prompt token",
+    "s": "(f) written to a sink directory on local disk (flush_sink)",
     "plain-eager": "plain vLLM, enforce_eager=True",
 }
 _SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",),
-          "f": ("resid_post",), "g": ("resid_post",)}
-_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token"}  # case -> request_args(capture=...)
+          "f": ("resid_post",), "g": ("resid_post",), "s": ("resid_post",)}
+_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt"}  # case -> request_args(capture=...)
 _EAGER = ("e", "plain-eager")
 _PLAIN = ("plain", "plain-eager")
-_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g")  # hooks at identity: greedy tokens unchanged
+_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s")  # hooks at identity: greedy tokens unchanged
 
 # Llama-3.2-1B's shape, and a tiny one whose head_dim (64) vLLM's CPU attention accepts.
 _FULL_MODEL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -186,10 +188,12 @@ class _Engine:
         self.sites = _SITES.get(name)
         self.config = None
         extra_args = None
+        self.sink_dir = os.path.join(args.sink_dir, f"{name}-{os.getpid()}") if name == "s" else None
+        self.shards_seen, self.busy_seconds = set(), 0.0  # case s: shards of earlier generates, writer time
         if self.sites:
             config = self.config = tl.configure(tl.capture_specs(hf_config, sites=self.sites), dtype=dtype,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_batching=name in _BATCHED)
+                                  enable_batching=name in _BATCHED, sink_dir=self.sink_dir)
             engine_args.update(config.llm_kwargs)
             if name in _BATCHED:
                 extra_args = tl.request_args(config, capture=_BATCHED[name])
@@ -204,25 +208,39 @@ class _Engine:
 
     def generate(self) -> tuple:
         """(outputs, generate seconds, read seconds (None without hooks), what was read,
-        median SM clock in MHz)."""
+        median SM clock in MHz, bytes read, seconds the sink's writer spent writing them)."""
         import torch
 
         tl, llm, name, args = self.tl, self.llm, self.name, self.args
+        read_bytes = busy = None
         if self.sites and name not in _BATCHED:
             tl.open_capture(llm)  # arm the capture gate, as a user reading captures would
         with self.clock:
             start = time.perf_counter()
             outputs = llm.generate(self.prompts, self.params, use_tqdm=False)
-            if self.on_gpu and args.tensor_parallel_size == 1:
+            if self.on_gpu and args.tensor_parallel_size == 1 and _IN_PROCESS:
                 torch.cuda.synchronize()  # every stream: captured rows still on their way to host memory too
             elapsed, start = time.perf_counter() - start, time.perf_counter()
-        if name in _BATCHED:
+        if name == "s":
+            dataset = tl.flush_sink(llm)  # every row on disk, fsync'ed
+            read_s = time.perf_counter() - start
+            (writer,) = tl.status(llm)["sink"]
+            shards = [os.path.join(self.sink_dir, f) for f in set(os.listdir(self.sink_dir)) - self.shards_seen
+                      if f.startswith("shard-")]
+            self.shards_seen.update(os.path.basename(shard) for shard in shards)
+            read_bytes = sum(map(os.path.getsize, shards))
+            busy, self.busy_seconds = writer["busy_seconds"] - self.busy_seconds, writer["busy_seconds"]
+            check = (f"{len(dataset)} requests so far; this generate's {read_bytes / 1e6:.0f} MB in {len(shards)} "
+                     f"shards, on disk {read_s:.3f} s after generate returned; the writer thread busy {busy:.3f} s: "
+                     f"{read_bytes / busy / 1e9:.2f} GB/s")
+        elif name in _BATCHED:
             captured = tl.read_batched(llm, [o.request_id for o in outputs])  # also frees the rows
             read_s = time.perf_counter() - start
             rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
             read_bytes = sum(t.numel() * t.element_size() for hooks in captured.values() for t in hooks.values())
             check = (f"{len(captured)} requests x {len(captured[outputs[0].request_id])} hooks, rows {rows}, "
                      f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s")
+            del captured
         elif self.sites:
             captured = tl.read_captures(llm, args.prompt_len)
             read_s = time.perf_counter() - start
@@ -230,7 +248,7 @@ class _Engine:
             check = f"{len(captured)} hooks x {args.prompt_len} rows, finite={finite}"
         else:
             read_s, check = None, None
-        return outputs, elapsed, read_s, check, self.clock.median()
+        return outputs, elapsed, read_s, check, self.clock.median(), read_bytes, busy
 
     def result(self, runs: list[tuple], alone: bool) -> dict:
         """The case's result from its timed runs (generate()'s tuples); alone: the only engine in
@@ -238,7 +256,7 @@ class _Engine:
         import torch
         import vllm
 
-        outputs, _, read_s, check, _ = runs[-1]
+        outputs, _, read_s, check, _, read_bytes, busy = runs[-1]
         seconds = statistics.median(run[1] for run in runs)
         tokens = _greedy_tokens(outputs)
         # Greedy decoding on one engine repeats itself exactly unless something races.
@@ -246,7 +264,7 @@ class _Engine:
         generated, rss = sum(map(len, tokens)), _peak_rss_tree() if alone else None
         # With tensor parallelism the workers are other processes: no peak readable here.
         gpu_peak = (torch.cuda.max_memory_allocated()
-                    if self.on_gpu and alone and self.args.tensor_parallel_size == 1 else None)
+                    if self.on_gpu and alone and self.args.tensor_parallel_size == 1 and _IN_PROCESS else None)
         return {
             "case": self.name, "device": torch.cuda.get_device_name() if self.on_gpu else _cpu_name(),
             "vllm": vllm.__version__, "torch": torch.__version__,
@@ -257,7 +275,10 @@ class _Engine:
             "peak_bytes": gpu_peak if self.on_gpu else rss,
             "peak_gpu_bytes": gpu_peak, "peak_rss_bytes": rss,
             "kv_blocks": self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-            "read_s": read_s, "capture_check": check,
+            "read_s": read_s, "capture_check": check, "read_bytes": read_bytes, "writer_busy_s": busy,
+            # Rows in the user's hands (in memory, or on disk for "s"): generate, then read.
+            "in_hand_seconds_each": [run[1] + (run[2] if run[5] is not None else 0.0) for run in runs],
+            "in_process": _IN_PROCESS,
             "load_model_wrapped": self.load_model_wrapped,
             # Forwards each hook saw in our generates; 0 would mean a hook never ran.
             "min_hook_fires": min(self.tl.read_fire_counts(self.llm).values()) if self.sites else None,
@@ -346,14 +367,15 @@ def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if single in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
         env["TL_VLLM_HOOKS_DISABLE"] = "1"
-    if args.on_gpu and args.tensor_parallel_size == 1:
+    if args.on_gpu and args.tensor_parallel_size == 1 and not args.separate_processes:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its CUDA peak readable
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it CPU start-up fails or crawls
     if single == "a":  # registered in every vLLM process, configured nowhere
         paths = [args.plugin_dir, os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    command = [sys.executable, os.path.abspath(__file__), "--run-cases", ",".join(names), "--model", args.model]
+    command = [sys.executable, os.path.abspath(__file__), "--run-cases", ",".join(names), "--model", args.model,
+               "--sink-dir", args.sink_dir]
     command += [f"--{field.replace('_', '-')}={getattr(args, field)}" for field in _WORKLOAD_FIELDS]
     if args.compilation_config:
         command += ["--compilation-config", args.compilation_config]
@@ -387,6 +409,9 @@ def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
         paired = [plain_s / case_s for r in good if r.get("side_by_side") and r["round"] in plain_seconds
                   for plain_s, case_s in zip(plain_seconds[r["round"]], r["seconds_each"])]
         result["paired_ratio"] = statistics.median(paired) if paired else None
+        in_hand = [plain_s / case_s for r in good if r.get("side_by_side") and r["round"] in plain_seconds
+                   for plain_s, case_s in zip(plain_seconds[r["round"]], r["in_hand_seconds_each"])]
+        result["paired_in_hand_ratio"] = statistics.median(in_hand) if in_hand else None
         results[name] = result
     plain = results.get("plain", {})
     plain_tokens = plain.get("all_tokens", [None])[0]
@@ -400,6 +425,7 @@ def _summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
         r.update(
             tokens_per_s_ratio=r["tokens_per_s"] / plain["tokens_per_s"] if plain_tokens else None,
             fastest_ratio=r["tokens_per_s_fastest"] / plain["tokens_per_s_fastest"] if plain_tokens else None,
+            in_hand_ratio=(plain["seconds"] / statistics.median(r["in_hand_seconds_each"])) if plain_tokens else None,
             peak_ratio=r["peak_bytes"] / plain["peak_bytes"] if r["peak_bytes"] and plain.get("peak_bytes") else None,
             same_tokens_as_plain=None if same is None else all(n == len(plain_tokens) for n in same),
             sequences_equal_to_plain=same,
@@ -443,6 +469,38 @@ def _table(results: dict[str, dict]) -> str:
                     f"| {fmt(r['peak_ratio'], '.3f')} "
                     f"| {r['kv_blocks']} | {same} |")
     return "\n".join(rows)
+
+
+def _rows_table(results: dict[str, dict], disk: dict | None) -> str:
+    """The cases that hand rows over: how fast, and generate + rows in hand against plain's generate."""
+    def fmt(value, spec=""):
+        return "n/a" if value is None else format(value, spec)
+
+    rows = ["| case | layout | rows per generate (MB) | read or flush (s, last run) | GB/s (read, or the sink's "
+            "writer) | rows in hand: ratio to plain's generate | paired |", "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "error" in r or r.get("read_bytes") is None:
+            continue
+        layout = "in-process" if r["in_process"] else "separate processes"
+        rows.append(f"| {name} | {layout} | {r['read_bytes'] / 1e6:.0f} | {r['read_s']:.3f} | "
+                    f"{r['read_bytes'] / (r['writer_busy_s'] or r['read_s']) / 1e9:.2f} | "
+                    f"{fmt(r['in_hand_ratio'], '.3f')} | "
+                    f"{fmt(r['paired_in_hand_ratio'], '.3f')} |")
+    if disk:
+        rows.append(f"\ndisk under the sink: {disk['command']}: {disk['bytes'] / disk['seconds'] / 1e9:.2f} GB/s")
+    return "\n".join(rows)
+
+
+def _disk_write_speed(directory: str) -> dict:
+    """dd's write speed (2 GiB, flushed to disk) in the sink's directory, for case s to stand beside."""
+    import re
+
+    path = os.path.join(directory, "dd.bin")
+    command = ["dd", "if=/dev/zero", f"of={path}", "bs=64M", "count=32", "conv=fdatasync"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    os.unlink(path)
+    copied = re.search(r"^(\d+) bytes .* copied, ([\d.]+) s", done.stderr, re.MULTILINE)
+    return {"command": " ".join(command), "bytes": int(copied.group(1)), "seconds": float(copied.group(2))}
 
 
 def _run_rounds(cases: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
@@ -489,6 +547,10 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, help="another model width (heads of 64, MLP twice as wide)")
     parser.add_argument("--num-layers", type=int, help="another number of layers")
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--separate-processes", action="store_true",
+                        help="on a GPU too, vLLM's default layout: engine and worker in processes of their own "
+                             "(no GPU peak memory then)")
+    parser.add_argument("--sink-dir", help="case s writes here (default: a temporary directory); also dd's file")
     args = parser.parse_args()
     for field, default in zip(_WORKLOAD_FIELDS, _TINY_WORKLOAD if args.tiny else _FULL_WORKLOAD):
         if getattr(args, field) is None:
@@ -524,6 +586,9 @@ def main() -> None:
         shape.update(num_hidden_layers=args.num_layers)
     with tempfile.TemporaryDirectory(prefix="bench_tl_vllm_hooks_") as root:
         args.model, args.plugin_dir = os.path.join(root, "model"), _plugin_dir(os.path.join(root, "plugin"))
+        args.sink_dir = os.path.abspath(args.sink_dir or os.path.join(root, "sink"))
+        os.makedirs(args.sink_dir, exist_ok=True)
+        disk = _disk_write_speed(args.sink_dir) if "s" in cases else None
         _make_model(args.model, shape)
         runs = _run_rounds(cases, args)
         results, token_groups = _summarise(runs), _token_groups(runs)
@@ -531,13 +596,14 @@ def main() -> None:
     report = {key: first.get(key) for key in ("device", "vllm", "torch")}
     report.update(model=shape, workload={k: getattr(args, k) for k in _WORKLOAD_FIELDS},
                   rounds=args.rounds, side_by_side=args.side_by_side,
-                  compilation_config=json.loads(args.compilation_config or "null"), cases=results,
+                  compilation_config=json.loads(args.compilation_config or "null"), cases=results, disk=disk,
+                  separate_processes=args.separate_processes or not args.on_gpu,
                   token_groups=token_groups)
     print(f"\n{report['device']}, vLLM {report['vllm']}, torch {report['torch']}\n"
           f"model {shape}\nworkload {report['workload']}, {args.rounds} engine(s) per case"
           f"{', side by side' if args.side_by_side else ''}"
           f"{', compilation_config ' + args.compilation_config if args.compilation_config else ''}"
-          f"\n\n{_table(results)}\n\ngreedy tokens by engine (same letter, same tokens): "
+          f"\n\n{_table(results)}\n\n{_rows_table(results, disk)}\n\ngreedy tokens by engine (same letter, same tokens): "
           + ", ".join(f"{engine} {group}" for engine, group in token_groups.items()))
     for name, r in results.items():
         for error in ([r["error"]] if "error" in r else r.get("failed_engines", [])):

@@ -27,10 +27,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -335,6 +337,8 @@ def engine(
     positions=True,
     dtype="float32",
     environment=(),
+    sink_dir=None,
+    shard_bytes=1 << 30,
     **llm_kwargs,
 ):
     """An LLM with hooks on every layer's `sites` (default: all the family has); shut down
@@ -348,6 +352,8 @@ def engine(
         getattr(torch, dtype),
         enable_batching=batching,
         enable_position_interventions=positions,
+        sink_dir=sink_dir,
+        shard_bytes=shard_bytes,
     )
     layout = "0" if in_process else "1"
     with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING=layout, **dict(environment)):
@@ -1028,6 +1034,212 @@ def dead_workers_row_file() -> Path:
     return path
 
 
+# --- the sink: rows on disk -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str, read_only=False):
+    """A tmpfs of `size` mounted at `path`: a disk that fills up, or one that cannot be written."""
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a {size} filesystem needs root here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def manifest_lines(directory: Path) -> list[dict]:
+    """Every whole line of the directory's one manifest, read here with json alone."""
+    (path,) = directory.glob("manifest-*.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_sink_requests(llm, model, requests, max_tokens=3, tolerance=TOLERANCE, row_tolerance=None):
+    """requests as in check_per_request, generated, flushed to the engine's sink and read
+    back twice, with the module's CaptureDataset and with the safetensors library from
+    what the manifest says; both must equal each request's own TransformerLens run
+    (tolerances as in check_per_request). Returns (outputs, dataset)."""
+    from safetensors import safe_open
+
+    options = [tlh.request_args(llm.config, capture or "all", edits) for _prompt, capture, edits in requests]
+    outputs = generate(llm, [prompt for prompt, _c, _e in requests], max_tokens, options)
+    dataset = tlh.flush_sink(llm)
+    entries = {
+        request_id: (line["shard"], entry)
+        for line in manifest_lines(llm.sink_dir)[1:]
+        for request_id, entry in line["requests"].items()
+    }
+    for output, (prompt, capture, edits) in zip(outputs, requests):
+        if capture == "none":
+            assert output.request_id not in dataset
+            continue
+        sequence = list(prompt) + list(output.outputs[0].token_ids)[:-1]
+        rows = kept_rows(capture or "all", len(prompt), len(sequence))
+        expected = {n: t[rows] for n, t in model.reference(sequence, llm.hook_names, edits).items()}
+        within = row_tolerance if row_tolerance is not None and len(rows) == 1 else tolerance
+        entry = dataset.entry(output.request_id)
+        assert entry["prompt_token_ids"] == list(prompt)
+        assert [p for start, stop in entry["positions"] for p in range(start, stop)] == rows
+        assert_matches(dataset[output.request_id], expected, f"{output.request_id} {capture} (CaptureDataset)", within)
+        (worker_id,) = [r for r in entries if re.fullmatch(re.escape(output.request_id) + "(-[0-9a-f]{8})?", r)]
+        shard, manifest_entry = entries[worker_id]
+        with safe_open(str(llm.sink_dir / shard), framework="pt") as archive:
+            stored = {name: archive.get_tensor(key) for name, key in manifest_entry["tensors"].items()}
+        assert_matches(stored, expected, f"{output.request_id} {capture} (safetensors)", within)
+    return outputs, dataset
+
+
+class TestSink:
+    """Rows written to disk as requests finish: Llama, eager, separate processes, into a
+    24 MiB filesystem that the last test fills."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, models, tmp_path_factory):
+        with small_filesystem(tmp_path_factory.mktemp("sink") / "disk", "24m") as disk:
+            sink_dir = disk / "dataset"
+            with engine(
+                models["llama"], in_process=False, eager=True, batching=True, sink_dir=str(sink_dir),
+                shard_bytes=256 << 10,
+            ) as llm:
+                llm.model, llm.sink_dir = models["llama"], sink_dir
+                yield llm
+
+    @pytest.fixture(scope="class")
+    def written(self, llm, tmp_path_factory):
+        """A copy of the dataset the first test wrote, for the tests that damage it."""
+        outputs, _dataset = check_sink_requests(llm, llm.model, MIXED_REQUESTS)
+        copy_dir = tmp_path_factory.mktemp("written") / "dataset"
+        shutil.copytree(llm.sink_dir, copy_dir)
+        return outputs, copy_dir
+
+    def test_each_request_on_disk_matches_its_own_transformer_lens_run(self, llm, written):
+        outputs, directory = written
+        shards = [line["shard"] for line in manifest_lines(directory)[1:]]
+        assert len(shards) > 1, "256 KiB shards: the requests must fill several"
+        header = manifest_lines(directory)[0]
+        assert header["model"] == str(llm.model.path) and header["dtype"] == "float32"
+        assert set(header["versions"]) == {"vllm", "torch", "tl_vllm_hooks"}
+        dataset = tlh.CaptureDataset(directory)
+        assert len(dataset) == len(outputs) - 1  # the "none" request wrote nothing
+        assert all(rows.shape == (0, *dataset.hooks[name]) for name, rows in dataset[outputs[7].request_id].items())
+
+    def test_later_requests_go_on_in_new_shards(self, llm, written):
+        _outputs, directory = written
+        before = len(manifest_lines(directory)) - 1
+        _outputs, dataset = check_sink_requests(llm, llm.model, [(BATCH[2], "prompt", None), (BATCH[1], None, None)])
+        assert len(manifest_lines(llm.sink_dir)) - 1 > before and len(dataset) == len(MIXED_REQUESTS) + 1
+
+    def test_read_batched_is_refused_with_where_the_rows_went(self, llm):
+        (output,) = generate(llm, [BATCH[0]])
+        with pytest.raises(RuntimeError, match="writes captured rows to its sink_dir .*flush_sink"):
+            tlh.read_batched(llm, [output.request_id])
+        tlh.flush_sink(llm)
+
+    def test_refused_options_are_on_disk_with_their_reason(self, llm):
+        (output,) = generate(llm, [BATCH[0]], 2, [{"tl_vllm_hooks": {"capture": "most"}}])
+        dataset = tlh.flush_sink(llm)
+        with pytest.raises(RuntimeError, match=r"options were refused: capture: expected one of"):
+            dataset[output.request_id]
+
+    def test_a_shard_cut_short_is_named_and_not_read(self, written, tmp_path):
+        directory = tmp_path / "dataset"
+        shutil.copytree(written[1], directory)
+        shard = directory / manifest_lines(directory)[-1]["shard"]
+        os.truncate(shard, shard.stat().st_size - 100)
+        with pytest.raises(ValueError, match=f"{re.escape(str(shard))}: .* bytes, but .* lists it with .* cut short"):
+            tlh.CaptureDataset(directory)
+
+    def test_a_manifest_that_does_not_match_its_shards_is_refused(self, written, tmp_path):
+        directory = tmp_path / "dataset"
+        shutil.copytree(written[1], directory)
+        lines = manifest_lines(directory)
+        request_id, entry = next(iter(lines[1]["requests"].items()))
+        entry["positions"][0][1] += 1  # one row more than the shard holds
+        (directory / "manifest-pp0-tp0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        with pytest.raises(ValueError, match="holds a different row count .* the manifest does not match its shards"):
+            tlh.CaptureDataset(directory)[request_id]
+
+    def test_a_manifest_line_cut_short_claims_nothing(self, written, tmp_path):
+        directory = tmp_path / "dataset"
+        shutil.copytree(written[1], directory)
+        manifest = directory / "manifest-pp0-tp0.jsonl"
+        text = manifest.read_text()
+        last = text.splitlines()[-1]
+        manifest.write_text(text[: -len(last) - 1] + last[: len(last) // 2])  # a crash mid-append
+        lost = set(json.loads(last)["requests"])
+        dataset = tlh.CaptureDataset(directory)
+        assert lost and not lost & set(dataset) and len(dataset) == len(tlh.CaptureDataset(written[1])) - len(lost)
+        manifest.write_text(text.replace(last, last[: len(last) // 2], 1) + "\n")  # damaged, not cut short
+        with pytest.raises(ValueError, match="line .* is not JSON: the manifest is damaged"):
+            tlh.CaptureDataset(directory)
+
+    def test_a_directory_of_other_hooks_is_refused_before_an_engine_starts(self, written):
+        with pytest.raises(ValueError, match="holds captures of other hooks or another dtype"):
+            tlh.configure({"blocks.0.hook_resid_post": (128,)}, enable_batching=True, sink_dir=str(written[1]))
+
+    def test_a_full_disk_keeps_what_was_written_and_says_what_was_not(self, llm):
+        before = tlh.CaptureDataset(llm.sink_dir)
+        first = before[before.request_ids[0]]
+        long_prompts = [[(7 * i + r) % 512 for i in range(300)] for r in range(8)]  # ~40 MiB of rows
+        generate(llm, long_prompts)
+        with pytest.raises(RuntimeError, match=r"flush_sink: writing .*\.partial failed \(\[Errno 28\] No space left"):
+            tlh.flush_sink(llm)
+        after = tlh.CaptureDataset(llm.sink_dir)
+        assert set(before) <= set(after) and len(after) < len(before) + len(long_prompts)
+        assert all(torch.equal(first[name], after[before.request_ids[0]][name]) for name in first)
+        assert not list(llm.sink_dir.glob("*.partial")), "the shard being written is removed"
+        (status,) = tlh.status(llm)["sink"]
+        assert status["lost"] > 0 and "No space left" in status["error"]
+
+
+def test_a_writer_goes_on_after_the_whole_shards_and_drops_the_rest(tmp_path):
+    """The shard writer alone, on CPU tensors: three shards, the second then cut short and
+    a fourth left half-written; a new writer on the directory keeps shards 1 and 3, removes
+    the rest, and numbers its next shard 4."""
+    config = tlh.CaptureConfig({"blocks.0.hook_resid_post": (4,)}, enable_batching=True, sink_dir=str(tmp_path))
+    header = {
+        **tlh._sink_header(config), "writer": "pp0-tp0", "model": "m", "versions": {"vllm": "v"},
+        "writes": ["blocks.0.hook_resid_post"], "shards": {},
+    }
+    rows = {f"r{i}": torch.arange(12.0).reshape(3, 4) + i for i in range(4)}
+
+    def write(writer, request_id):
+        entry = {"prompt_token_ids": [1, 2, 3], "positions": [[0, 3]]}
+        writer.write(request_id, entry, [("blocks.0.hook_resid_post", [3, 4], [rows[request_id][:1], rows[request_id][1:]])])
+
+    writer = tlh._ShardWriter(str(tmp_path), "pp0-tp0", header, shard_bytes=1)  # a shard per request
+    for request_id in ("r0", "r1", "r2"):
+        write(writer, request_id)
+    writer.close()
+    assert [line["shard"] for line in manifest_lines(tmp_path)[1:]] == [
+        f"shard-pp0-tp0-00000{n}.safetensors" for n in (1, 2, 3)
+    ]
+    os.truncate(tmp_path / "shard-pp0-tp0-000002.safetensors", 100)
+    (tmp_path / "shard-pp0-tp0-000004.safetensors.partial").write_bytes(b"rows of a killed engine")
+    writer = tlh._ShardWriter(str(tmp_path), "pp0-tp0", header, shard_bytes=1)
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == [
+        "shard-pp0-tp0-000001.safetensors", "shard-pp0-tp0-000003.safetensors"
+    ]
+    write(writer, "r3")
+    writer.close()
+    dataset = tlh.CaptureDataset(tmp_path)
+    assert dataset.request_ids == ["r0", "r2", "r3"] and "r1" not in dataset
+    assert manifest_lines(tmp_path)[-1]["shard"] == "shard-pp0-tp0-000004.safetensors"
+    for request_id in dataset:
+        assert torch.equal(dataset[request_id]["blocks.0.hook_resid_post"], rows[request_id])
+    with pytest.raises(ValueError, match="was written with another model"):
+        tlh._ShardWriter(str(tmp_path), "pp0-tp0", {**header, "model": "other"}, shard_bytes=1)
+
+
+def test_configure_refuses_a_sink_dir_it_cannot_write(tmp_path):
+    with small_filesystem(tmp_path / "read-only", "1m", read_only=True) as directory:
+        with pytest.raises(ValueError, match=f"sink_dir: cannot write to {directory}: Read-only file system"):
+            tlh.configure({"blocks.0.hook_resid_post": (128,)}, enable_batching=True, sink_dir=str(directory))
+
+
 def test_remove_hooks_takes_edits_out_of_an_eager_engine(models):
     with engine(models["llama"], sites=("final_norm",), in_process=False, eager=True, batching=True) as llm:
         (plain,) = generate(llm, BATCH[:1], max_tokens=4)
@@ -1296,6 +1508,27 @@ class TestCudaBatched:
 
 
 @CUDA
+def test_cuda_sink_writes_what_transformers_computes(models, tmp_path):
+    """The sink under vLLM's default CUDA graphs and Model Runner V2: rows copied to pinned
+    memory on a side stream reach the disk whole, for mixed options and 40 short requests."""
+    sink_dir = tmp_path / "dataset"
+    with engine(
+        models["llama"], in_process=False, eager=False, batching=True, dtype="bfloat16",
+        environment=RUNNERS["v2"], sink_dir=str(sink_dir), shard_bytes=256 << 10,
+    ) as llm:
+        llm.sink_dir = sink_dir
+        reference = bf16_reference(models["llama"])
+        requests = MIXED_REQUESTS + [(prompt, "last_prompt_token", None) for prompt in MANY_PROMPTS]
+        outputs, dataset = check_sink_requests(
+            llm, reference, requests, tolerance=BF16_TOLERANCE, row_tolerance=BF16_ROW_TOLERANCE
+        )
+        written = {re.sub(r"-[0-9a-f]{8}$", "", request_id) for request_id in dataset}
+        expected = {output.request_id for output, (_p, capture, _e) in zip(outputs, requests) if capture != "none"}
+        assert written == expected, f"only in the dataset: {sorted(written - expected)[:10]}"
+        assert len(manifest_lines(sink_dir)) > 2
+
+
+@CUDA
 class TestCudaGemma2:
     """A family other than Llama on the GPU: both flavours, Model Runner V2, vLLM's default
     FULL_AND_PIECEWISE graphs, where vLLM's fused add+norm kernels work in place."""
@@ -1426,6 +1659,34 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
             assert set(counts) == set(status["hooks"]) and set(counts.values()) == {4}, counts
 
 
+def test_sink_joins_the_parts_tensor_parallel_ranks_write(models, tmp_path):
+    """Tensor parallel 2, eager, on two CPU workers or two GPUs: rank 0 writes every hook,
+    rank 1 only its parts of the split ones, and CaptureDataset joins them."""
+    if torch.cuda.is_available() and not TWO_GPUS:
+        pytest.skip("needs two CUDA GPUs")
+    if not TWO_GPUS and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two CPU workers need two cores")
+    dtype, tolerance, environment, reference = (
+        ("bfloat16", BF16_TOLERANCE, (), bf16_reference(models["llama"])) if TWO_GPUS
+        else ("float32", TOLERANCE, (("VLLM_CPU_OMP_THREADS_BIND", "0|1"),), models["llama"])
+    )
+    sink_dir = tmp_path / "dataset"
+    with engine(
+        models["llama"], in_process=False, eager=True, batching=True, dtype=dtype, environment=environment,
+        sink_dir=str(sink_dir), tensor_parallel_size=2,
+    ) as llm:
+        (output,) = generate(llm, [PROMPT], extra_args=[tlh.request_args(llm.config, "prompt", EDIT)])
+        dataset = tlh.flush_sink(llm)
+    headers = {path.name: json.loads(path.read_text().splitlines()[0]) for path in sink_dir.glob("manifest-*")}
+    split = {name for name in llm.hook_names if name.endswith(("attn.hook_z", "mlp.hook_post"))}
+    assert set(headers) == {"manifest-pp0-tp0.jsonl", "manifest-pp0-tp1.jsonl"}
+    assert set(headers["manifest-pp0-tp0.jsonl"]["writes"]) == set(llm.hook_names)
+    assert set(headers["manifest-pp0-tp1.jsonl"]["writes"]) == split
+    rows = dataset[output.request_id]
+    assert set(rows) == set(llm.hook_names)
+    assert_matches(rows, reference.reference(PROMPT, llm.hook_names, EDIT), "tp2 sink", tolerance)
+
+
 BAD_ENGINES = textwrap.dedent(
     """
     # Each engine below must fail to start with a clear message; then a good one
@@ -1546,42 +1807,72 @@ def run_command(arguments, cwd, timeout=300):
     )
 
 
+CAPTURE_PROMPTS = [[(13 * i + 7 * r) % 500 + 1 for i in range(5 + r % 60)] for r in range(300)]
+
+
 @pytest.fixture(scope="module")
 def capture_run(tmp_path_factory, models):
-    """The capture command on Gemma 2's tiny model: (its finished process, the file it wrote)."""
+    """The capture command on Gemma 2's tiny model over a file of 300 prompts, killed (its
+    engine too) once two shards are on disk, its last shard then cut short, and run again.
+    Returns (the second run, the directory, what the first run had listed)."""
     directory = tmp_path_factory.mktemp("capture")
-    out = directory / "acts.safetensors"
-    done = run_command(
-        ["-m", "tl_vllm_hooks", "capture", str(models["gemma2"].path), "--token-ids", "1 2 3 4 5 6",
-         "--token-ids", "9,8,7", "--sites", "resid_mid,attn_z", "--layers", "0,2", "--out", str(out)],
-        directory,
+    (directory / "prompts.txt").write_text("".join(" ".join(map(str, p)) + "\n\n" for p in CAPTURE_PROMPTS))
+    out = directory / "dataset"
+    arguments = [
+        "-m", "tl_vllm_hooks", "capture", str(models["gemma2"].path), "--token-ids-file", "prompts.txt",
+        "--sites", "resid_mid,attn_z", "--layers", "0,2", "--max-in-flight", "4", "--shard-mb", "0.25",
+        "--out", str(out),
+    ]
+    environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    first = subprocess.Popen(
+        [sys.executable, *arguments], cwd=directory, env={**environment, "PYTHONPATH": str(HERE)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done, out
+    manifest = out / "manifest-pp0-tp0.jsonl"
+    deadline = time.monotonic() + 300
+    while first.poll() is None and time.monotonic() < deadline:
+        if manifest.exists() and manifest.read_text().count("\n") >= 3:  # the header and two shards
+            break
+        time.sleep(0.01)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    listed = manifest_lines(out)
+    shard = out / listed[-1]["shard"]
+    os.truncate(shard, shard.stat().st_size - 100)
+    with pytest.raises(ValueError, match="cut short"):
+        tlh.CaptureDataset(out)
+    return run_command(arguments, directory), out, listed
 
 
-def test_command_line_prints_only_its_result(capture_run):
-    done, out = capture_run
+def test_an_interrupted_capture_goes_on_where_it_stopped(capture_run):
+    done, out, listed = capture_run
+    requests_before = [r for line in listed[1:] for r in line["requests"]]
+    assert 0 < len(requests_before) < len(CAPTURE_PROMPTS), "the first run must be killed midway"
+    whole_before = len(requests_before) - len(listed[-1]["requests"])  # the last shard was cut short
+    assert done.returncode == 0 and done.stderr == "", done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.splitlines() == [
-        f"wrote {out}: 2 prompts x 4 hooks (float32), tensors named prompt{{i}}.{{hook}}"
-    ] and done.stderr == "", done.stdout[-2000:] + done.stderr[-2000:]
+        f"wrote {out}: 300 requests ({whole_before} from an earlier run) x 4 hooks (float32); "
+        "read them with tl_vllm_hooks.CaptureDataset"
+    ]
+    dataset = tlh.CaptureDataset(out)
+    lines = {f"line-{2 * r + 1}": prompt for r, prompt in enumerate(CAPTURE_PROMPTS)}
+    user_ids = [re.sub(r"-[0-9a-f]{8}$", "", request_id) for request_id in dataset]
+    assert sorted(user_ids) == sorted(lines), "each prompt once"
+    assert all(dataset.entry(request_id)["prompt_token_ids"] == lines[request_id] for request_id in user_ids)
+    assert not list(out.glob("*.partial")), "the killed run's open shard is removed"
 
 
 def test_capture_command_writes_what_compare_confirms(tmp_path, models, capture_run):
-    model = models["gemma2"]
-    _done, out = capture_run
-    from safetensors import safe_open
-
-    with safe_open(str(out), framework="pt") as archive:
-        metadata, keys = archive.metadata(), set(archive.keys())
-        first = archive.get_tensor("prompt0.blocks.2.attn.hook_z")
-    assert json.loads(metadata["prompts"]) == [[1, 2, 3, 4, 5, 6], [9, 8, 7]]
-    assert len(keys) == 2 * 4 and first.shape == (6, 2, 64)
-    expected = model.reference([1, 2, 3, 4, 5, 6], ["blocks.2.attn.hook_z"])["blocks.2.attn.hook_z"]
-    assert relative_error(first, expected) <= TOLERANCE
+    _done, out, _listed = capture_run
+    dataset = tlh.CaptureDataset(out)
+    rows = dataset["line-3"]
+    assert set(rows) == {f"blocks.{i}.{h}" for i in (0, 2) for h in ("hook_resid_mid", "attn.hook_z")}
+    assert rows["blocks.2.attn.hook_z"].shape == (len(CAPTURE_PROMPTS[1]), 2, 64)
+    expected = models["gemma2"].reference(CAPTURE_PROMPTS[1], list(rows))
+    assert_matches(rows, expected, "line-3")
     compared = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-5"], tmp_path)
     assert compared.returncode == 0, compared.stdout + compared.stderr[-2000:]
-    assert "blocks.2.hook_resid_mid" in compared.stdout and "over tolerance" not in compared.stdout
+    assert "300 requests" in compared.stdout and "over tolerance" not in compared.stdout
     strict = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-12"], tmp_path)
     assert strict.returncode == 1 and "over tolerance" in strict.stdout
 
@@ -1590,10 +1881,10 @@ def test_capture_command_writes_what_compare_confirms(tmp_path, models, capture_
     "arguments, message",
     [
         (["capture", "MODEL", "--token-ids", "1 two 3", "--out", "x.safetensors"], "--token-ids: expected integers"),
-        (["capture", "MODEL", "--out", "x.safetensors"], "no prompts"),
+        (["capture", "MODEL", "--out", "x"], "give one of --token-ids"),
         (["capture", "MODEL", "--token-ids", "1", "--sites", "resid", "--out", "x"], "unknown sites"),
         (["capture", "MODEL", "--token-ids", "1", "--sites", "pos_embed", "--out", "x"], "LlamaForCausalLM has no"),
-        (["compare", "missing.safetensors"], "error:"),
+        (["compare", "missing"], "no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory"),
     ],
 )
 def test_command_line_errors_are_one_line(tmp_path, models, arguments, message):

@@ -19,7 +19,8 @@ rewrites between forwards. Two flavours:
 * batched (``enable_batching=True``): many requests per generate, each with its
   own rows to keep and its own edits (``request_args``); after each step the
   kept rows go to host memory per request, whole across chunked prefill,
-  preemption and decode steps.
+  preemption and decode steps; with a ``sink_dir``, each finished request's
+  rows go on to safetensors shards on disk (``CaptureDataset`` reads them).
 
 Loading: installed with pip, the ``vllm.general_plugins`` entry point calls
 ``register()`` in every vLLM process; copied in, the file registers itself when
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import contextlib
 import dataclasses
 import difflib
@@ -47,6 +49,8 @@ import re
 import socket
 import sys
 import tempfile
+import threading
+import time
 import warnings
 from typing import Any
 
@@ -59,11 +63,13 @@ __all__ = [
     "SITES",
     "WORKER_EXTENSION",
     "CaptureConfig",
+    "CaptureDataset",
     "WorkerExtension",
     "capture_specs",
     "configure",
     "decode_tensor",
     "encode_tensor",
+    "flush_sink",
     "open_capture",
     "read_batched",
     "read_captures",
@@ -337,6 +343,11 @@ class CaptureConfig:
         with its own rows and edits) instead of the compiled one.
     enable_position_interventions: engine-wide edits may be limited to token
         positions.
+    sink_dir: batched flavour only: a directory (absolute path) where the
+        workers write each finished request's kept rows, as safetensors shards
+        with a manifest (see CaptureDataset), instead of holding them for
+        read_batched.
+    shard_bytes: a shard is closed once its rows reach this many bytes.
     """
 
     capture_specs: dict[str, tuple[int, ...] | tuple[str, int]]
@@ -344,6 +355,8 @@ class CaptureConfig:
     dtype: torch.dtype = torch.float32
     enable_batching: bool = False
     enable_position_interventions: bool = False
+    sink_dir: str | None = None
+    shard_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         specs = self.capture_specs
@@ -360,6 +373,14 @@ class CaptureConfig:
         for flag in ("enable_batching", "enable_position_interventions"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}: must be a bool, got {getattr(self, flag)!r}")
+        if self.sink_dir is not None:
+            if not isinstance(self.sink_dir, str) or not self.sink_dir:
+                raise ValueError(f"sink_dir: expected a directory path (str) or None, got {self.sink_dir!r}")
+            if not self.enable_batching:
+                raise ValueError("sink_dir: the sink writes per-request rows: configure(..., enable_batching=True)")
+            object.__setattr__(self, "sink_dir", os.path.abspath(self.sink_dir))
+        if not _is_positive_int(self.shard_bytes):
+            raise ValueError(f"shard_bytes: must be a positive int, got {self.shard_bytes!r}")
 
     def row_shape(self, name: str) -> tuple[int, ...]:
         """The shape of one row of hook ``name``: ``(width,)`` or ``(n_heads, d_head)``."""
@@ -473,13 +494,27 @@ def configure(
     dtype: torch.dtype = torch.float32,
     enable_batching: bool = False,
     enable_position_interventions: bool = False,
+    sink_dir: str | None = None,
+    shard_bytes: int = 1 << 30,
 ) -> CaptureConfig:
     """Validate a config (ValueError naming the field) and register the patch in this process.
 
     Build the engine with ``LLM(model, **config.llm_kwargs)``: the config rides
     in the engine's own arguments, so nothing is left behind for later engines.
+    A ``sink_dir`` is created if need be, and refused here if it cannot be
+    written or holds captures of other hooks or another dtype.
     """
-    config = CaptureConfig(capture_specs, max_num_batched_tokens, dtype, enable_batching, enable_position_interventions)
+    config = CaptureConfig(
+        capture_specs,
+        max_num_batched_tokens,
+        dtype,
+        enable_batching,
+        enable_position_interventions,
+        sink_dir,
+        shard_bytes,
+    )
+    if sink_dir is not None:
+        _check_sink_dir(config)
     register()
     return config
 
@@ -618,10 +653,12 @@ def _unwrap(worker: Any, runner: Any) -> None:
     worker.__dict__.pop("compile_or_warm_up_model", None)
 
 
-def _scheduled(scheduler_output: Any) -> tuple[Any, list[tuple[str, int, dict, int]], dict[str, int]]:
+def _scheduled(
+    scheduler_output: Any,
+) -> tuple[Any, list[tuple[str, int, list[int] | None, dict, int]], dict[str, int]]:
     """A step's scheduler output: (ids of requests finished since the last step,
-    [(id, prompt tokens, SamplingParams.extra_args, first position)] of the requests new
-    in it, {id: first position} of the others)."""
+    [(id, prompt tokens, prompt token ids or None for embeddings, SamplingParams.extra_args,
+    first position)] of the requests new in it, {id: first position} of the others)."""
     new = []
     for request in scheduler_output.scheduled_new_reqs:
         if request.prompt_token_ids is not None:
@@ -629,7 +666,7 @@ def _scheduled(scheduler_output: Any) -> tuple[Any, list[tuple[str, int, dict, i
         else:
             prompt_len = int(request.prompt_embeds.shape[0])
         extra_args = getattr(request.sampling_params, "extra_args", None) or {}
-        new.append((request.req_id, prompt_len, extra_args, request.num_computed_tokens))
+        new.append((request.req_id, prompt_len, request.prompt_token_ids, extra_args, request.num_computed_tokens))
     cached = scheduler_output.scheduled_cached_reqs
     return scheduler_output.finished_req_ids, new, dict(zip(cached.req_ids, cached.num_computed_tokens))
 
@@ -672,6 +709,19 @@ def _tensor_parallel_rank() -> int:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     return get_tensor_model_parallel_rank()
+
+
+def _pipeline_rank() -> int:
+    """This worker's pipeline stage (0 without pipeline parallelism)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return get_pp_group().rank_in_group
+
+
+def _versions() -> dict[str, str]:
+    import vllm
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "tl_vllm_hooks": __version__}
 
 
 def _is_pp_missing(module: torch.nn.Module) -> bool:
@@ -830,6 +880,8 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     for index in range(len(placed)):
         _attach_hook(state, index)
     state.flavour.attach(model, runner)
+    if config.sink_dir is not None:
+        _open_sink(state, worker.vllm_config)
     _after_warm_up(worker, state.forget_warm_up)
     worker._tl_hooks = state
     _key_compile_cache(worker.vllm_config, config)
@@ -841,9 +893,34 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     )
 
 
+def _open_sink(state: _HookState, vllm_config: Any) -> None:
+    """Give this rank a _ShardWriter if it writes: the first tensor-parallel rank of each
+    pipeline stage writes its stage's hooks, the other ranks only their parts of split ones."""
+    tensor_rank, shards = _tensor_parallel_rank(), state.shards()
+    writes = [name for name in state.hook_names if tensor_rank == 0 or name in shards]
+    if not writes:
+        return
+    writer = f"pp{_pipeline_rank()}-tp{tensor_rank}"
+    header = {
+        **_sink_header(state.config),
+        "writer": writer,
+        "model": vllm_config.model_config.model,
+        "versions": _versions(),
+        "writes": writes,
+        "shards": {name: shards[name] for name in writes if name in shards},
+    }
+    flavour = state.flavour
+    flavour.sink = _ShardWriter(state.config.sink_dir, writer, header, state.config.shard_bytes)
+    flavour.sink_hooks = writes
+    atexit.register(flavour.sink.close)  # what was written stays readable if the engine is not flushed
+
+
 def _uninstall(worker: Any) -> None:
     state = getattr(worker, "_tl_hooks", None)
     if state is not None:
+        sink = getattr(state.flavour, "sink", None)
+        if sink is not None:
+            sink.close()
         for handle in state.handles:
             handle.remove()
         _unwrap(worker, worker.model_runner)
@@ -1193,19 +1270,420 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def _mapped_rows(path: str) -> Any:
-    """The worker's row file, mapped copy-on-write (its tensors are writable, the file is
-    never written) and unlinked: the mapping lives as long as the tensors made from it."""
-    mapped = np.memmap(path, dtype=np.uint8, mode="c")
+def _mapped_rows(path: str) -> torch.Tensor:
+    """The worker's row file as a uint8 tensor, mapped copy-on-write (its tensors are
+    writable, the file is never written) and unlinked: the mapping lives as long as the
+    tensors made from it."""
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
     os.unlink(path)
     return mapped
 
 
-def _tensor_at(mapped: Any, message: dict[str, Any]) -> torch.Tensor:
+def _tensor_at(mapped: torch.Tensor, message: dict[str, Any]) -> torch.Tensor:
     """The tensor ``{"dtype", "shape", "offset"}`` describes in a mapped row file."""
     dtype = getattr(torch, message["dtype"])
-    size = math.prod(message["shape"]) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(mapped[message["offset"] : message["offset"] + size]).view(dtype).view(message["shape"])
+    size = math.prod(message["shape"]) * dtype.itemsize
+    return mapped[message["offset"] : message["offset"] + size].view(dtype).view(message["shape"])
+
+
+def _write_rows(fd: int, chunks: list[torch.Tensor]) -> int:
+    """Write the chunks' bytes one after another at the file's offset, from their own
+    memory (no gathering copy); returns the bytes written."""
+    views = [memoryview(chunk.view(torch.uint8).numpy()) for chunk in chunks if chunk.numel()]
+    written = 0
+    for first in range(0, len(views), 512):  # below IOV_MAX
+        batch = views[first : first + 512]
+        expected = sum(view.nbytes for view in batch)
+        done = os.writev(fd, batch)
+        while done < expected:  # a short write: go on from where it stopped
+            flat = b"".join(batch)[done:]
+            done += os.write(fd, flat)
+        written += expected
+    return written
+
+
+# ---------------------------------------------------------------------------
+# Activation files. A sink directory holds safetensors shards and, for each
+# writer (a worker that holds hooks), a manifest of JSON lines: a header, then
+# one line per shard, appended only once that shard is whole on disk. A shard
+# or line that is not whole is not part of the dataset, so a crash never
+# leaves a claim the files do not back, and a restart goes on after the last
+# whole shard. Workers write; any process reads, without vLLM.
+# ---------------------------------------------------------------------------
+
+_MANIFEST_FORMAT = "tl_vllm_hooks.sink/1"
+_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what vLLM adds to a user's request id
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+_SINK_QUEUE_BYTES = 1 << 30  # finished requests' rows waiting to be written, at most (but one)
+
+
+def _header_room(shard_bytes: int) -> int:
+    """Bytes reserved for a shard's safetensors header (padded with spaces), so that rows
+    stream to disk before the header that lists them is known: 1/64 of the shard, from
+    64 KiB to 1 MiB (a few hundred to several thousand tensors)."""
+    return min(1 << 20, max(1 << 16, shard_bytes // 64 // 8 * 8))
+
+
+def _manifest_path(directory: str, writer: str) -> str:
+    return os.path.join(directory, f"manifest-{writer}.jsonl")
+
+
+def _read_manifest(path: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]], int]:
+    """(header or None, shard lines, bytes of the whole lines). A last line without its
+    newline was cut short by a crash and is left out; any other bad line is an error."""
+    with open(path, "rb") as file:
+        data = file.read()
+    whole = data.rfind(b"\n") + 1
+    lines = []
+    for number, line in enumerate(data[:whole].splitlines(), 1):
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}: line {number} is not JSON: the manifest is damaged") from None
+    if not lines:
+        return None, [], whole
+    header = lines[0]
+    if not isinstance(header, dict) or header.get("format") != _MANIFEST_FORMAT:
+        raise ValueError(f"{path}: its first line is not a {_MANIFEST_FORMAT} header")
+    return header, lines[1:], whole
+
+
+def _sink_header(config: CaptureConfig) -> dict[str, Any]:
+    """What every manifest of a sink written with this config agrees on."""
+    return {
+        "format": _MANIFEST_FORMAT,
+        "dtype": _dtype_name(config.dtype),
+        "hooks": {name: list(config.row_shape(name)) for name in config.capture_specs},
+    }
+
+
+def _check_sink_dir(config: CaptureConfig) -> None:
+    """Refuse, before an engine is built, a sink directory that cannot be written or
+    that holds captures of other hooks or another dtype."""
+    directory = config.sink_dir
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"sink_dir: cannot write to {directory}: {error.strerror}; give a writable directory"
+        ) from None
+    expected = _sink_header(config)
+    for path in sorted(glob.glob(_manifest_path(directory, "*"))):
+        header = _read_manifest(path)[0]
+        if header is not None and {key: header.get(key) for key in expected} != expected:
+            raise ValueError(
+                f"sink_dir: {path} holds captures of other hooks or another dtype "
+                f"({header.get('dtype')}, {sorted(header.get('hooks', {}))}); give an empty directory, "
+                "or the config that wrote it to go on with it"
+            )
+
+
+class _ShardWriter:
+    """One worker's part of a sink: appends finished requests' rows to the open shard
+    and closes it (header, fsync, rename, manifest line) once it holds shard_bytes.
+
+    Writes run on a thread of their own (the system calls release the GIL), so the
+    model's next steps overlap them; requests queue in host memory up to
+    _SINK_QUEUE_BYTES, beyond which the step that finishes one waits. On an
+    OSError (disk full, directory gone) the open shard is removed and the writer
+    stops: what the manifest lists stays whole, and ``error`` says what happened
+    and how many requests were not written.
+    """
+
+    def __init__(self, directory: str, writer: str, header: dict[str, Any], shard_bytes: int):
+        self.directory, self.writer, self.shard_bytes = directory, writer, shard_bytes
+        self.dtype = _SAFETENSORS_DTYPES[header["dtype"]]
+        self.header_room = _header_room(shard_bytes)
+        self.manifest = _manifest_path(directory, writer)
+        self.error: str | None = None
+        self.lost = 0  # requests not written since the error
+        self.fd: int | None = None  # the open shard
+        self.staged: str | None = None  # its path while written
+        self.tensors: dict[str, dict[str, Any]] = {}  # its safetensors header entries
+        self.requests: dict[str, dict[str, Any]] = {}  # its manifest entries
+        self.data_bytes = self.header_bytes = 0
+        self.shards, self.written, self.next_number = self._resume(header)
+        self.queue: collections.deque = collections.deque()  # (request id, entry, parts, bytes) or an Event
+        self.queued_bytes = 0
+        self.busy_seconds = 0.0  # spent writing and closing shards
+        self.changed = threading.Condition()
+        threading.Thread(target=self._drain, name=f"tl_vllm_hooks-sink-{writer}", daemon=True).start()
+
+    def write(self, request_id: str, entry: dict[str, Any], parts: list[tuple[str, list[int], list]]) -> None:
+        """Queue one request: its manifest entry (prompt token ids, positions) and, per
+        hook, (name, shape [rows, *row shape], host tensors that concatenate to it, left
+        unchanged until written)."""
+        size = sum(chunk.numel() * chunk.element_size() for _name, _shape, chunks in parts for chunk in chunks)
+        with self.changed:
+            while self.queue and self.queued_bytes + size > _SINK_QUEUE_BYTES:
+                self.changed.wait()
+            self.queue.append((request_id, entry, parts, size))
+            self.queued_bytes += size
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        """Write what is queued and close the open shard, if it holds anything; returns
+        once done and raises nothing (see ``error``)."""
+        done = threading.Event()
+        with self.changed:
+            self.queue.append(done)
+            self.changed.notify_all()
+        done.wait()
+
+    def _drain(self) -> None:
+        while True:
+            with self.changed:
+                while not self.queue:
+                    self.changed.wait()
+                item = self.queue[0]
+            closing = isinstance(item, threading.Event)
+            started = time.perf_counter()
+            try:
+                if closing:
+                    self._close_shard()
+                else:
+                    self._write_now(*item[:3])
+            except Exception as error:  # disk full, directory gone: stop, keep what is whole, say why
+                self._fail(error, also_lost=0 if closing else int(item[0] not in self.requests))
+            self.busy_seconds += time.perf_counter() - started
+            with self.changed:
+                self.queue.popleft()
+                self.queued_bytes -= 0 if closing else item[3]
+                self.changed.notify_all()
+            if closing:
+                item.set()
+
+    def _resume(self, header: dict[str, Any]) -> tuple[int, int]:
+        """Keep the whole shards an earlier engine listed; drop the rest. Returns (shards,
+        requests, the number of the next shard)."""
+        os.makedirs(self.directory, exist_ok=True)
+        kept: list[dict[str, Any]] = []
+        if os.path.exists(self.manifest):
+            old_header, lines, whole = _read_manifest(self.manifest)
+            if old_header is not None and old_header != header:
+                differs = sorted(key for key in header if old_header.get(key) != header[key])
+                raise ValueError(
+                    f"sink_dir: {self.manifest} was written with another {', '.join(differs)}; "
+                    "give an empty directory, or the same model, hooks, dtype and versions to go on with it"
+                )
+            kept = [line for line in lines if self._is_whole(line)]
+            if old_header is None or len(kept) < len(lines) or whole < os.path.getsize(self.manifest):
+                dropped = [line["shard"] for line in lines if line not in kept]
+                if dropped:
+                    logger.warning("tl_vllm_hooks: dropping shards cut short or missing: %s", dropped)
+                self._rewrite_manifest(header, kept)
+        else:
+            self._rewrite_manifest(header, [])
+        listed = {line["shard"] for line in kept}
+        for path in glob.glob(os.path.join(self.directory, f"shard-{self.writer}-*")):
+            if os.path.basename(path) not in listed:  # written after the last whole line
+                os.unlink(path)
+        numbers = [int(re.search(r"-(\d+)\.safetensors$", line["shard"]).group(1)) for line in kept]
+        return len(kept), sum(len(line["requests"]) for line in kept), max(numbers, default=0) + 1
+
+    def _is_whole(self, line: dict[str, Any]) -> bool:
+        path = os.path.join(self.directory, line["shard"])
+        return os.path.isfile(path) and os.path.getsize(path) == line["bytes"]
+
+    def _rewrite_manifest(self, header: dict[str, Any], lines: list[dict[str, Any]]) -> None:
+        staged = self.manifest + ".partial"
+        with open(staged, "w", encoding="utf-8") as file:
+            file.writelines(json.dumps(line) + "\n" for line in [header, *lines])
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(staged, self.manifest)
+
+    def _write_now(self, request_id: str, entry: dict[str, Any], parts: list) -> None:
+        if self.error is not None:
+            self.lost += 1
+            return
+        keys = {name: f"{request_id}/{name}" for name, _shape, _chunks in parts}
+        largest = [2**50, 2**50]  # the header grows by at most this request's entries
+        needed = len(json.dumps({keys[n]: {"dtype": "BF16", "shape": s, "data_offsets": largest} for n, s, _ in parts}))
+        if self.fd is not None and self.header_bytes + needed > self.header_room - 1024:
+            self._close_shard()
+        if self.fd is None:
+            self._open_shard()
+        for name, shape, chunks in parts:
+            start = self.data_bytes
+            self.data_bytes += _write_rows(self.fd, chunks)
+            self.tensors[keys[name]] = {"dtype": self.dtype, "shape": shape, "data_offsets": [start, self.data_bytes]}
+        self.header_bytes += needed
+        self.requests[request_id] = {**entry, "tensors": keys}
+        if self.data_bytes >= self.shard_bytes:
+            self._close_shard()
+
+    def _open_shard(self) -> None:
+        self.shard_name = f"shard-{self.writer}-{self.next_number:06d}.safetensors"
+        self.next_number += 1
+        self.staged = os.path.join(self.directory, self.shard_name + ".partial")
+        self.fd = os.open(self.staged, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+        os.lseek(self.fd, 8 + self.header_room, os.SEEK_SET)
+        self.tensors, self.requests, self.data_bytes, self.header_bytes = {}, {}, 0, 0
+
+    def _close_shard(self) -> None:
+        if self.fd is None or not self.requests:
+            return
+        header = json.dumps({**self.tensors, "__metadata__": {"format": "pt"}}).encode()
+        if len(header) > self.header_room:  # one request with more tensors than a shard's header holds
+            raise OSError(f"the shard's header needs {len(header)} bytes, more than the {self.header_room} reserved")
+        os.pwrite(self.fd, self.header_room.to_bytes(8, "little") + header.ljust(self.header_room, b" "), 0)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        os.rename(self.staged, os.path.join(self.directory, self.shard_name))
+        line = {"shard": self.shard_name, "bytes": 8 + self.header_room + self.data_bytes, "requests": self.requests}
+        with open(self.manifest, "a", encoding="utf-8") as file:
+            file.write(json.dumps(line) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        self.shards += 1
+        self.written += len(self.requests)
+        self.requests = {}
+
+    def _fail(self, error: Exception, also_lost: int = 0) -> None:
+        self.lost += len(self.requests) + also_lost
+        self.requests = {}
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+        if self.staged is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.staged)
+        self.error = (
+            f"writing {self.staged or self.directory} failed ({error}); {self.manifest} lists "
+            f"{self.shards} whole shards ({self.written} requests), which stay readable"
+        )
+        logger.error("tl_vllm_hooks: sink: %s", self.error)
+
+
+def _position_ranges(positions: np.ndarray) -> list[list[int]]:
+    """Sorted positions as [start, stop) ranges of consecutive ones."""
+    if not positions.size:
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    firsts, lasts = np.concatenate([[0], breaks]), np.concatenate([breaks, [positions.size]]) - 1
+    return [[int(positions[first]), int(positions[last]) + 1] for first, last in zip(firsts, lasts)]
+
+
+class CaptureDataset:
+    """The requests a sink directory holds, each read on its own.
+
+    ``CaptureDataset(directory)`` (what ``flush_sink`` returns) reads the manifests.
+    ``request_ids``: the requests whose rows every writer has whole on disk, in the
+    order written (vLLM's worker ids: the user's id plus ``-{8 hex}`` where vLLM adds
+    it; either form is accepted below). ``hooks``: ``{hook_name: row shape}``;
+    ``dtype``, ``model`` and ``versions`` (vLLM, torch, tl_vllm_hooks) as written.
+
+    ``dataset[request_id]``: ``{hook_name: [rows, *row shape]}`` CPU tensors of the
+    capture dtype, mapped copy-on-write from the shard, so only that request's bytes
+    are read (from disk when first touched). ``dataset.entry(request_id)``:
+    ``{"prompt_token_ids": list[int] | None, "positions": [[start, stop], ...]}``,
+    the token positions of the rows, in order.
+
+    ValueError when a listed shard is missing, cut short, or does not hold what its
+    manifest says; RuntimeError for a request whose options the workers refused.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = os.path.abspath(directory)
+        self._writers: list[tuple[dict[str, Any], dict[str, tuple[str, dict[str, Any]]]]] = []
+        for path in sorted(glob.glob(_manifest_path(self.directory, "*"))):
+            header, lines, _whole = _read_manifest(path)
+            if header is None:
+                continue
+            requests = {}
+            for line in lines:
+                shard = os.path.join(self.directory, line["shard"])
+                size = os.path.getsize(shard) if os.path.isfile(shard) else None
+                if size != line["bytes"]:
+                    found = "missing" if size is None else f"{size} bytes"
+                    raise ValueError(
+                        f"{shard}: {found}, but {os.path.basename(path)} lists it with {line['bytes']} bytes: "
+                        "cut short or replaced. Capturing into this directory again drops it and its requests"
+                    )
+                requests.update((request_id, (shard, entry)) for request_id, entry in line["requests"].items())
+            self._writers.append((header, requests))
+        if not self._writers:
+            raise ValueError(f"{self.directory}: no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory")
+        first = self._writers[0][0]
+        self.model, self.versions, self.dtype = first["model"], first["versions"], getattr(torch, first["dtype"])
+        written = {name for header, _requests in self._writers for name in header["writes"]}
+        self.hooks = {name: tuple(shape) for name, shape in first["hooks"].items() if name in written}
+        self._whole = set.intersection(*(set(requests) for _header, requests in self._writers))
+        self.request_ids = [request_id for request_id in self._writers[0][1] if request_id in self._whole]
+        self._by_user_id = {_VLLM_SUFFIX.sub("", request_id): request_id for request_id in self.request_ids}
+        self._shard_headers: dict[str, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __iter__(self):
+        return iter(self.request_ids)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._whole or request_id in self._by_user_id
+
+    def _worker_id(self, request_id: str) -> str:
+        if request_id in self._whole:
+            return request_id
+        if request_id in self._by_user_id:
+            return self._by_user_id[request_id]
+        raise KeyError(
+            f"{self.directory}: no request {request_id!r}; it holds {len(self)}, e.g. {self.request_ids[:5]}"
+        )
+
+    def entry(self, request_id: str) -> dict[str, Any]:
+        entry = self._writers[0][1][self._worker_id(request_id)][1]
+        return {key: value for key, value in entry.items() if key != "tensors"}
+
+    def __getitem__(self, request_id: str) -> dict[str, torch.Tensor]:
+        worker_id = self._worker_id(request_id)
+        per_writer = []
+        for header, requests in self._writers:
+            shard, entry = requests[worker_id]
+            if "error" in entry:
+                raise RuntimeError(f"{self.directory}: request {request_id!r}: {entry['error']}")
+            listed = self._shard_header(shard)
+            num_rows = sum(stop - start for start, stop in entry["positions"])
+            mapped = np.memmap(shard, dtype=np.uint8, mode="c") if entry["tensors"] else None
+            rows = {}
+            for name, key in entry["tensors"].items():
+                tensor = listed.get(key)
+                if tensor is None or tensor["shape"][0] != num_rows:
+                    raise ValueError(
+                        f"{shard}: {'has no tensor' if tensor is None else 'holds a different row count for'} "
+                        f"{key!r}, which its manifest lists with {num_rows} rows: the manifest does not match its shards"
+                    )
+                start, end = (listed["__data_start__"] + offset for offset in tensor["data_offsets"])
+                rows[name] = torch.from_numpy(mapped[start:end]).view(self.dtype).view(tensor["shape"])
+            per_writer.append((header["shards"], rows))
+        return _join_ranks(per_writer)
+
+    def _shard_header(self, shard: str) -> dict[str, Any]:
+        """The shard's safetensors header, checked against the file and the dataset's dtype."""
+        if shard not in self._shard_headers:
+            with open(shard, "rb") as file:
+                length = int.from_bytes(file.read(8), "little")
+                try:
+                    header = json.loads(file.read(length)) if length <= 1 << 20 else None
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    header = None
+            if not isinstance(header, dict):
+                raise ValueError(f"{shard}: not a shard this module wrote (its safetensors header does not parse)")
+            header.pop("__metadata__", None)
+            data_bytes = os.path.getsize(shard) - 8 - length
+            item = torch.empty((), dtype=self.dtype).element_size()
+            code = _SAFETENSORS_DTYPES[_dtype_name(self.dtype)]
+            for key, tensor in header.items():
+                start, end = tensor["data_offsets"]
+                if tensor["dtype"] != code or end - start != math.prod(tensor["shape"]) * item or end > data_bytes:
+                    raise ValueError(f"{shard}: tensor {key!r} ({tensor}) does not fit the shard or its {code} dtype")
+            self._shard_headers[shard] = {**header, "__data_start__": 8 + length}
+        return self._shard_headers[shard]
 
 
 # ---------------------------------------------------------------------------
@@ -1427,12 +1905,14 @@ class _RequestPlan:
     capture: one of _CAPTURE_MODES, or a sorted int64 array of positions.
     edits: hook -> (scale row, bias row, positions or None), rows [width] in
     the model's dtype on the CPU.
+    prompt_token_ids: as the scheduler gave them (None for prompt embeddings).
     kept_range: (first, last) position kept; first == -1 marks a list of positions.
     """
 
     prompt_len: int
     capture: str | np.ndarray
     edits: dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]]
+    prompt_token_ids: list[int] | None = None
     kept_range: tuple[int, int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -1560,6 +2040,13 @@ class _Batched:
         self.records: dict[str, _RequestRows] = {}
         self.incomplete: dict[str, str] = {}  # request id -> why its rows cannot be read
         self.copy_stream = torch.cuda.Stream(state.device) if state.device.type == "cuda" else None
+        # With a sink_dir, finished requests' rows go to disk; _install gives the
+        # ranks that write (and the hooks each writes) a _ShardWriter.
+        self.sink: _ShardWriter | None = None
+        self.sink_hooks: list[str] = []
+        # Model Runner V2 warms up with requests of its own (_warmup_{i}_), which finish
+        # inside the warm-up: never written.
+        self.warmed_up = False
 
     def table_shape(self, width: int) -> tuple[int, ...]:
         return (_global_rows(self.config) + 1 + self.num_slots, width)
@@ -1575,6 +2062,7 @@ class _Batched:
         _wrap_steps(runner, self)
 
     def forget_warm_up(self) -> None:
+        self.warmed_up = True
         self.plans.clear()
         self.request_table = _RequestTable()
         self.slots.clear()
@@ -1593,12 +2081,16 @@ class _Batched:
     def schedule(self, scheduler_output: Any) -> None:
         """Read the step's new requests' options and every request's first position."""
         finished, new, first_positions = _scheduled(scheduler_output)
+        if self.config.sink_dir is not None and finished:
+            self.write_to_sink(finished)
         for request_id in finished:
             self.plans.pop(request_id, None)
             self.request_table.remove(request_id)
             self.slots.pop(request_id, None)
-        for request_id, prompt_len, extra_args, first_position in new:
-            plan = self.plans[request_id] = self._plan(request_id, prompt_len, extra_args.get(_REQUEST_KEY))
+        for request_id, prompt_len, prompt_token_ids, extra_args, first_position in new:
+            plan = self._plan(request_id, prompt_len, extra_args.get(_REQUEST_KEY))
+            plan.prompt_token_ids = prompt_token_ids
+            self.plans[request_id] = plan
             self.request_table.add(request_id, plan.kept_range, bool(plan.edits))
             if not (isinstance(plan.capture, str) and plan.capture == "none"):
                 self.records.setdefault(request_id, _RequestRows())  # read_batched knows it from now on
@@ -1801,33 +2293,65 @@ class _Batched:
                 parts.append((user_id, name, chunks, sum(chunk.shape[0] for chunk in chunks)))
         item = torch.empty((), dtype=dtype).element_size()
         total = item * sum(placed[name].width * num_rows for _u, name, _c, num_rows in parts)
-        mapped = np.memmap(path, dtype=np.uint8, mode="w+", shape=(total,)) if path and total else None
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600) if path and total else None
         messages: dict[str, dict[str, Any]] = {user_id: {} for user_id in records}
-        offset = 0
-        for user_id, name, chunks, num_rows in parts:
-            hook = placed[name]
-            shape = [num_rows, *hook.row_shape]
-            size = math.prod(shape) * item
-            if mapped is None:  # ordinary memory, not the pinned pages the chunks live in
-                rows = torch.empty(shape[0], hook.width, dtype=dtype)
-            else:
-                rows = torch.from_numpy(mapped[offset : offset + size]).view(dtype).view(shape[0], hook.width)
-            if chunks:
-                torch.cat(chunks, out=rows)
-            if mapped is None:
-                messages[user_id][name] = encode_tensor(rows.view(shape))
-            else:
-                messages[user_id][name] = {"dtype": _dtype_name(dtype), "shape": shape, "offset": offset}
-            offset += size
-        return messages, None if mapped is None else path
+        offset, in_file_order = 0, []
+        try:
+            for user_id, name, chunks, num_rows in parts:
+                shape = [num_rows, *placed[name].row_shape]
+                if fd is None:  # ordinary memory, not the pinned pages the chunks live in
+                    rows = torch.cat(chunks) if chunks else torch.empty(0, placed[name].width, dtype=dtype)
+                    messages[user_id][name] = encode_tensor(rows.view(shape))
+                else:
+                    messages[user_id][name] = {"dtype": _dtype_name(dtype), "shape": shape, "offset": offset}
+                    offset += num_rows * placed[name].width * item
+                    in_file_order += chunks
+            if fd is not None:
+                _write_rows(fd, in_file_order)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+                os.unlink(path)
+            raise
+        if fd is not None:
+            os.close(fd)
+        return messages, None if fd is None else path
+
+    def write_to_sink(self, request_ids: list[str]) -> None:
+        """Write these finished requests' kept rows (or why they have none) to the sink,
+        on the ranks that write, and forget them."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # the copies to host still in flight
+        placed = self.state.placed
+        for request_id in request_ids:
+            reason = self.incomplete.pop(request_id, None)
+            record = self.records.pop(request_id, None)
+            if self.sink is None or not self.warmed_up or (record is None and reason is None):
+                continue
+            plan = self.plans.get(request_id)
+            prompt = None if plan is None or plan.prompt_token_ids is None else list(plan.prompt_token_ids)
+            if reason is not None:
+                self.sink.write(request_id, {"prompt_token_ids": prompt, "positions": [], "error": reason}, [])
+                continue
+            positions = (
+                np.concatenate([chunk[3] for chunk in record.chunks]) if record.chunks else np.zeros(0, np.int64)
+            )
+            parts = [
+                (name, [int(positions.size), *placed[name].row_shape], record.rows(name)) for name in self.sink_hooks
+            ]
+            self.sink.write(request_id, {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}, parts)
 
 
 def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, str]:
     """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix."""
+    by_user_id: dict[str, list[str]] = {}
+    for worker_id in worker_ids:
+        by_user_id.setdefault(worker_id, []).append(worker_id)
+        if _VLLM_SUFFIX.search(worker_id):
+            by_user_id.setdefault(_VLLM_SUFFIX.sub("", worker_id), []).append(worker_id)
     matches = {}
     for user_id in user_ids:
-        pattern = re.compile(re.escape(user_id) + r"(-[0-9a-f]{8})?")
-        found = [w for w in worker_ids if pattern.fullmatch(w)]
+        found = by_user_id.get(user_id, [])
         if len(found) != 1:
             problem = "no captured request" if not found else f"several captured requests {found}"
             raise KeyError(
@@ -1896,6 +2420,7 @@ class _WorkerExtension:
             "absent": list(state.absent),
             "shards": state.shards(),
             "unread_requests": state.flavour.unread_requests,
+            "sink": _sink_status(getattr(state.flavour, "sink", None)),
         }
 
     @_errors_as_data
@@ -1946,6 +2471,11 @@ class _WorkerExtension:
         come from the first tensor-parallel rank only.
         """
         flavour = self._tl_flavour(_Batched, "read_batched")
+        if flavour.config.sink_dir is not None:
+            raise RuntimeError(
+                f"read_batched: this engine writes captured rows to its sink_dir {flavour.config.sink_dir}: "
+                "call flush_sink(llm), which returns them as a CaptureDataset"
+            )
         path = _shared_file(driver_host)
         reply = {"shards": flavour.state.shards(), "shared": path is not None, "file": None, "rows": {}}
         if not flavour.state.hook_names:  # a pipeline rank that holds none of the hooks
@@ -1956,12 +2486,37 @@ class _WorkerExtension:
         return reply
 
     @_errors_as_data
+    def tl_flush_sink(self) -> dict[str, Any] | None:
+        """Write every held request to the sink (the driver saw them all finish) and close
+        the open shard; this rank's _sink_status, None where the rank writes nothing."""
+        flavour = self._tl_flavour(_Batched, "flush_sink")
+        if flavour.config.sink_dir is None:
+            raise RuntimeError("flush_sink: this engine has no sink: configure(..., sink_dir=directory)")
+        flavour.write_to_sink(sorted(set(flavour.records) | set(flavour.incomplete)))
+        if flavour.sink is not None:
+            flavour.sink.close()
+        return _sink_status(flavour.sink)
+
+    @_errors_as_data
     def tl_reset_batched(self) -> None:
         self._tl_flavour(_Batched, "reset_batched").clear()
 
     @_errors_as_data
     def tl_remove_hooks(self) -> None:
         _uninstall(self)
+
+
+def _sink_status(sink: _ShardWriter | None) -> dict[str, Any] | None:
+    if sink is None:
+        return None
+    return {
+        "directory": sink.directory,
+        "shards": sink.shards,
+        "requests": sink.written,
+        "lost": sink.lost,
+        "error": sink.error,
+        "busy_seconds": sink.busy_seconds,
+    }
 
 
 _REMOVED = {
@@ -2011,7 +2566,9 @@ def status(llm: Any) -> dict[str, Any]:
     ``{"version": str, "module": path of the workers' copy, "config": CaptureConfig,
     "hooks": names installed on some rank in forward order, "absent": names whose module is
     on no rank, "unread_requests": batched requests with rows not yet read (the most of any
-    rank), "ranks": number of workers}``.
+    rank), "ranks": number of workers, "sink": None, or per writing rank ``{"directory",
+    "shards" and "requests" whole on disk, "lost": requests not written since "error",
+    "busy_seconds": time its writer thread spent writing}``}``.
     """
     ranks = _rpc(llm, "tl_status")
     hooks = list(dict.fromkeys(name for rank in ranks for name in rank["hooks"]))
@@ -2023,6 +2580,7 @@ def status(llm: Any) -> dict[str, Any]:
         "absent": sorted({name for rank in ranks for name in rank["absent"]} - set(hooks)),
         "unread_requests": max(rank["unread_requests"] for rank in ranks),
         "ranks": len(ranks),
+        "sink": [rank["sink"] for rank in ranks if rank["sink"] is not None] or None,
     }
 
 
@@ -2164,6 +2722,25 @@ def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.
         request_id: _join_ranks([(shards, rows.get(request_id, {})) for shards, rows in per_rank])
         for request_id in read
     }
+
+
+def flush_sink(llm: Any) -> CaptureDataset:
+    """Write every request that ran to the engine's ``sink_dir``, close the open shards,
+    and return the directory's ``CaptureDataset``.
+
+    Call it once ``generate`` has returned: vLLM tells its workers that a request
+    finished only at their next step, so the last requests of a generate wait on
+    disk for this call (or for the next generate). RuntimeError if a write failed
+    (disk full, directory removed): it names the file and the requests not written;
+    the shards the manifests list stay whole and readable.
+    """
+    if llm.llm_engine.has_unfinished_requests():
+        raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
+    writers = [reply for reply in _rpc(llm, "tl_flush_sink") if reply is not None]
+    failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
+    if failures:
+        raise RuntimeError("flush_sink: " + " | ".join(failures))
+    return CaptureDataset(writers[0]["directory"])
 
 
 def reset_batched(llm: Any) -> None:
@@ -2350,40 +2927,67 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if worst <= args.tolerance else 1
 
 
-def _read_prompts(args: argparse.Namespace) -> list[list[int]]:
-    prompts = []
-    for ids in args.token_ids or []:
+def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
+    """(how many, an iterator of (request id, token ids)) over the command's prompts, read
+    lazily: a file's prompt is named by its line number, so a resumed run finds it again."""
+    if sum(map(bool, (args.token_ids, args.prompts, args.token_ids_file))) != 1:
+        raise ValueError('give one of --token-ids "1 2 3" (repeatable), --prompts FILE or --token-ids-file FILE')
+
+    def token_ids(text: str, where: str) -> list[int]:
         try:
-            prompts.append([int(token) for token in ids.replace(",", " ").split()])
+            ids = [int(token) for token in text.replace(",", " ").split()]
         except ValueError:
-            raise ValueError(f"--token-ids: expected integers separated by spaces or commas, got {ids!r}") from None
+            raise ValueError(f"{where}: expected integers separated by spaces or commas, got {text[:100]!r}") from None
+        if not ids or min(ids) < 0:
+            raise ValueError(f"{where}: expected token ids >= 0, got {text[:100]!r}")
+        return ids
+
+    if args.token_ids:
+        prompts = [(f"prompt-{i}", token_ids(text, "--token-ids")) for i, text in enumerate(args.token_ids, 1)]
+        return len(prompts), iter(prompts)
+    path = args.prompts or args.token_ids_file
+    with open(path, encoding="utf-8") as lines:
+        count = sum(1 for line in lines if line.strip())
     if args.prompts:
         from transformers import AutoTokenizer
 
-        with open(args.prompts, encoding="utf-8") as lines:
-            texts = [line.rstrip("\n") for line in lines if line.strip()]
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        prompts += [tokenizer(text)["input_ids"] for text in texts]
-    if not prompts or not all(prompts):
-        raise ValueError('no prompts: give --token-ids "1 2 3" (repeatable) or --prompts FILE (one text per line)')
-    return prompts
+        parse = lambda text, number: tokenizer(text)["input_ids"]  # noqa: E731
+    else:
+        parse = lambda text, number: token_ids(text, f"{path}:{number}")  # noqa: E731
+
+    def read():
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if line.strip():
+                    yield f"line-{number}", parse(line.rstrip("\n"), number)
+
+    return count, read()
 
 
 def _capture(args: argparse.Namespace) -> int:
-    """Capture every prompt's rows in one batched, eager engine and save them."""
-    import vllm
-    from safetensors.torch import save_file
+    """Capture every prompt's rows into a sink directory with one batched, eager engine,
+    going on from what an earlier run of it left there."""
+    import time
+
+    from tqdm import tqdm
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     hf_config = AutoConfig.from_pretrained(args.model)
-    prompts = _read_prompts(args)
-    sites = tuple(args.sites.split(","))
-    specs = capture_specs(hf_config, sites=sites, layers=args.layers)
-    dtype = getattr(torch, args.dtype)
-    config = configure(specs, args.max_num_batched_tokens, dtype, enable_batching=True)
+    specs = capture_specs(hf_config, sites=tuple(args.sites.split(",")), layers=args.layers)
+    config = configure(
+        specs,
+        args.max_num_batched_tokens,
+        getattr(torch, args.dtype),
+        enable_batching=True,
+        sink_dir=args.out,
+        shard_bytes=int(args.shard_mb * 2**20),
+    )
+    count, prompts = _prompts(args)
+    params = SamplingParams(max_tokens=1, detokenize=False, extra_args=request_args(config, capture=args.keep))
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -2392,37 +2996,35 @@ def _capture(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         **config.llm_kwargs,
     )
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        SamplingParams(max_tokens=1, detokenize=False),
-        use_tqdm=args.verbose,
-    )
-    captured = read_batched(llm, [o.request_id for o in outputs])
-    tensors = {
-        f"prompt{index}.{name}": rows.contiguous()
-        for index, output in enumerate(outputs)
-        for name, rows in captured[output.request_id].items()
-    }
-    metadata = {
-        "model": os.path.abspath(args.model),
-        "vllm_version": vllm.__version__,
-        "torch_version": torch.__version__,
-        "tl_vllm_hooks_version": __version__,
-        "dtype": args.dtype,
-        "hooks": json.dumps({name: list(shape) for name, shape in specs.items()}),
-        "prompts": json.dumps(prompts),
-    }
-    save_file(tensors, args.out, metadata=metadata)
+    # The workers have dropped what an interrupted run left unfinished: go on after it.
+    done = {_VLLM_SUFFIX.sub("", request_id) for request_id in CaptureDataset(config.sink_dir)}
+    engine, running, rows, tokens, started = llm.llm_engine, 0, 0, 0, time.perf_counter()
+    progress = tqdm(total=count, initial=len(done), unit="prompt", file=args.terminal, disable=None)
+    waiting = ((request_id, ids) for request_id, ids in prompts if request_id not in done)
+    while True:
+        for request_id, ids in itertools.islice(waiting, args.max_in_flight - running):
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+            running += 1
+        if not running:
+            break
+        for output in engine.step():
+            if output.finished:
+                running -= 1
+                tokens += len(output.prompt_token_ids)
+                rows += len(output.prompt_token_ids) if args.keep == "prompt" else 1
+                progress.set_postfix_str(f"{tokens / (time.perf_counter() - started):,.0f} tok/s, {rows:,} rows")
+                progress.update()
+    dataset = flush_sink(llm)
+    progress.close()
     print(
-        f"wrote {args.out}: {len(prompts)} prompts x {len(specs)} hooks ({args.dtype}), tensors named prompt{{i}}.{{hook}}"
+        f"wrote {dataset.directory}: {len(dataset)} requests ({len(done)} from an earlier run) x "
+        f"{len(dataset.hooks)} hooks ({args.dtype}); read them with tl_vllm_hooks.CaptureDataset"
     )
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
-    """Per hook, the worst error of a capture file against TransformerLens on the same model."""
-    from safetensors import safe_open
-
+    """Per hook, the worst error of a capture directory against TransformerLens on the same model."""
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError:
@@ -2430,29 +3032,23 @@ def _compare(args: argparse.Namespace) -> int:
             "compare checks hooks against TransformerLens, which is not installed here: "
             "pip install transformer-lens==4.3.0"
         ) from None
-    with safe_open(args.file, framework="pt") as archive:
-        metadata = archive.metadata() or {}
-        missing = {"model", "hooks", "prompts", "dtype"} - set(metadata)
-        if missing:
-            raise ValueError(f"{args.file}: not a tl_vllm_hooks capture (metadata lacks {sorted(missing)})")
-        tensors = {key: archive.get_tensor(key) for key in archive.keys()}
-    model_dir = args.model or metadata["model"]
-    hooks, prompts = json.loads(metadata["hooks"]), json.loads(metadata["prompts"])
-    bridge = TransformerBridge.boot_transformers(model_dir, dtype=torch.float32, device="cpu")
+    dataset = CaptureDataset(args.directory)
+    hooks = list(dataset.hooks)
+    bridge = TransformerBridge.boot_transformers(args.model or dataset.model, dtype=torch.float32, device="cpu")
     worst: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in hooks}
-    for index, prompt in enumerate(prompts):
-        _logits, cache = bridge.run_with_cache(torch.tensor([prompt]), names_filter=list(hooks))
-        expected = {name: cache[name][0] for name in hooks}
+    for index, request_id in enumerate(dataset, 1):
+        entry, captured = dataset.entry(request_id), dataset[request_id]
+        positions = [p for start, stop in entry["positions"] for p in range(start, stop)]
+        _logits, cache = bridge.run_with_cache(torch.tensor([entry["prompt_token_ids"]]), names_filter=hooks)
         for name in hooks:
-            actual = tensors[f"prompt{index}.{name}"].double()
-            difference = (actual - expected[name].double()).abs()
-            scale = float(expected[name].double().norm()) or 1.0
-            relative = float(difference.norm()) / scale
+            expected = cache[name][0][positions].double()
+            difference = (captured[name].double() - expected).abs()
+            relative = float(difference.norm()) / (float(expected.norm()) or 1.0)
             worst[name] = (max(worst[name][0], float(difference.max())), max(worst[name][1], relative))
-        logger.info("compared prompt %d/%d", index + 1, len(prompts))
+        logger.info("compared request %d/%d", index, len(dataset))
     print(
-        f"{args.file} ({metadata['dtype']}, vLLM {metadata.get('vllm_version')}) vs TransformerLens fp32, "
-        f"{len(prompts)} prompts; tolerance {args.tolerance:g} (relative L2)"
+        f"{dataset.directory} ({_dtype_name(dataset.dtype)}, vLLM {dataset.versions['vllm']}) vs TransformerLens "
+        f"fp32, {len(dataset)} requests; tolerance {args.tolerance:g} (relative L2)"
     )
     print(f"{'hook':28} {'max abs err':>12} {'rel L2 err':>11}")
     for name, (absolute, relative) in worst.items():
@@ -2495,28 +3091,34 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--eager", action="store_true", help="build the engine with enforce_eager=True")
     demo.add_argument("--tolerance", type=float, default=1e-5, help="exit 1 past this relative error (default 1e-5)")
     capture = commands.add_parser(
-        "capture", parents=[common], help="capture hooks of given prompts into a safetensors file"
+        "capture", parents=[common], help="capture hooks of many prompts into a directory of safetensors shards"
     )
     capture.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
     capture.add_argument("--token-ids", action="append", help='one prompt as token ids, "1 2 3"; repeatable')
     capture.add_argument("--prompts", help="a text file, one prompt per line (needs the model's tokenizer)")
+    capture.add_argument("--token-ids-file", help="a file with one prompt per line as token ids, e.g. 1 2 3")
     capture.add_argument(
         "--sites", default="resid_post", help=f"comma list of {', '.join(SITES)} (as the architecture has)"
     )
     capture.add_argument(
         "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list (default all)"
     )
+    capture.add_argument("--keep", default="prompt", choices=("prompt", "last_prompt_token"), help="rows to keep")
     capture.add_argument("--dtype", default="float32", choices=_FLOAT_DTYPES)
     capture.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    capture.add_argument("--max-in-flight", type=int, default=256, help="prompts handed to vLLM at a time")
+    capture.add_argument("--shard-mb", type=float, default=1024, help="close a shard at this many MiB of rows")
     capture.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    capture.add_argument("--out", required=True, help="the safetensors file to write")
+    capture.add_argument(
+        "--out", required=True, help="the directory to write; a run into one an earlier run began goes on from it"
+    )
     compare = commands.add_parser(
         "compare",
         parents=[common],
-        help="compare a capture file with TransformerLens on the same model (needs transformer-lens)",
+        help="compare a capture directory with TransformerLens on the same model (needs transformer-lens)",
     )
-    compare.add_argument("file", help="a file written by the capture command")
-    compare.add_argument("--model", help="the model to load (default: the path in the file's metadata)")
+    compare.add_argument("directory", help="a directory written by the capture command")
+    compare.add_argument("--model", help="the model to load (default: the one the manifest names)")
     compare.add_argument("--tolerance", type=float, default=1e-4, help="exit 1 past this relative L2 error")
     compare.add_argument("--plot", help="also write a bar chart of the errors to this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -2528,6 +3130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(command: Any, args: argparse.Namespace, errors: Any) -> int:
+    args.terminal = errors  # where progress bars go
     try:
         return command(args)
     except (ValueError, KeyError, OSError) as error:
