@@ -611,7 +611,7 @@ def register() -> None:
     take_inputs, build_processor = InputProcessor.process_inputs, InputProcessor.__init__
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
-        _check_options(getattr(params, "extra_args", None), _engine_config(self.vllm_config))
+        _check_options(getattr(params, "extra_args", None), _engine_payload(self.vllm_config))
         return take_inputs(self, request_id, prompt, params, *args, **kwargs)
 
     def init_input_processor(self, *args, **kwargs):
@@ -627,7 +627,7 @@ def register() -> None:
         if self.extra_args and _REQUEST_KEY in self.extra_args:
             payloads = {_engine_payload(processor.vllm_config) for processor in list(_input_processors)}
             if len(payloads) == 1:  # else process_inputs checks them against their engine's
-                _check_options(self.extra_args, _config_from_json(payloads.pop()))
+                _check_options(self.extra_args, payloads.pop())
 
     SamplingParams._verify_args = verify_args
 
@@ -656,17 +656,27 @@ def _config_from_json(payload: str | None) -> CaptureConfig | None:
     return CaptureConfig.from_json(payload) if payload else None
 
 
-def _check_options(extra_args: dict[str, Any] | None, config: CaptureConfig | None) -> None:
+def _check_options(extra_args: dict[str, Any] | None, payload: str | None) -> None:
     """Refuse a request's options (ValueError: what request_args would say) unless they
-    suit an engine with this config."""
+    suit an engine with the config ``payload`` (see _engine_payload)."""
     if not extra_args or _REQUEST_KEY not in extra_args:
         return
+    options = extra_args[_REQUEST_KEY]
+    # request_args' JSON text is checked once however many requests of a batch share it.
+    (_check_options_text if isinstance(options, str) else _check_request_options)(options, payload)
+
+
+def _check_request_options(options: Any, payload: str | None) -> None:
+    config = _config_from_json(payload)
     if config is None or not config.enable_batching:
         raise ValueError(
             f"{_REQUEST_KEY} request options: this engine has {'no' if config is None else 'compiled'} hooks; "
             "per-request capture and edits need configure(..., enable_batching=True)"
         )
-    _parse_request_options(extra_args[_REQUEST_KEY], config, torch.float32)
+    _parse_request_options(options, config, torch.float32)
+
+
+_check_options_text = functools.lru_cache(maxsize=256)(_check_request_options)
 
 
 def _keep_out_of_prefix_cache(request: Any) -> None:
@@ -892,7 +902,7 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
 
 def _driver_vllm_config(engine: Any) -> Any:
     """The VllmConfig of an offline ``LLM`` or an ``AsyncLLM``."""
-    return engine.llm_engine.vllm_config if hasattr(engine, "llm_engine") else engine.vllm_config
+    return getattr(engine, "llm_engine", engine).vllm_config
 
 
 def _has_unfinished_requests(engine: Any) -> bool:
@@ -1588,16 +1598,8 @@ class _ShardWriter:
             with self.changed:
                 while not self.queue and not self._due():
                     self.changed.wait(self._seconds_left())
-                item = self.queue[0] if self.queue else None
-            if item is None:  # the open shard's time is up
-                started = time.perf_counter()
-                try:
-                    self._close_shard()
-                except Exception as error:
-                    self._fail(error)
-                self.busy_seconds += time.perf_counter() - started
-                continue
-            closing = isinstance(item, threading.Event)
+                item = self.queue[0] if self.queue else None  # None: the open shard's time is up
+            closing = not isinstance(item, tuple)  # close() asked (an Event), or the time is up
             started = time.perf_counter()
             try:
                 if closing:
@@ -1607,6 +1609,8 @@ class _ShardWriter:
             except Exception as error:  # disk full, directory gone: stop, keep what is whole, say why
                 self._fail(error, also_lost=0 if closing else int(item[0] not in self.requests))
             self.busy_seconds += time.perf_counter() - started
+            if item is None:
+                continue
             with self.changed:
                 self.queue.popleft()
                 self.queued_bytes -= 0 if closing else item[3]
