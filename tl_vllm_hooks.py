@@ -59,6 +59,7 @@ import threading
 import time
 import warnings
 import weakref
+import zlib
 from typing import Any
 
 import numpy as np
@@ -107,9 +108,17 @@ SITES = {
     "embed": "hook_embed",
     "pos_embed": "hook_pos_embed",
     "resid_pre": "blocks.{i}.hook_resid_pre",
+    "ln1": "blocks.{i}.ln1.hook_normalized",
+    "attn_q": "blocks.{i}.attn.hook_q",
+    "attn_k": "blocks.{i}.attn.hook_k",
+    "attn_v": "blocks.{i}.attn.hook_v",
+    "attn_rot_q": "blocks.{i}.attn.hook_rot_q",
+    "attn_rot_k": "blocks.{i}.attn.hook_rot_k",
     "attn_z": "blocks.{i}.attn.hook_z",
     "attn_out": "blocks.{i}.hook_attn_out",
     "resid_mid": "blocks.{i}.hook_resid_mid",
+    "ln2": "blocks.{i}.ln2.hook_normalized",
+    "mlp_pre": "blocks.{i}.mlp.hook_pre",
     "mlp_post": "blocks.{i}.mlp.hook_post",
     "mlp_out": "blocks.{i}.hook_mlp_out",
     "resid_post": "blocks.{i}.hook_resid_post",
@@ -117,10 +126,14 @@ SITES = {
 }
 """site -> TransformerLens hook name, in the order a forward reaches them; ``{i}`` is the layer.
 
-attn_z rows are ``[n_heads, d_head]`` (attention output per head, the output
-projection's input), mlp_post rows ``[d_mlp]`` (the down projection's input),
-every other site's ``[d_model]``. final_norm is the final norm's input
-normalized, before its weight and bias.
+Rows are ``[d_model]`` but at attn_q, attn_rot_q and attn_z ``[n_heads, d_head]``
+(attn_z: per head, the output projection's input), at attn_k, attn_v and
+attn_rot_k ``[n_kv_heads, d_head]`` (q and k before rotary, then after it), and
+at mlp_pre and mlp_post ``[d_mlp]`` (the activation's input, its gate on gated
+MLPs, and the down projection's input) on dense MLPs; on mixture-of-experts
+blocks TransformerLens's mlp_pre and mlp_post are the block's input and output,
+``[d_model]``. ln1, ln2 and final_norm are a norm's input normalized (the mean
+taken out for LayerNorm), before its weight and bias.
 """
 
 _HOOK_NAME = {
@@ -159,29 +172,81 @@ class _Tap:
                    ``edited * weight + bias``.
     inputs: (argument name, position) of each input an input kind reads.
     norm: for the norm kinds: ``rms``, ``rms_offset`` (weight applied as
-        1 + weight, Gemma) or ``layer`` (mean-centred, with a bias).
+        1 + weight, Gemma) or ``layer`` (mean-centred, with a bias where it has one).
+    part: for the output and input kinds, the columns of the tensor the site
+        is: ``q``, ``k`` or ``v``, those heads of a fused qkv projection's
+        output; ``gate``, the first half of a gated activation's input (gate,
+        then up); empty for the whole tensor.
+    multiplier: a config attribute the module's output is multiplied by to
+        give TransformerLens's tensor (Granite's residual_multiplier, applied
+        where the branch joins the residual stream); the module's output is
+        edited so that ``output * multiplier`` carries the edit.
+    bias_apart: for the output kind, the module returns (output, bias) and its
+        caller adds the bias (vLLM's skip_bias_add, Falcon's): TransformerLens's
+        tensor is their sum, and the output is edited so that the sum carries the edit.
     """
 
     module: str
     kind: str
     inputs: tuple[tuple[str, int], ...] = ()
     norm: str = ""
+    part: str = ""
+    multiplier: str = ""
+    bias_apart: bool = False
 
 
 _LAYER_PAIR = (("hidden_states", 1), ("residual", 2))  # vLLM's fused-residual decoder layers
+_LAYER_INPUT = (("hidden_states", 1),)  # vLLM's decoder layers, forward(positions, hidden_states, ...)
 _NORM_PAIR = (("x", 0), ("residual", 1))  # vLLM's RMSNorm(x, residual)
+_NORM_INPUT = (("x", 0),)
+_TORCH_NORM_INPUT = (("input", 0),)  # torch.nn.LayerNorm
 _LINEAR_INPUT = (("input_", 0),)  # vLLM's RowParallelLinear
+_QUERY, _KEY = (("query", 0),), (("key", 1),)  # vLLM's Attention(query, key, value)
 
 
-def _fused_residual_taps(attn_out: str, resid_mid: str, mlp_out: str, norm: str) -> dict[str, _Tap]:
-    """vLLM's native Llama-style models: decoder layers take and return (hidden, residual)."""
+def _attention_taps(
+    attention: str, qkv: str = ".qkv_proj", o_proj: str = ".o_proj", rotary: bool = True, bias_apart: bool = False
+):
+    """q, k and v (before rotary) as heads of vLLM's fused qkv projection; after rotary,
+    what vLLM's Attention receives; z, the output projection's input."""
+    taps = {
+        "attn_q": _Tap(attention + qkv, "output", part="q", bias_apart=bias_apart),
+        "attn_k": _Tap(attention + qkv, "output", part="k", bias_apart=bias_apart),
+        "attn_v": _Tap(attention + qkv, "output", part="v", bias_apart=bias_apart),
+        "attn_z": _Tap(attention + o_proj, "input", _LINEAR_INPUT),
+    }
+    if rotary:
+        taps.update(
+            attn_rot_q=_Tap(attention + ".attn", "input", _QUERY), attn_rot_k=_Tap(attention + ".attn", "input", _KEY)
+        )
+    return taps
+
+
+def _fused_residual_taps(
+    norm: str,
+    attn_out: str = "",
+    ln2: str = ".post_attention_layernorm",
+    mlp_out: str = ".mlp",
+    embed_scaled: bool = False,
+    rotary: bool = True,
+    embed: str = "model.embed_tokens",
+    attention: str = ".self_attn",
+    layer_pair: tuple[tuple[str, int], ...] = _LAYER_PAIR,
+) -> dict[str, _Tap]:
+    """vLLM's native Llama-style models: decoder layers take and return (hidden, residual)
+    and each pre-norm adds the two (RMSNorm(x, residual)). Gemma scales the embedding by
+    sqrt(d_model) after embed_tokens (embed_scaled): the scaled one, which enters layer 0,
+    is TransformerLens's hook_embed. attn_out defaults to the attention module's output."""
     layer = "model.layers.{i}"
     return {
-        "embed": _Tap("model.embed_tokens", "output"),
-        "resid_pre": _Tap(layer, "input_pair", _LAYER_PAIR),
-        "attn_z": _Tap(layer + ".self_attn.o_proj", "input", _LINEAR_INPUT),
-        "attn_out": _Tap(layer + attn_out, "output"),
-        "resid_mid": _Tap(layer + resid_mid, "norm_input", _NORM_PAIR, norm),
+        "embed": _Tap("model.layers.0", "input", _LAYER_INPUT) if embed_scaled else _Tap(embed, "output"),
+        "resid_pre": _Tap(layer, "input_pair", layer_pair),
+        "ln1": _Tap(layer + ".input_layernorm", "normalized", _NORM_PAIR, norm),
+        **_attention_taps(layer + attention, rotary=rotary),
+        "attn_out": _Tap(layer + (attn_out or attention), "output"),
+        "resid_mid": _Tap(layer + ln2, "norm_input", _NORM_PAIR, norm),
+        "ln2": _Tap(layer + ln2, "normalized", _NORM_PAIR, norm),
+        "mlp_pre": _Tap(layer + ".mlp.gate_up_proj", "output", part="gate"),
         "mlp_post": _Tap(layer + ".mlp.down_proj", "input", _LINEAR_INPUT),
         "mlp_out": _Tap(layer + mlp_out, "output"),
         "resid_post": _Tap(layer, "output_pair"),
@@ -189,57 +254,322 @@ def _fused_residual_taps(attn_out: str, resid_mid: str, mlp_out: str, norm: str)
     }
 
 
-_LLAMA_TAPS = _fused_residual_taps(".self_attn", ".post_attention_layernorm", ".mlp", "rms")
-# Gemma 2 normalizes each branch again before adding it (post-attention and
-# post-feedforward norms, which TransformerLens's attn_out and mlp_out follow),
-# and scales the embedding by sqrt(d_model) after embed_tokens: the scaled one
-# is what enters layer 0.
-_GEMMA2_TAPS = {
-    **_fused_residual_taps(
-        ".post_attention_layernorm", ".pre_feedforward_layernorm", ".post_feedforward_layernorm", "rms_offset"
-    ),
-    "embed": _Tap("model.layers.0", "input", (("hidden_states", 1),)),
+def _without(taps: dict[str, _Tap], *sites: str) -> dict[str, _Tap]:
+    """taps less the sites TransformerLens's bridge does not have on that architecture."""
+    return {site: tap for site, tap in taps.items() if site not in sites}
+
+
+_LLAMA_TAPS = _fused_residual_taps("rms")
+_GEMMA_TAPS = _fused_residual_taps("rms_offset", embed_scaled=True)
+# Gemma 2 and 3 normalize each branch again before adding it (post-attention and
+# post-feedforward norms, which TransformerLens's attn_out and mlp_out follow);
+# the MLP's pre-norm is pre_feedforward_layernorm.
+_GEMMA2_TAPS = _fused_residual_taps(
+    "rms_offset", ".post_attention_layernorm", ".pre_feedforward_layernorm", ".post_feedforward_layernorm", True
+)
+
+
+def _sequential_taps(
+    norm: str,
+    norm_inputs: tuple[tuple[str, int], ...],
+    multiplier: str = "",
+    embed_scaled: bool = False,
+) -> dict[str, _Tap]:
+    """vLLM's native models whose decoder layers take and return the residual stream itself
+    (Granite, StableLM): each branch is added to the stream inside the layer, the norms
+    take one input, and the layer's first output is the stream. Granite multiplies the
+    embedding (embed_scaled) and each branch's output (its residual_multiplier) first."""
+    layer = "model.layers.{i}"
+    return {
+        "embed": _Tap("model.layers.0", "input", _LAYER_INPUT) if embed_scaled else _Tap("model.embed_tokens", "output"),
+        "resid_pre": _Tap(layer, "input", _LAYER_INPUT),
+        "ln1": _Tap(layer + ".input_layernorm", "normalized", norm_inputs, norm),
+        **_attention_taps(layer + ".self_attn"),
+        "attn_out": _Tap(layer + ".self_attn", "output", multiplier=multiplier),
+        "resid_mid": _Tap(layer + ".post_attention_layernorm", "input", norm_inputs),
+        "ln2": _Tap(layer + ".post_attention_layernorm", "normalized", norm_inputs, norm),
+        "mlp_pre": _Tap(layer + ".mlp.gate_up_proj", "output", part="gate"),
+        "mlp_post": _Tap(layer + ".mlp.down_proj", "input", _LINEAR_INPUT),
+        "mlp_out": _Tap(layer + ".mlp", "output", multiplier=multiplier),
+        "resid_post": _Tap(layer, "output"),
+        "final_norm": _Tap("model.norm", "normalized", norm_inputs, norm),
+    }
+
+
+# EXAONE 4 normalizes each branch after it and before adding it, with no norm
+# before: attention reads the stream itself, and the MLP reads the mid-stream.
+_EXAONE4_TAPS = {
+    "embed": _Tap("model.embed_tokens", "output"),
+    "resid_pre": _Tap("model.layers.{i}", "input", _LAYER_INPUT),
+    **_attention_taps("model.layers.{i}.self_attn"),
+    "attn_out": _Tap("model.layers.{i}.post_attention_layernorm", "output"),
+    "resid_mid": _Tap("model.layers.{i}.mlp", "input", _NORM_INPUT),
+    "mlp_pre": _Tap("model.layers.{i}.mlp.gate_up_proj", "output", part="gate"),
+    "mlp_post": _Tap("model.layers.{i}.mlp.down_proj", "input", _LINEAR_INPUT),
+    "mlp_out": _Tap("model.layers.{i}.post_feedforward_layernorm", "output"),
+    "resid_post": _Tap("model.layers.{i}", "output"),
+    "final_norm": _Tap("model.norm", "normalized", _NORM_INPUT, "rms"),
 }
+# Cohere: attention and MLP both read the one norm's output (parallel residual)
+# and the layer adds both to the stream; its LayerNorm has a weight and no bias
+# and passes the residual it is given through untouched.
+_COHERE_NORM_INPUT = (("hidden_states", 0),)
+_COHERE_TAPS = {
+    "embed": _Tap("model.embed_tokens", "output"),
+    "resid_pre": _Tap("model.layers.{i}", "input", _LAYER_INPUT),
+    "ln1": _Tap("model.layers.{i}.input_layernorm", "normalized", _COHERE_NORM_INPUT, "layer"),
+    **_attention_taps("model.layers.{i}.self_attn"),
+    "attn_out": _Tap("model.layers.{i}.self_attn", "output"),
+    "mlp_pre": _Tap("model.layers.{i}.mlp.gate_up_proj", "output", part="gate"),
+    "mlp_post": _Tap("model.layers.{i}.mlp.down_proj", "input", _LINEAR_INPUT),
+    "mlp_out": _Tap("model.layers.{i}.mlp", "output"),
+    "resid_post": _Tap("model.layers.{i}", "output"),
+    "final_norm": _Tap("model.norm", "normalized", _COHERE_NORM_INPUT, "layer"),
+}
+
+
+def _moe_taps(taps: dict[str, _Tap], block: str, block_input: str = "hidden_states") -> dict[str, _Tap]:
+    """taps with the MLP a mixture-of-experts block at ``block`` (its router and experts
+    inside): TransformerLens's mlp.hook_pre and mlp.hook_post are the block's input and
+    output, and hook_mlp_out its output too."""
+    layer = "model.layers.{i}"
+    return {
+        **_without(taps, "mlp_pre", "mlp_post", "mlp_out", "resid_post", "final_norm"),
+        "mlp_pre": _Tap(layer + block, "input", ((block_input, 0),)),
+        "mlp_post": _Tap(layer + block, "output"),
+        "mlp_out": _Tap(layer + block, "output"),
+        "resid_post": taps["resid_post"],
+        "final_norm": taps["final_norm"],
+    }
+
+
 # GPT-2 blocks take and return the residual stream itself; the MLP's norm reads
 # the mid-stream while the block keeps its own copy for the skip connection.
 _GPT2_TAPS = {
     "embed": _Tap("transformer.wte", "output"),
     "pos_embed": _Tap("transformer.wpe", "output"),
     "resid_pre": _Tap("transformer.h.{i}", "input", (("hidden_states", 0),)),
-    "attn_z": _Tap("transformer.h.{i}.attn.c_proj", "input", _LINEAR_INPUT),
+    "ln1": _Tap("transformer.h.{i}.ln_1", "normalized", _NORM_INPUT, "layer"),
+    **_attention_taps("transformer.h.{i}.attn", ".c_attn", ".c_proj", rotary=False),
     "attn_out": _Tap("transformer.h.{i}.attn", "output"),
-    "resid_mid": _Tap("transformer.h.{i}.ln_2", "input", (("x", 0),)),
+    "resid_mid": _Tap("transformer.h.{i}.ln_2", "input", _NORM_INPUT),
+    "ln2": _Tap("transformer.h.{i}.ln_2", "normalized", _NORM_INPUT, "layer"),
+    "mlp_pre": _Tap("transformer.h.{i}.mlp.c_fc", "output"),
     "mlp_post": _Tap("transformer.h.{i}.mlp.c_proj", "input", _LINEAR_INPUT),
     "mlp_out": _Tap("transformer.h.{i}.mlp", "output"),
     "resid_post": _Tap("transformer.h.{i}", "output"),
-    "final_norm": _Tap("transformer.ln_f", "normalized", (("x", 0),), "layer"),
+    "final_norm": _Tap("transformer.ln_f", "normalized", _NORM_INPUT, "layer"),
 }
-# GPT-NeoX through vLLM's Transformers backend (transformers' own modules, with
-# vLLM's linear layers and attention). Attention and MLP both read the block's
-# input (parallel residual), so there is no mid-stream and no hook_resid_mid,
-# as in TransformerLens.
-_NEOX_TAPS = {
-    "embed": _Tap("model.embed_in", "output"),
-    "resid_pre": _Tap("model.layers.{i}", "input", (("hidden_states", 0),)),
-    "attn_z": _Tap("model.layers.{i}.attention.dense", "input", _LINEAR_INPUT),
-    "attn_out": _Tap("model.layers.{i}.attention", "output"),
-    "mlp_post": _Tap("model.layers.{i}.mlp.dense_4h_to_h", "input", _LINEAR_INPUT),
-    "mlp_out": _Tap("model.layers.{i}.mlp", "output"),
-    "resid_post": _Tap("model.layers.{i}", "output"),
-    "final_norm": _Tap("model.final_layer_norm", "normalized", (("x", 0),), "layer"),
+
+
+
+# GPT-J: attention and MLP both read ln_1's output (parallel residual); its block
+# takes (position_ids, hidden_states) and returns the stream.
+_GPTJ_TAPS = {
+    "embed": _Tap("transformer.wte", "output"),
+    "resid_pre": _Tap("transformer.h.{i}", "input", _LAYER_INPUT),
+    "ln1": _Tap("transformer.h.{i}.ln_1", "normalized", _NORM_INPUT, "layer"),
+    **_attention_taps("transformer.h.{i}.attn", o_proj=".out_proj", rotary=False),
+    "attn_out": _Tap("transformer.h.{i}.attn", "output"),
+    "mlp_pre": _Tap("transformer.h.{i}.mlp.fc_in", "output"),
+    "mlp_post": _Tap("transformer.h.{i}.mlp.fc_out", "input", _LINEAR_INPUT),
+    "mlp_out": _Tap("transformer.h.{i}.mlp", "output"),
+    "resid_post": _Tap("transformer.h.{i}", "output"),
+    "final_norm": _Tap("transformer.ln_f", "normalized", _NORM_INPUT, "layer"),
 }
+# OPT (norms before each branch, do_layer_norm_before): its layer holds the MLP's
+# two linear layers itself, so the second's output is hook_mlp_out.
+_OPT_LAYER = "model.decoder.layers.{i}"
+_OPT_TAPS = {
+    "embed": _Tap("model.decoder.embed_tokens", "output"),
+    "pos_embed": _Tap("model.decoder.embed_positions", "output"),
+    "resid_pre": _Tap(_OPT_LAYER, "input", (("hidden_states", 0),)),
+    "ln1": _Tap(_OPT_LAYER + ".self_attn_layer_norm", "normalized", _NORM_INPUT, "layer"),
+    **_attention_taps(_OPT_LAYER + ".self_attn", o_proj=".out_proj", rotary=False),
+    "attn_out": _Tap(_OPT_LAYER + ".self_attn", "output"),
+    "resid_mid": _Tap(_OPT_LAYER + ".final_layer_norm", "input", _NORM_INPUT),
+    "ln2": _Tap(_OPT_LAYER + ".final_layer_norm", "normalized", _NORM_INPUT, "layer"),
+    "mlp_pre": _Tap(_OPT_LAYER + ".fc1", "output"),
+    "mlp_post": _Tap(_OPT_LAYER + ".fc2", "input", _LINEAR_INPUT),
+    "mlp_out": _Tap(_OPT_LAYER + ".fc2", "output"),
+    "resid_post": _Tap(_OPT_LAYER, "output"),
+    "final_norm": _Tap("model.decoder.final_layer_norm", "normalized", _NORM_INPUT, "layer"),
+}
+
+# BLOOM (residual from before each norm, apply_residual_connection_post_layernorm off):
+# its embedding is normalized once before layer 0, and that is TransformerLens's
+# hook_embed. ALiBi, no rotary.
+_BLOOM_LAYER = "transformer.h.{i}"
+_BLOOM_TAPS = {
+    "embed": _Tap("transformer.h.0", "input", _LAYER_INPUT),
+    "resid_pre": _Tap(_BLOOM_LAYER, "input", _LAYER_INPUT),
+    "ln1": _Tap(_BLOOM_LAYER + ".input_layernorm", "normalized", _TORCH_NORM_INPUT, "layer"),
+    **_attention_taps(_BLOOM_LAYER + ".self_attention", ".query_key_value", ".dense", rotary=False),
+    "attn_out": _Tap(_BLOOM_LAYER + ".self_attention", "output"),
+    "resid_mid": _Tap(_BLOOM_LAYER + ".post_attention_layernorm", "input", _TORCH_NORM_INPUT),
+    "ln2": _Tap(_BLOOM_LAYER + ".post_attention_layernorm", "normalized", _TORCH_NORM_INPUT, "layer"),
+    "mlp_pre": _Tap(_BLOOM_LAYER + ".mlp.dense_h_to_4h", "output"),
+    "mlp_post": _Tap(_BLOOM_LAYER + ".mlp.dense_4h_to_h", "input", _LINEAR_INPUT),
+    "mlp_out": _Tap(_BLOOM_LAYER + ".mlp", "output"),
+    "resid_post": _Tap(_BLOOM_LAYER, "output"),
+    "final_norm": _Tap("transformer.ln_f", "normalized", _TORCH_NORM_INPUT, "layer"),
+}
+
+# Falcon (7B's layout: parallel_attn, one norm, no new_decoder_architecture):
+# attention and MLP read input_layernorm's output, and their output projections
+# leave the bias for the layer to add once both are summed.
+_FALCON_LAYER = "transformer.h.{i}"
+_FALCON_TAPS = {
+    "embed": _Tap("transformer.word_embeddings", "output"),
+    "resid_pre": _Tap(_FALCON_LAYER, "input", _LAYER_INPUT),
+    "ln1": _Tap(_FALCON_LAYER + ".input_layernorm", "normalized", _TORCH_NORM_INPUT, "layer"),
+    **_attention_taps(_FALCON_LAYER + ".self_attention", ".query_key_value", ".dense", rotary=False, bias_apart=True),
+    "attn_out": _Tap(_FALCON_LAYER + ".self_attention", "output", bias_apart=True),
+    "mlp_pre": _Tap(_FALCON_LAYER + ".mlp.dense_h_to_4h", "output", bias_apart=True),
+    "mlp_post": _Tap(_FALCON_LAYER + ".mlp.dense_4h_to_h", "input", _LINEAR_INPUT),
+    "mlp_out": _Tap(_FALCON_LAYER + ".mlp", "output", bias_apart=True),
+    "resid_post": _Tap(_FALCON_LAYER, "output"),
+    "final_norm": _Tap("transformer.ln_f", "normalized", _TORCH_NORM_INPUT, "layer"),
+}
+
+
+def _transformers_backend_taps(norm: str, **places: _Tap | None) -> dict[str, _Tap]:
+    """Models vLLM runs through its Transformers backend: transformers' own decoder layers
+    (which take and return the residual stream itself) with vLLM's linear layers, its
+    attention and its norms (RMSNorm and LayerNorm, which take x alone), the q, k and v
+    projections fused as qkv_proj and a gated MLP's as gate_up_proj, split in half by
+    the activation. Rotary is applied inside transformers' attention, where no module
+    holds it: hook_rot_q and hook_rot_k are not placed. ``places`` replaces a site's
+    tap, or drops it with None."""
+    layer = "model.layers.{i}"
+    taps = {
+        "embed": _Tap("model.embed_tokens", "output"),
+        "resid_pre": _Tap(layer, "input", (("hidden_states", 0),)),
+        "ln1": _Tap(layer + ".input_layernorm", "normalized", _NORM_INPUT, norm),
+        **_attention_taps(layer + ".self_attn", rotary=False),
+        "attn_out": _Tap(layer + ".self_attn", "output"),
+        "resid_mid": _Tap(layer + ".post_attention_layernorm", "input", _NORM_INPUT),
+        "ln2": _Tap(layer + ".post_attention_layernorm", "normalized", _NORM_INPUT, norm),
+        "mlp_pre": _Tap(layer + ".mlp.gate_up_proj", "output", part="gate"),
+        "mlp_post": _Tap(layer + ".mlp.down_proj", "input", _LINEAR_INPUT),
+        "mlp_out": _Tap(layer + ".mlp", "output"),
+        "resid_post": _Tap(layer, "output"),
+        "final_norm": _Tap("model.norm", "normalized", _NORM_INPUT, norm),
+    }
+    taps.update(places)
+    return {site: tap for site, tap in taps.items() if tap is not None}
+
+
+# OLMo's LayerNorm has no weight and no bias (transformers' own module, which vLLM
+# keeps); TransformerLens 4.3's bridge fails on a hook at its hook_normalized ("has no
+# attribute 'weight'"), so ln1, ln2 and ln_final are not placed.
+_OLMO_TAPS = _transformers_backend_taps(
+    "layer",
+    ln1=None,
+    resid_mid=_Tap("model.layers.{i}.post_attention_layernorm", "input", (("hidden_states", 0),)),
+    ln2=None,
+    final_norm=None,
+)
+# OLMo 2 normalizes each branch after it, before adding it (no norm before).
+_OLMO2_TAPS = _transformers_backend_taps(
+    "rms",
+    ln1=None,
+    ln2=None,
+    attn_out=_Tap("model.layers.{i}.post_attention_layernorm", "output"),
+    resid_mid=_Tap("model.layers.{i}.mlp", "input", _NORM_INPUT),
+    mlp_out=_Tap("model.layers.{i}.post_feedforward_layernorm", "output"),
+)
+# Phi: attention and MLP both read the one norm's output (parallel residual).
+_PHI_TAPS = _transformers_backend_taps(
+    "layer",
+    attn_z=_Tap("model.layers.{i}.self_attn.dense", "input", _LINEAR_INPUT),
+    resid_mid=None,
+    ln2=None,
+    mlp_pre=_Tap("model.layers.{i}.mlp.fc1", "output"),
+    mlp_post=_Tap("model.layers.{i}.mlp.fc2", "input", _LINEAR_INPUT),
+    final_norm=_Tap("model.final_layernorm", "normalized", _NORM_INPUT, "layer"),
+)
+_STARCODER2_TAPS = _transformers_backend_taps(
+    "layer",
+    mlp_pre=_Tap("model.layers.{i}.mlp.c_fc", "output"),
+    mlp_post=_Tap("model.layers.{i}.mlp.c_proj", "input", _LINEAR_INPUT),
+)
+# GPT-NeoX: attention and MLP both read the block's input (parallel residual), so
+# there is no mid-stream and no hook_resid_mid, as in TransformerLens. Its fused
+# query_key_value interleaves q, k and v per head, which no part here describes.
+_NEOX_TAPS = _transformers_backend_taps(
+    "layer",
+    embed=_Tap("model.embed_in", "output"),
+    attn_q=None,
+    attn_k=None,
+    attn_v=None,
+    attn_z=_Tap("model.layers.{i}.attention.dense", "input", _LINEAR_INPUT),
+    attn_out=_Tap("model.layers.{i}.attention", "output"),
+    resid_mid=None,
+    mlp_pre=_Tap("model.layers.{i}.mlp.dense_h_to_4h", "output"),
+    mlp_post=_Tap("model.layers.{i}.mlp.dense_4h_to_h", "input", _LINEAR_INPUT),
+    final_norm=_Tap("model.final_layer_norm", "normalized", _NORM_INPUT, "layer"),
+)
 
 _ARCHITECTURES = {
     # transformers architecture: (the vLLM model classes it is checked with, taps)
     "LlamaForCausalLM": (("LlamaForCausalLM",), _LLAMA_TAPS),
+    "MistralForCausalLM": (("MistralForCausalLM",), _LLAMA_TAPS),
     "Qwen2ForCausalLM": (("Qwen2ForCausalLM",), _LLAMA_TAPS),
+    "Qwen3ForCausalLM": (("Qwen3ForCausalLM",), _LLAMA_TAPS),
+    "Phi3ForCausalLM": (("Phi3ForCausalLM",), _without(_LLAMA_TAPS, "attn_rot_q", "attn_rot_k")),
+    "GemmaForCausalLM": (("GemmaForCausalLM",), _GEMMA_TAPS),
     "Gemma2ForCausalLM": (("Gemma2ForCausalLM",), _GEMMA2_TAPS),
+    "Gemma3ForCausalLM": (("Gemma3ForCausalLM",), _GEMMA2_TAPS),
+    "GraniteForCausalLM": (
+        ("GraniteForCausalLM",),
+        _sequential_taps("rms", _NORM_INPUT, multiplier="residual_multiplier", embed_scaled=True),
+    ),
+    "StableLmForCausalLM": (("StablelmForCausalLM",), _sequential_taps("layer", _TORCH_NORM_INPUT)),
+    "Exaone4ForCausalLM": (("Exaone4ForCausalLM",), _EXAONE4_TAPS),
+    "CohereForCausalLM": (("CohereForCausalLM",), _COHERE_TAPS),
+    "MixtralForCausalLM": (("MixtralForCausalLM",), _moe_taps(_LLAMA_TAPS, ".block_sparse_moe")),
+    "Qwen2MoeForCausalLM": (("Qwen2MoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp")),
+    "Qwen3MoeForCausalLM": (("Qwen3MoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp")),
+    "OlmoeForCausalLM": (("OlmoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp")),
+    "GptOssForCausalLM": (
+        ("GptOssForCausalLM",),
+        _moe_taps(
+            _fused_residual_taps(
+                "rms",
+                embed="model.embedding",
+                attention=".attn",
+                layer_pair=(("hidden_states", 0), ("residual", 2)),  # TransformerBlock(hidden_states, positions, residual)
+            ),
+            ".mlp",
+            block_input="x",
+        ),
+    ),
     "GPT2LMHeadModel": (("GPT2LMHeadModel",), _GPT2_TAPS),
+    "GPTJForCausalLM": (("GPTJForCausalLM",), _GPTJ_TAPS),
+    "OPTForCausalLM": (("OPTForCausalLM",), _OPT_TAPS),
+    "BloomForCausalLM": (("BloomForCausalLM",), _BLOOM_TAPS),
+    "FalconForCausalLM": (("FalconForCausalLM",), _FALCON_TAPS),
+    "OlmoForCausalLM": (("TransformersForCausalLM",), _OLMO_TAPS),
+    "Olmo2ForCausalLM": (("TransformersForCausalLM",), _OLMO2_TAPS),
+    "PhiForCausalLM": (("TransformersForCausalLM",), _PHI_TAPS),
+    "Starcoder2ForCausalLM": (("TransformersForCausalLM",), _STARCODER2_TAPS),
     "GPTNeoXForCausalLM": (("TransformersForCausalLM",), _NEOX_TAPS),
 }
 """Every entry checked against TransformerLens 4.3 on vLLM 0.32 (CPU); Llama and Gemma 2
 also on vLLM 0.24 (CUDA), where Qwen2 and GPT-2 have the same classes. vLLM 0.24 serves
 GPT-NeoX with a native class of its own, which is not in this table and so is refused."""
+
+
+_LAYOUT_SETTINGS = {
+    # architecture: {config attribute: the value its table is written for}
+    "OPTForCausalLM": {"do_layer_norm_before": True},
+    "BloomForCausalLM": {"apply_residual_connection_post_layernorm": False},
+    "FalconForCausalLM": {"new_decoder_architecture": False, "parallel_attn": True},
+    "StableLmForCausalLM": {"use_parallel_residual": False},
+    "GPTNeoXForCausalLM": {"use_parallel_residual": True},
+}
+"""Settings that change where a family's tensors are; a model with another value is refused."""
 
 
 def _architecture(hf_config: Any) -> str:
@@ -257,6 +587,12 @@ def _taps(hf_config: Any, sites: set[str] | tuple[str, ...]) -> dict[str, _Tap]:
             f"and this module has no table for it; supported: {sorted(_ARCHITECTURES)}. Hook "
             "modules of your choosing under names of your own with (module_path, width) specs"
         )
+    for setting, value in _LAYOUT_SETTINGS.get(architecture, {}).items():
+        if getattr(hf_config, setting) != value:
+            raise ValueError(
+                f"architecture {architecture} with {setting}={getattr(hf_config, setting)!r}: this module's "
+                f"table describes {architecture} with {setting}={value!r}, where its tensors sit elsewhere"
+            )
     taps = _ARCHITECTURES[architecture][1]
     missing = [site for site in SITES if site in sites and site not in taps]
     if missing:
@@ -273,13 +609,37 @@ def _taps(hf_config: Any, sites: set[str] | tuple[str, ...]) -> dict[str, _Tap]:
 
 
 def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
-    """One row's shape at each site of a decoder-only model, from its transformers config."""
+    """One row's shape at each site of a decoder-only model, from its transformers config
+    (whose attribute names differ between families)."""
     d_model = hf_config.hidden_size
     n_heads = hf_config.num_attention_heads
     d_head = getattr(hf_config, "head_dim", None) or d_model // n_heads
-    d_mlp = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) or 4 * d_model
+    if getattr(hf_config, "multi_query", False) and not getattr(hf_config, "new_decoder_architecture", False):
+        n_kv_heads = 1  # Falcon's multi-query attention
+    else:
+        n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or getattr(hf_config, "num_kv_heads", None)
+        n_kv_heads = n_kv_heads or n_heads
+    d_mlp = next(
+        (
+            width
+            for width in (getattr(hf_config, name, None) for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"))
+            if width
+        ),
+        4 * d_model,
+    )
+    if getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None):
+        d_mlp = d_model  # a mixture of experts: TransformerLens's mlp hooks are the block's input and output
     shapes = {site: (d_model,) for site in SITES}
-    shapes.update(attn_z=(n_heads, d_head), mlp_post=(d_mlp,))
+    shapes.update(
+        attn_q=(n_heads, d_head),
+        attn_rot_q=(n_heads, d_head),
+        attn_z=(n_heads, d_head),
+        attn_k=(n_kv_heads, d_head),
+        attn_v=(n_kv_heads, d_head),
+        attn_rot_k=(n_kv_heads, d_head),
+        mlp_pre=(d_mlp,),
+        mlp_post=(d_mlp,),
+    )
     return shapes
 
 
@@ -481,6 +841,12 @@ def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
                 f"capture_specs[{name!r}]: a TransformerLens hook takes the shape of one row "
                 f"(an int, or a tuple such as (n_heads, d_head)); the architecture table places "
                 f"it, so it takes no module path; got {spec!r}. Write specs with capture_specs(hf_config)"
+            )
+        if re.fullmatch(r"blocks\.\d+\.attn\.(hook_pattern|hook_attn_scores)", name):
+            raise ValueError(
+                f"capture_specs: {name!r}: vLLM's attention kernels compute softmax(q k^T) blockwise and "
+                "never hold the [query, key] matrix, so there is no tensor to read; capture "
+                "attn.hook_rot_q and attn.hook_rot_k (or hook_q, hook_k) and form it from them"
             )
         if _parse_hook_name(name) is None:
             close = difflib.get_close_matches(name, [t.format(i=0) for t in SITES.values()], n=3)
@@ -866,12 +1232,58 @@ def _is_pp_missing(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "PPMissingLayer"
 
 
-def _tensor_parallel_share(module: torch.nn.Module) -> tuple[int, int] | None:
-    """(first column, columns) of a RowParallelLinear's input this rank holds, or None."""
-    if getattr(module, "input_is_parallel", False) and getattr(module, "tp_size", 1) > 1:
+def _tensor_parallel_size() -> int:
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_world_size()
+
+
+def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int) -> tuple[int, int] | None:
+    """(first column, columns) of a row of ``width`` this rank holds, or None for all
+    of it: a RowParallelLinear's input, heads of a QKVParallelLinear's output or of
+    what Attention receives, and half a gated activation's input (gate, then up)."""
+    if tap.kind == "input" and getattr(module, "input_is_parallel", False) and getattr(module, "tp_size", 1) > 1:
         share = module.input_size_per_partition
         return module.tp_rank * share, share
-    return None
+    ranks = _tensor_parallel_size()
+    if ranks == 1:
+        return None
+    unreduced = [
+        type(linear).__name__
+        for linear in (module, *module.children())
+        if type(linear).__name__ == "RowParallelLinear" and not linear.reduce_results
+    ]
+    if tap.kind == "output" and unreduced:
+        raise ValueError(
+            f"{tap.module}: under tensor parallelism its output is one rank's part of a sum the layer "
+            f"reduces later ({unreduced[0]} without reduce_results), not the whole tensor; "
+            "read it with tensor_parallel_size=1"
+        )
+    if tap.kind == "output" and not tap.part and not getattr(module, "gather_output", True):
+        share = module.output_size_per_partition  # a ColumnParallelLinear's output
+        return _tensor_parallel_rank() * share, share
+    if not (tap.part or tap.inputs in (_QUERY, _KEY)):
+        return None
+    if tap.part == "gate":
+        share = width // ranks
+    else:
+        heads = module.num_heads if tap.part == "q" or tap.inputs == _QUERY else module.num_kv_heads
+        share = heads * module.head_size
+    if share * ranks != width:
+        raise ValueError(
+            f"{tap.module}: its {width} columns are not split evenly over {ranks} tensor-parallel ranks "
+            f"(this rank holds {share}: key and value heads are replicated when there are fewer of them "
+            "than ranks); read them with a tensor_parallel_size that divides the number of key-value heads"
+        )
+    return _tensor_parallel_rank() * share, share
+
+
+def _qkv_columns(module: torch.nn.Module, part: str) -> tuple[int, int] | None:
+    """The columns of q, k or v in a QKVParallelLinear's output on this rank."""
+    if part not in ("q", "k", "v"):
+        return None
+    q, kv = module.num_heads * module.head_size, module.num_kv_heads * module.head_size
+    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}[part]
 
 
 def _output_width(module: torch.nn.Module) -> int | None:
@@ -894,9 +1306,9 @@ def _norm_eps(module: torch.nn.Module) -> float:
 
 def _forward_parameters(module: torch.nn.Module) -> list[str]:
     """Names of the module's forward arguments (a CustomOp's, whose forward takes *args)."""
-    parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    parameters = list(inspect.signature(module.forward).parameters.values())
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters) and hasattr(module, "forward_native"):
-        parameters = list(inspect.signature(type(module).forward_native).parameters.values())[1:]
+        parameters = list(inspect.signature(module.forward_native).parameters.values())  # bound, or static
     return [p.name for p in parameters]
 
 
@@ -927,6 +1339,7 @@ class _PlacedHook:
     tap: _Tap
     row_shape: tuple[int, ...]
     columns: tuple[int, int]
+    part_columns: tuple[int, int] | None = None  # a part's columns in the module's tensor
 
     @property
     def width(self) -> int:
@@ -944,8 +1357,10 @@ class _HookState:
         absent: list[str],
         max_num_seqs: int,
         prefix_caching: bool,
+        hf_config: Any,
     ):
         self.config = config
+        self.hf_config = hf_config
         self.prefix_caching = prefix_caching
         self.placed = placed
         self.hook_names = list(placed)
@@ -1021,7 +1436,7 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     atexit.unregister(_sweep_shared_files)  # once per process, however many installs
     atexit.register(_sweep_shared_files, own=True)
     placed, absent = _place_hooks(model, hf_config, config)
-    state = _HookState(config, model, placed, absent, max_num_seqs, prefix_caching)
+    state = _HookState(config, model, placed, absent, max_num_seqs, prefix_caching, hf_config)
     for index in range(len(placed)):
         _attach_hook(state, index)
     state.flavour.attach(model, runner)
@@ -1122,8 +1537,9 @@ def _place_hooks(
             absent.append(name)
             continue
         _check_inputs(module, tap, path)
-        placed[name] = _PlacedHook(module, tap, *_rank_share(module, tap, config.row_shape(name)))
-        width = _output_width(module) if tap.kind == "output" else None
+        row_shape, columns = _rank_share(module, tap, config.row_shape(name))
+        placed[name] = _PlacedHook(module, tap, row_shape, columns, _qkv_columns(module, tap.part))
+        width = _output_width(module) if tap.kind == "output" and not tap.part else None
         if width is not None and width != placed[name].width:
             raise ValueError(
                 f"capture_specs[{name!r}]: width {placed[name].width}, but {path} "
@@ -1146,11 +1562,11 @@ def _check_inputs(module: torch.nn.Module, tap: _Tap, path: str) -> None:
 def _rank_share(
     module: torch.nn.Module, tap: _Tap, row_shape: tuple[int, ...]
 ) -> tuple[tuple[int, ...], tuple[int, int]]:
-    """(row shape, columns) of the part of each row this rank holds. The input of a
-    tensor-parallel row-split projection (attn_z, mlp_post) is split by columns, heads
-    first; everything else is whole on every rank."""
+    """(row shape, columns) of the part of each row this rank holds. Under tensor
+    parallelism the heads of q, k, v and z and the units of the MLP's hidden layer
+    are split across ranks, heads first; everything else is whole on every rank."""
     width = math.prod(row_shape)
-    share = _tensor_parallel_share(module) if tap.kind == "input" else None
+    share = _tensor_parallel_share(module, tap, width)
     if share is None:
         return row_shape, (0, width)
     start, columns = share
@@ -1234,13 +1650,31 @@ def _attach_hook(state: _HookState, index: int) -> None:
     fire_count = state.fire_counts.narrow(0, index, 1)
     scale, bias, row_index = state.scales[name], state.biases[name], state.flavour.row_index(index)
 
+    def columns_of(tensor):
+        """(start, stop) of the site's columns in a module's [..., columns] tensor."""
+        columns = tensor.shape[-1]
+        if placed.part_columns is not None:
+            return placed.part_columns
+        return (0, columns // 2) if tap.part == "gate" else (0, columns)
+
     def as_rows(tensor):
-        if tensor.shape[-1] != width:
+        """The site's [rows, width] view of a module's input or output."""
+        start, stop = columns_of(tensor)
+        if stop - start != width:
             raise ValueError(
-                f"{name}: {tap.module} gives rows of width {tensor.shape[-1]} at its {tap.kind}, "
+                f"{name}: {tap.module} gives rows of width {stop - start} at its {tap.kind}, "
                 f"but the hook was configured with {width}"
             )
-        return tensor.view(-1, width)
+        rows = tensor.view(-1, tensor.shape[-1])
+        return rows if stop - start == tensor.shape[-1] else rows[:, start:stop]
+
+    def with_rows(tensor, rows):
+        """``tensor`` with the site's columns replaced by ``rows``."""
+        start, stop = columns_of(tensor)
+        if stop - start == tensor.shape[-1]:
+            return rows.view_as(tensor)
+        whole = tensor.view(-1, tensor.shape[-1])
+        return torch.cat([whole[:, :start], rows, whole[:, stop:]], dim=-1).view_as(tensor)
 
     def keep(activation):
         """The first forward after the flag opens wins; later ones rewrite what is there."""
@@ -1253,12 +1687,24 @@ def _attach_hook(state: _HookState, index: int) -> None:
         return _select_edit(scale, bias, row_index, rows.shape[0])
 
     if tap.kind == "output":
+        multiplier = float(getattr(state.hf_config, tap.multiplier)) if tap.multiplier else None
 
         def hook(_module, _inputs, output):
             rows = as_rows(output[0] if isinstance(output, tuple) else output)
             row_scale, row_bias = edit_of(rows)
-            rows.mul_(row_scale).add_(row_bias)
-            keep(rows)
+            added = output[1] if tap.bias_apart else None
+            if added is not None:
+                start, stop = columns_of(output[0])
+                added = added[start:stop]
+            if multiplier is not None:  # the layer adds output * multiplier: the product carries the edit
+                rows.mul_(row_scale).add_(row_bias / multiplier)
+                keep(rows * multiplier)
+            elif added is not None:  # the layer adds the bias: the sum carries the edit (+ 0 exactly unedited)
+                rows.mul_(row_scale).add_(row_bias + added * row_scale - added)
+                keep(rows + added)
+            else:
+                rows.mul_(row_scale).add_(row_bias)
+                keep(rows)
             return output
 
         state.handles.append(module.register_forward_hook(torch.no_grad()(hook)))
@@ -1295,7 +1741,7 @@ def _attach_hook(state: _HookState, index: int) -> None:
             edited = as_rows(hidden) * row_scale + row_bias
             if residual is None:
                 keep(edited)
-                return _with_arguments(args, kwargs, [(first, first_at, edited.view_as(hidden))])
+                return _with_arguments(args, kwargs, [(first, first_at, with_rows(hidden, edited))])
             edited_residual = as_rows(residual) * row_scale
             keep(edited + edited_residual)
             replaced = [
@@ -1310,14 +1756,28 @@ def _attach_hook(state: _HookState, index: int) -> None:
     # Norm taps. On CUDA vLLM's fused add+norm overwrites its inputs in place,
     # so the pre-hook reads them and leaves the edited rows in norm_rows; the
     # post-hook rewrites only the output rows the edit changed, so an unedited
-    # forward keeps vLLM's own output bit for bit.
+    # forward keeps vLLM's own output bit for bit. Where hook_resid_mid's tap
+    # sits on the same norm (ln2's input), ln2 normalizes its edited rows.
     norm_rows, norm_changed = state.norm_rows[name], state.norm_changed[name]
     eps = _norm_eps(module)
     normalized = tap.kind == "normalized"
+    weight, norm_bias = module.weight, getattr(module, "bias", None)  # Cohere's LayerNorm has no bias
+    source = next(
+        (
+            earlier
+            for earlier in state.hook_names[:index]
+            if state.placed[earlier].module is module and state.placed[earlier].tap.kind == "norm_input"
+        ),
+        None,
+    )
 
     def pre_hook(_module, args, kwargs):
         hidden, residual = inputs_of(args, kwargs)
         total = as_rows(hidden) if residual is None else as_rows(hidden) + as_rows(residual)
+        if source is not None:
+            num_rows = total.shape[0]
+            changed = state.norm_changed[source].narrow(0, 0, num_rows)
+            total = torch.where(changed, state.norm_rows[source].narrow(0, 0, num_rows).to(total.dtype), total)
         activation = _normalize(total, tap.norm, eps) if normalized else total
         row_scale, row_bias = edit_of(activation)
         edited = activation * row_scale + row_bias
@@ -1328,10 +1788,10 @@ def _attach_hook(state: _HookState, index: int) -> None:
     def hook(_module, _inputs, output):
         out = as_rows(output[0] if isinstance(output, tuple) else output)
         edited = norm_rows.narrow(0, 0, out.shape[0])
-        weight = module.weight.float() + 1.0 if tap.norm == "rms_offset" else module.weight.float()
-        result = (edited if normalized else _normalize(edited, tap.norm, eps)) * weight
-        if tap.norm == "layer" and module.bias is not None:
-            result = result + module.bias.float()
+        result = edited if normalized else _normalize(edited, tap.norm, eps)
+        result = result * (weight.float() + 1.0 if tap.norm == "rms_offset" else weight.float())
+        if tap.norm == "layer" and norm_bias is not None:
+            result = result + norm_bias.float()
         out.copy_(torch.where(norm_changed.narrow(0, 0, out.shape[0]), result.to(out.dtype), out))
         return output
 
@@ -3067,23 +3527,106 @@ def remove_hooks(engine: Any) -> None:
 
 
 _TINY_MODELS = {
-    # family: (transformers config and model classes, shape). Width 128 and head
-    # size 64: vLLM's CPU attention takes head sizes from 32 up.
+    # family: (transformers config and model classes, its config beside the common shape).
+    # Width 128 and head size 64: vLLM's CPU attention takes head sizes from 32 up. One
+    # key-value head where the family has grouped queries; mixtures of 4 experts, 2 a token.
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=64)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16),
+    ),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(partial_rotary_factor=0.5)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False, pad_token_id=0)),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            num_key_value_heads=1,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+        ),
+    ),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=1, partial_rotary_factor=0.5)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=1)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=1, logit_scale=0.5)),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(num_key_value_heads=1, head_dim=64, sliding_window=16)),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_key_value_heads=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=128,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_key_value_heads=1,
+            head_dim=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            num_key_value_heads=1,
+            head_dim=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            tie_word_embeddings=False,
+        ),
+    ),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=256)),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25, tie_word_embeddings=False)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_inner=256, rotary_dim=32, tie_word_embeddings=False)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=256, word_embed_proj_dim=128, init_std=0.1)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict()),
+    "falcon": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=True),
+    ),
 }
 
 
 def tiny_model(directory: str, family: str = "llama") -> Any:
     """A random fp32 model small enough for a CPU, saved to ``directory`` with a tokenizer.
 
-    family: a key of the tiny model table (llama, qwen2, gemma2, gpt2,
-    gpt_neox); 3 layers, width 128, 2 heads of 64, MLP 256, vocabulary 512
-    (words ``t0`` .. ``t511``). Norm weights and biases are random too, so a
-    tensor taken before a norm's weight never equals one taken after it.
+    family: a key of the tiny model table (every family the architecture table
+    places); 3 layers, width 128, 2 heads of 64, MLP 256, vocabulary 512 (words
+    ``t0`` .. ``t511``), as each family's config names them. Norm weights and
+    biases are random too, so a tensor taken before a norm's weight never equals
+    one taken after it.
     Returns the transformers model (eval mode, eager attention) holding the
     saved weights.
     """
@@ -3093,8 +3636,9 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     if family not in _TINY_MODELS:
         raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(_TINY_MODELS)}")
     config_class, model_class, shape = _TINY_MODELS[family]
-    torch.manual_seed(sorted(_TINY_MODELS).index(family))
-    config = getattr(transformers, config_class)(
+    torch.manual_seed(zlib.crc32(family.encode()))
+    config_class = getattr(transformers, config_class)
+    common = dict(
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
@@ -3102,6 +3646,11 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
         num_attention_heads=2,
         max_position_embeddings=1024,
         initializer_range=0.1,
+    )
+    # Only what the family's config takes (Bloom's MLP is 4 * hidden_size and has no setting).
+    known = set(inspect.signature(config_class.__init__).parameters) | set(config_class.attribute_map)
+    config = config_class(
+        **{key: value for key, value in common.items() if key in known},
         attn_implementation="eager",  # exact attention (SDPA drops Gemma 2's logit soft-capping)
         **shape,
     )
