@@ -119,6 +119,8 @@ SITES = {
     "resid_mid": "blocks.{i}.hook_resid_mid",
     "ln2": "blocks.{i}.ln2.hook_normalized",
     "mlp_pre": "blocks.{i}.mlp.hook_pre",
+    "expert_weights": "blocks.{i}.mlp.hook_expert_weights",
+    "expert_indices": "blocks.{i}.mlp.hook_expert_indices",
     "mlp_post": "blocks.{i}.mlp.hook_post",
     "mlp_out": "blocks.{i}.hook_mlp_out",
     "resid_post": "blocks.{i}.hook_resid_post",
@@ -132,9 +134,14 @@ attn_rot_k ``[n_kv_heads, d_head]`` (q and k before rotary, then after it), and
 at mlp_pre and mlp_post ``[d_mlp]`` (the activation's input, its gate on gated
 MLPs, and the down projection's input) on dense MLPs; on mixture-of-experts
 blocks TransformerLens's mlp_pre and mlp_post are the block's input and output,
-``[d_model]``. ln1, ln2 and final_norm are a norm's input normalized (the mean
-taken out for LayerNorm), before its weight and bias.
+``[d_model]``, and the router's choice per token is expert_weights ``[n_experts]``
+(the weight each expert's output is summed with, 0 for those not chosen) and
+expert_indices ``[top_k]`` (the chosen experts, highest weight first, as numbers
+of the capture dtype; read-only). ln1, ln2 and final_norm are a norm's input
+normalized (the mean taken out for LayerNorm), before its weight and bias.
 """
+
+_READ_ONLY_SITES = ("expert_weights", "expert_indices")  # vLLM's fused MoE routes inside its kernel
 
 _HOOK_NAME = {
     re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$"): site for site, template in SITES.items()
@@ -170,6 +177,10 @@ class _Tap:
       normalized   a norm's input, or the sum of its two, normalized before its
                    weight and bias; an edit reaches the norm's output as
                    ``edited * weight + bias``.
+      router       a mixture of experts' router logits, turned into the top-k
+                   experts (part ``indices``) or their weights over all experts
+                   (part ``weights``): softmax, top-k, then renormalized over the k
+                   where ``renormalize`` says (``always``, or a config attribute).
     inputs: (argument name, position) of each input an input kind reads.
     norm: for the norm kinds: ``rms``, ``rms_offset`` (weight applied as
         1 + weight, Gemma) or ``layer`` (mean-centred, with a bias where it has one).
@@ -193,6 +204,7 @@ class _Tap:
     part: str = ""
     multiplier: str = ""
     bias_apart: bool = False
+    renormalize: str = ""
 
 
 _LAYER_PAIR = (("hidden_states", 1), ("residual", 2))  # vLLM's fused-residual decoder layers
@@ -328,14 +340,18 @@ _COHERE_TAPS = {
 }
 
 
-def _moe_taps(taps: dict[str, _Tap], block: str, block_input: str = "hidden_states") -> dict[str, _Tap]:
+def _moe_taps(
+    taps: dict[str, _Tap], block: str, renormalize: str, router: str = ".gate", block_input: str = "hidden_states"
+) -> dict[str, _Tap]:
     """taps with the MLP a mixture-of-experts block at ``block`` (its router and experts
     inside): TransformerLens's mlp.hook_pre and mlp.hook_post are the block's input and
-    output, and hook_mlp_out its output too."""
+    output, and hook_mlp_out its output too; the router's choice comes from its logits."""
     layer = "model.layers.{i}"
     return {
         **_without(taps, "mlp_pre", "mlp_post", "mlp_out", "resid_post", "final_norm"),
         "mlp_pre": _Tap(layer + block, "input", ((block_input, 0),)),
+        "expert_weights": _Tap(layer + block + router, "router", part="weights", renormalize=renormalize),
+        "expert_indices": _Tap(layer + block + router, "router", part="indices", renormalize=renormalize),
         "mlp_post": _Tap(layer + block, "output"),
         "mlp_out": _Tap(layer + block, "output"),
         "resid_post": taps["resid_post"],
@@ -528,10 +544,10 @@ _ARCHITECTURES = {
     "StableLmForCausalLM": (("StablelmForCausalLM",), _sequential_taps("layer", _TORCH_NORM_INPUT)),
     "Exaone4ForCausalLM": (("Exaone4ForCausalLM",), _EXAONE4_TAPS),
     "CohereForCausalLM": (("CohereForCausalLM",), _COHERE_TAPS),
-    "MixtralForCausalLM": (("MixtralForCausalLM",), _moe_taps(_LLAMA_TAPS, ".block_sparse_moe")),
-    "Qwen2MoeForCausalLM": (("Qwen2MoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp")),
-    "Qwen3MoeForCausalLM": (("Qwen3MoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp")),
-    "OlmoeForCausalLM": (("OlmoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp")),
+    "MixtralForCausalLM": (("MixtralForCausalLM",), _moe_taps(_LLAMA_TAPS, ".block_sparse_moe", "always")),
+    "Qwen2MoeForCausalLM": (("Qwen2MoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob")),
+    "Qwen3MoeForCausalLM": (("Qwen3MoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob")),
+    "OlmoeForCausalLM": (("OlmoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob")),
     "GptOssForCausalLM": (
         ("GptOssForCausalLM",),
         _moe_taps(
@@ -542,6 +558,8 @@ _ARCHITECTURES = {
                 layer_pair=(("hidden_states", 0), ("residual", 2)),  # TransformerBlock(hidden_states, positions, residual)
             ),
             ".mlp",
+            "always",  # softmax over the top-k logits
+            router=".router",
             block_input="x",
         ),
     ),
@@ -608,6 +626,11 @@ def _taps(hf_config: Any, sites: set[str] | tuple[str, ...]) -> dict[str, _Tap]:
     return taps
 
 
+def _num_experts(hf_config: Any) -> int | None:
+    """The experts of each mixture-of-experts block, or None for a dense model."""
+    return getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+
+
 def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     """One row's shape at each site of a decoder-only model, from its transformers config
     (whose attribute names differ between families)."""
@@ -627,9 +650,12 @@ def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
         ),
         4 * d_model,
     )
-    if getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None):
+    n_experts = _num_experts(hf_config)
+    if n_experts:
         d_mlp = d_model  # a mixture of experts: TransformerLens's mlp hooks are the block's input and output
     shapes = {site: (d_model,) for site in SITES}
+    if n_experts:
+        shapes.update(expert_weights=(n_experts,), expert_indices=(hf_config.num_experts_per_tok,))
     shapes.update(
         attn_q=(n_heads, d_head),
         attn_rot_q=(n_heads, d_head),
@@ -1262,7 +1288,7 @@ def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int) -> tu
     if tap.kind == "output" and not tap.part and not getattr(module, "gather_output", True):
         share = module.output_size_per_partition  # a ColumnParallelLinear's output
         return _tensor_parallel_rank() * share, share
-    if not (tap.part or tap.inputs in (_QUERY, _KEY)):
+    if not (tap.part in ("q", "k", "v", "gate") or tap.inputs in (_QUERY, _KEY)):
         return None
     if tap.part == "gate":
         share = width // ranks
@@ -1685,6 +1711,24 @@ def _attach_hook(state: _HookState, index: int) -> None:
 
     def edit_of(rows):
         return _select_edit(scale, bias, row_index, rows.shape[0])
+
+    if tap.kind == "router":  # read-only: vLLM's fused MoE routes inside its kernel
+        top_k, num_experts = state.hf_config.num_experts_per_tok, _num_experts(state.hf_config)
+        renormalize = tap.renormalize == "always" or bool(getattr(state.hf_config, tap.renormalize, False))
+
+        def hook(_module, _inputs, output):
+            logits = (output[0] if isinstance(output, tuple) else output).reshape(-1, num_experts).float()
+            weights, indices = logits.softmax(-1).topk(top_k, dim=-1)
+            if tap.part == "indices":
+                keep(indices.to(capture_buffer.dtype))
+                return output
+            if renormalize:
+                weights = weights / weights.sum(-1, keepdim=True)
+            keep(torch.zeros_like(logits).scatter(-1, indices, weights).to(capture_buffer.dtype))
+            return output
+
+        state.handles.append(module.register_forward_hook(torch.no_grad()(hook)))
+        return
 
     if tap.kind == "output":
         multiplier = float(getattr(state.hf_config, tap.multiplier)) if tap.multiplier else None
@@ -2433,6 +2477,11 @@ def _check_hook_name(name: Any, config: CaptureConfig) -> None:
             f"edits: {name!r} is not a configured hook"
             + (f"; close matches: {close}" if close else "")
             + f"; configured: {sorted(config.capture_specs)}"
+        )
+    if (_parse_hook_name(name) or ("",))[0] in _READ_ONLY_SITES:
+        raise ValueError(
+            f"edits: {name!r} is read-only: vLLM's fused mixture of experts routes inside its kernel, from "
+            "the router's logits; edit the block's input (mlp.hook_pre) or output (hook_mlp_out) instead"
         )
 
 

@@ -24,7 +24,7 @@ import torch
 import tl_vllm_hooks as tlh
 
 PROMPT = [(7 * i + 3) % 512 for i in range(40)]
-FAMILIES = ("llama", "qwen2", "gemma2", "gpt2", "gpt_neox")  # tiny_model's
+FAMILIES = tuple(tlh._TINY_MODELS)  # every family tiny_model builds
 
 
 def transformer_lens_rows(bridge, names, edits):
@@ -72,12 +72,20 @@ def vllm_rows(family_dir, specs, batching, all_edits):
     return results
 
 
+def placed(hf_config, site):
+    """Whether the module's table places `site` on this architecture (it refuses the others)."""
+    try:
+        tlh.capture_specs(hf_config, sites=(site,))
+    except ValueError:
+        return False
+    return True
+
+
 def family_errors(family, directory):
     from transformer_lens.model_bridge import TransformerBridge
 
     hf_model = tlh.tiny_model(directory, family)
-    sites = [site for site in tlh.SITES if site != "pos_embed" or family == "gpt2"]
-    sites = [site for site in sites if site != "resid_mid" or family != "gpt_neox"]
+    sites = [site for site in tlh.SITES if placed(hf_model.config, site)]
     specs = tlh.capture_specs(hf_model.config, sites=sites)
     bridge = TransformerBridge.boot_transformers(directory, hf_model=copy.deepcopy(hf_model), dtype=torch.float32,
                                                  device="cpu")
