@@ -1173,9 +1173,14 @@ class TestBatched:
         assert_matches(rows, llm.model.reference(BATCH[0], llm.hook_names), "through the RPC")
 
     def test_reads_leave_no_row_files_behind(self, llm):
+        # The worker's row files are named after its pid (other tests' engines may run beside).
+        (output,) = generate(llm, [BATCH[0]])
+        (reply,) = llm.collective_rpc("tl_read_batched", args=([output.request_id], socket.gethostname()))
+        worker = reply["result"]["file"].rsplit("-", 1)[0]
+        tlh._mapped_rows(reply["result"]["file"])
         outputs = generate(llm, BATCH)
         tlh.read_batched(llm, [output.request_id for output in outputs])
-        assert glob.glob("/dev/shm/tl_vllm_hooks-*") == []
+        assert glob.glob(f"{worker}-*") == []
 
     def test_a_dead_workers_row_files_are_removed_when_hooks_install(self, llm):
         assert not llm.stale_file.exists()
@@ -1472,6 +1477,17 @@ class TestFamilies:
         llm = family_llm
         worst = check_every_site_edit_per_request(llm, llm.model, tolerance=llm.tolerance)
         print(f"\n{request.node.name}: worst relative error under an edit at each site {worst:.2e}")
+
+    def test_edits_of_one_layers_sites_compose_as_in_transformer_lens(self, family_llm):
+        """One request editing every editable site of layer 1 at once: each edit sees the
+        ones before it (hook_resid_mid and ln2.hook_normalized share one norm)."""
+        llm = family_llm
+        edits = {
+            name: {"op": "add", "value": 0.25 * torch.ones(shape)} if n % 2 else {"op": "scale", "value": 1.5}
+            for n, (name, shape) in enumerate(hook_shapes(llm).items())
+            if name.startswith("blocks.1.") and not name.endswith(READ_ONLY)
+        }
+        check_per_request(llm, llm.model, [(BATCH[2], "all", edits)], tolerance=llm.tolerance)
 
 
 @pytest.fixture(scope="class", params=("granite", "falcon", "mixtral"))
@@ -1908,6 +1924,28 @@ def test_sink_joins_the_parts_tensor_parallel_ranks_write(models, tmp_path):
     assert_matches(rows, reference.reference(PROMPT, llm.hook_names, EDIT), "tp2 sink", tolerance)
 
 
+def test_tensor_parallel_splits_the_heads_of_q_k_v_and_the_mlp_units(models):
+    """Tensor parallel 2 on two CPU workers, GPT-2 (two heads, two key-value heads), batched
+    flavour, eager: every site, hook_q/k/v and mlp.hook_pre split by heads and units
+    across the ranks and joined on read, unedited and under an edit at each site (each
+    rank editing its own heads), against TransformerLens."""
+    if torch.cuda.is_available() or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two CPU workers need two cores (two GPUs run test_parallel_layout_matches_one_device)")
+    model = models["gpt2"]
+    with engine(
+        model, sites=model.sites, in_process=False, eager=True, batching=True,
+        environment=(("VLLM_CPU_OMP_THREADS_BIND", "0|1"),), tensor_parallel_size=2,
+    ) as llm:
+        shards = [reply["result"]["shards"] for reply in llm.collective_rpc("tl_status")]
+        split = {"attn.hook_q": 1, "attn.hook_k": 1, "attn.hook_v": 1, "attn.hook_z": 1, "mlp.hook_pre": 128,
+                 "mlp.hook_post": 128}
+        assert shards[1] == {
+            f"blocks.{i}.{hook}": start for i in range(3) for hook, start in split.items()
+        }, "rank 1 holds the second head and the second half of the MLP's units"
+        check_batched(llm, model, prompts=BATCH[:2])
+        check_every_site_edit_per_request(llm, model)
+
+
 BAD_ENGINES = textwrap.dedent(
     """
     # Each engine below must fail to start with a clear message; then a good one
@@ -1920,7 +1958,7 @@ BAD_ENGINES = textwrap.dedent(
         from vllm import LLM
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        model_dir, mistral_dir = sys.argv[1], sys.argv[2]
+        model_dir, unplaced_dir = sys.argv[1], sys.argv[2]
         good = {"blocks.0.hook_mlp_out": 128}
         base = dict(dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
                     gpu_memory_utilization=0.05)
@@ -1929,7 +1967,7 @@ BAD_ENGINES = textwrap.dedent(
             "width": ({"h": ("model.layers.0.mlp.down_proj", 64)}, 128, {}),
             "shape": ({"blocks.0.hook_mlp_out": 64}, 128, {}),
             "layer": ({"blocks.3.hook_mlp_out": 128}, 128, {}),
-            "architecture": (good, 128, {"model": mistral_dir}),
+            "architecture": (good, 128, {"model": unplaced_dir}),
             "prefix": (good, 128, {"enable_prefix_caching": True}),
             "rows": (good, 64, {"max_num_batched_tokens": 128}),
         }
@@ -1964,14 +2002,14 @@ def test_bad_engine_configs_are_refused_at_startup(tmp_path, models):
     script = tmp_path / "bad_engines.py"
     script.write_text(BAD_ENGINES)
     # The Llama's weights under an architecture the table does not place: vLLM
-    # serves it (as Mistral), and the TransformerLens names must be refused.
-    mistral = tmp_path / "mistral"
-    shutil.copytree(models["llama"].path, mistral)
-    config = json.loads((mistral / "config.json").read_text())
-    (mistral / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
+    # serves it (with its Llama class), and the TransformerLens names must be refused.
+    unplaced = tmp_path / "internlm3"
+    shutil.copytree(models["llama"].path, unplaced)
+    config = json.loads((unplaced / "config.json").read_text())
+    (unplaced / "config.json").write_text(json.dumps({**config, "architectures": ["InternLM3ForCausalLM"]}))
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run(
-        [sys.executable, str(script), str(models["llama"].path), str(mistral)],
+        [sys.executable, str(script), str(models["llama"].path), str(unplaced)],
         cwd=HERE, env=environment, capture_output=True, text=True, timeout=600,
     )
     log = done.stdout + done.stderr
@@ -1984,8 +2022,8 @@ def test_bad_engine_configs_are_refused_at_startup(tmp_path, models):
         "capture_specs['h']: width 64, but model.layers.0.mlp.down_proj (RowParallelLinear) outputs rows of 128",
         "row shape (64,), but this model's blocks.0.hook_mlp_out has rows of (128,)",
         "blocks.3.hook_mlp_out: the model has 3 layers",
-        "architecture MistralForCausalLM: TransformerLens hook names are placed per architecture and this "
-        "module has no table for it; supported: ['GPT2LMHeadModel', 'GPTNeoXForCausalLM', 'Gemma2ForCausalLM'",
+        "architecture InternLM3ForCausalLM: TransformerLens hook names are placed per architecture and this "
+        "module has no table for it; supported: ['BloomForCausalLM', 'CohereForCausalLM', 'Exaone4ForCausalLM'",
         "enable_prefix_caching: the compiled flavour keeps the rows of one forward, and tokens served from vLLM's",
         "the engine schedules up to 128 tokens per forward but the capture buffers hold 64",
     ]:

@@ -240,7 +240,6 @@ def _fused_residual_taps(
     ln2: str = ".post_attention_layernorm",
     mlp_out: str = ".mlp",
     embed_scaled: bool = False,
-    rotary: bool = True,
     embed: str = "model.embed_tokens",
     attention: str = ".self_attn",
     layer_pair: tuple[tuple[str, int], ...] = _LAYER_PAIR,
@@ -254,7 +253,7 @@ def _fused_residual_taps(
         "embed": _Tap("model.layers.0", "input", _LAYER_INPUT) if embed_scaled else _Tap(embed, "output"),
         "resid_pre": _Tap(layer, "input_pair", layer_pair),
         "ln1": _Tap(layer + ".input_layernorm", "normalized", _NORM_PAIR, norm),
-        **_attention_taps(layer + attention, rotary=rotary),
+        **_attention_taps(layer + attention),
         "attn_out": _Tap(layer + (attn_out or attention), "output"),
         "resid_mid": _Tap(layer + ln2, "norm_input", _NORM_PAIR, norm),
         "ln2": _Tap(layer + ln2, "normalized", _NORM_PAIR, norm),
@@ -267,7 +266,8 @@ def _fused_residual_taps(
 
 
 def _without(taps: dict[str, _Tap], *sites: str) -> dict[str, _Tap]:
-    """taps less the sites TransformerLens's bridge does not have on that architecture."""
+    """taps less ``sites`` (those TransformerLens's bridge does not run on an architecture,
+    or that another layout places elsewhere)."""
     return {site: tap for site, tap in taps.items() if site not in sites}
 
 
@@ -292,8 +292,9 @@ def _sequential_taps(
     take one input, and the layer's first output is the stream. Granite multiplies the
     embedding (embed_scaled) and each branch's output (its residual_multiplier) first."""
     layer = "model.layers.{i}"
+    embed = _Tap("model.layers.0", "input", _LAYER_INPUT) if embed_scaled else _Tap("model.embed_tokens", "output")
     return {
-        "embed": _Tap("model.layers.0", "input", _LAYER_INPUT) if embed_scaled else _Tap("model.embed_tokens", "output"),
+        "embed": embed,
         "resid_pre": _Tap(layer, "input", _LAYER_INPUT),
         "ln1": _Tap(layer + ".input_layernorm", "normalized", norm_inputs, norm),
         **_attention_taps(layer + ".self_attn"),
@@ -555,7 +556,8 @@ _ARCHITECTURES = {
                 "rms",
                 embed="model.embedding",
                 attention=".attn",
-                layer_pair=(("hidden_states", 0), ("residual", 2)),  # TransformerBlock(hidden_states, positions, residual)
+                # TransformerBlock(hidden_states, positions, residual)
+                layer_pair=(("hidden_states", 0), ("residual", 2)),
             ),
             ".mlp",
             "always",  # softmax over the top-k logits
@@ -645,7 +647,9 @@ def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     d_mlp = next(
         (
             width
-            for width in (getattr(hf_config, name, None) for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"))
+            for width in (
+                getattr(hf_config, name, None) for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+            )
             if width
         ),
         4 * d_model,
@@ -3582,7 +3586,9 @@ _TINY_MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)),
+    "mistral": (
+        "MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)
+    ),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=64)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64)),
     "gemma3": (

@@ -1,0 +1,225 @@
+"""New families on a GPU, against TransformerLens: capture there, compare here.
+
+    python3 scripts/gpu_families.py models DIR [--families qwen3,gemma3,mixtral]   # on the CPU machine
+    python3 scripts/gpu_families.py capture DIR OUT                               # on the GPU (vLLM, no TransformerLens)
+    python3 scripts/gpu_families.py compare DIR OUT                               # on the CPU machine (TransformerLens)
+
+`models` saves tiny random fp32 models (tiny_model) to DIR, so that both machines use the
+same weights. `capture` runs each in bf16 under CUDA graphs (vLLM's default
+FULL_AND_PIECEWISE; Model Runner V2 unless VLLM_USE_V2_MODEL_RUNNER=0), both flavours,
+every site of every layer: the batched flavour serves one generate of a 9-, a 300-
+(chunked, 128 tokens a forward) and a 57-token prompt unedited and one request per site of layer 1 with an edit
+there; the compiled flavour captures one prompt unedited and under each edit alone. It
+writes every request's rows and token ids to OUT (safetensors, JSON). `compare` runs
+TransformerLens 4.3's bridge in fp32 on the weights rounded to bf16, as vLLM loads them,
+with the same edits, and prints the worst relative L2 error per family and flavour; it
+exits 1 past --tolerance (bf16 compute against fp32: 2e-2, as the CUDA tests).
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+import tl_vllm_hooks as tlh  # noqa: E402
+
+BATCH = [
+    [(5 * i + 1) % 512 for i in range(9)],
+    [(11 * i + 2) % 512 for i in range(300)],
+    [(3 * i + 7) % 512 for i in range(57)],
+]
+PROMPT = [(7 * i + 3) % 512 for i in range(40)]
+READ_ONLY = ("mlp.hook_expert_weights", "mlp.hook_expert_indices")
+
+
+def placed_sites(hf_config):
+    sites = []
+    for site in tlh.SITES:
+        try:
+            tlh.capture_specs(hf_config, sites=(site,))
+        except ValueError:
+            continue
+        sites.append(site)
+    return tuple(sites)
+
+
+def site_edits(specs):
+    """One edit at each site of layer 1 (and the global ones), the ops cycling."""
+    edits = {}
+    chosen = [(n, s) for n, s in specs.items() if (not n.startswith("blocks.") or n.startswith("blocks.1.")) and not n.endswith(READ_ONLY)]
+    for n, (name, shape) in enumerate(chosen):
+        vector = torch.linspace(-1.0, 1.0, int(torch.Size(shape).numel())).reshape(shape)
+        edits[name] = [
+            {"op": "suppress"},
+            {"op": "scale", "value": 0.5},
+            {"op": "add", "value": vector},
+            {"op": "set", "value": vector},
+            {"op": "scale", "value": vector + 1.5, "positions": [2, 30]},
+        ][n % 5]
+    return edits
+
+
+def edit_to_json(edit):
+    value = edit.get("value")
+    return {**edit, "value": value.tolist() if isinstance(value, torch.Tensor) else value}
+
+
+def edit_from_json(edit):
+    value = edit.get("value")
+    return {**edit, "value": torch.tensor(value) if isinstance(value, list) else value}
+
+
+def make_models(directory, families):
+    for family in families:
+        tlh.tiny_model(os.path.join(directory, family), family)
+        print(f"saved {family}", flush=True)
+
+
+def capture(directory, out, eager):
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    os.makedirs(out, exist_ok=True)
+    for family in sorted(os.listdir(directory)):
+        path = os.path.join(directory, family)
+        hf_config = AutoConfig.from_pretrained(path)
+        specs = tlh.capture_specs(hf_config, sites=placed_sites(hf_config))
+        edits = site_edits(specs)
+        records = []
+        for flavour in ("batched", "compiled"):
+            config = tlh.configure(specs, 128, torch.bfloat16, enable_batching=flavour == "batched",
+                                   enable_position_interventions=True)
+            llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True,
+                      gpu_memory_utilization=0.3, seed=0, enforce_eager=eager, **config.llm_kwargs)
+            rows = {}
+            if flavour == "batched":
+                requests = [(p, None) for p in BATCH] + [
+                    ([(3 * i + 5 * n) % 512 for i in range(12 + 7 * n)], {hook: edit})
+                    for n, (hook, edit) in enumerate(edits.items())
+                ]
+                params = [SamplingParams(max_tokens=3, temperature=0.0, detokenize=False, ignore_eos=True,
+                                         extra_args=tlh.request_args(config, "all", e)) for _p, e in requests]
+                outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _e in requests], params, use_tqdm=False)
+                read = tlh.read_batched(llm, [o.request_id for o in outputs])
+                for k, (output, (prompt, edit)) in enumerate(zip(outputs, requests)):
+                    sequence = list(prompt) + list(output.outputs[0].token_ids)[:-1]
+                    records.append({"flavour": flavour, "key": k, "tokens": sequence,
+                                    "edits": {h: edit_to_json(e) for h, e in (edit or {}).items()}})
+                    rows.update({f"{k}/{name}": t.contiguous() for name, t in read[output.request_id].items()})
+            else:
+                for k, (hook, edit) in enumerate([(None, None), *edits.items()]):
+                    tlh.set_edits(llm, {hook: edit} if hook else {})
+                    tlh.open_capture(llm)
+                    llm.generate(TokensPrompt(prompt_token_ids=PROMPT), SamplingParams(max_tokens=1, temperature=0.0,
+                                 detokenize=False), use_tqdm=False)
+                    read = tlh.read_captures(llm, len(PROMPT))
+                    records.append({"flavour": flavour, "key": k, "tokens": PROMPT,
+                                    "edits": {hook: edit_to_json(edit)} if hook else {}})
+                    rows.update({f"{k}/{name}": t.contiguous() for name, t in read.items()})
+                tlh.reset_edits(llm)
+            save_file(rows, os.path.join(out, f"{family}-{flavour}.safetensors"))
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            print(f"{family} {flavour}: {len(rows)} tensors", flush=True)
+        with open(os.path.join(out, f"{family}.json"), "w") as file:
+            json.dump({"records": records, "versions": tlh._versions(), "device": torch.cuda.get_device_name()}, file)
+
+
+def compare(directory, out, tolerance):
+    from safetensors.torch import load_file
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoModelForCausalLM
+
+    failed = False
+    for name in sorted(os.listdir(out)):
+        if not name.endswith(".json"):
+            continue
+        family = name[: -len(".json")]
+        meta = json.load(open(os.path.join(out, name)))
+        hf = AutoModelForCausalLM.from_pretrained(os.path.join(directory, family), attn_implementation="eager").float().eval()
+        with torch.no_grad():
+            for parameter in hf.parameters():
+                parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
+        bridge = TransformerBridge.boot_transformers(os.path.join(directory, family), hf_model=copy.deepcopy(hf),
+                                                     dtype=torch.float32, device="cpu")
+        rows = {flavour: load_file(os.path.join(out, f"{family}-{flavour}.safetensors")) for flavour in ("batched", "compiled")}
+        worst = {}
+        for record in meta["records"]:
+            flavour, key, tokens = record["flavour"], record["key"], record["tokens"]
+            edits = {h: edit_from_json(e) for h, e in record["edits"].items()}
+            names = [n.split("/", 1)[1] for n in rows[flavour] if n.startswith(f"{key}/")]
+            expected = reference(bridge, tokens, names, edits)
+            for hook in names:
+                actual = rows[flavour][f"{key}/{hook}"].double()
+                wanted = expected[hook][: len(actual)].double()
+                error = float((actual - wanted).norm() / wanted.norm()) if wanted.norm() else float((actual - wanted).norm())
+                if error >= worst.get(flavour, (0.0, ""))[0]:
+                    worst[flavour] = (error, hook)
+        for flavour, (error, hook) in worst.items():
+            verdict = "ok" if error <= tolerance else "FAILED"
+            failed |= error > tolerance
+            print(f"{family} {flavour} ({meta['device']}, vLLM {meta['versions']['vllm']}): "
+                  f"worst relative error {error:.2e} at {hook}: {verdict}", flush=True)
+    return 1 if failed else 0
+
+
+def reference(bridge, tokens, names, edits):
+    captured = {}
+
+    def make_hook(name):
+        def hook(tensor, hook):
+            flat = tensor.dim() == 2 and tensor.shape[0] == len(tokens)
+            rows = tensor if flat else tensor[0]
+            if name in edits:
+                rows = apply_edit(rows, edits[name])
+            captured[name] = rows.clone()
+            return rows if flat else rows[None]
+
+        return hook
+
+    with torch.no_grad():
+        bridge.run_with_hooks(torch.tensor([tokens]), fwd_hooks=[(n, make_hook(n)) for n in names])
+    return captured
+
+
+def apply_edit(rows, edit):
+    rows = rows.clone()
+    positions = edit.get("positions")
+    where = slice(None) if positions is None else [p for p in positions if p < len(rows)]
+    value = edit.get("value", 0.0)
+    value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    value = value.to(rows.dtype).reshape(rows.shape[1:] if value.numel() > 1 else ())
+    if edit["op"] == "suppress":
+        rows[where] = 0.0
+    elif edit["op"] == "scale":
+        rows[where] = rows[where] * value
+    elif edit["op"] == "add":
+        rows[where] = rows[where] + value
+    else:
+        rows[where] = value.expand_as(rows[where])
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=("models", "capture", "compare"))
+    parser.add_argument("directory")
+    parser.add_argument("out", nargs="?")
+    parser.add_argument("--families", default="qwen3,gemma3,mixtral")
+    parser.add_argument("--tolerance", type=float, default=2e-2)
+    parser.add_argument("--eager", action="store_true", help="capture: no torch.compile or CUDA graphs")
+    args = parser.parse_args()
+    if args.command == "models":
+        make_models(args.directory, args.families.split(","))
+    elif args.command == "capture":
+        capture(args.directory, args.out, args.eager)
+    else:
+        sys.exit(compare(args.directory, args.out, args.tolerance))
