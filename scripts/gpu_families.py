@@ -66,12 +66,12 @@ def site_edits(specs):
 
 def edit_to_json(edit):
     value = edit.get("value")
-    return {**edit, "value": value.tolist() if isinstance(value, torch.Tensor) else value}
+    return {**edit, "value": value.tolist()} if isinstance(value, torch.Tensor) else dict(edit)
 
 
 def edit_from_json(edit):
     value = edit.get("value")
-    return {**edit, "value": torch.tensor(value) if isinstance(value, list) else value}
+    return {**edit, "value": torch.tensor(value)} if isinstance(value, list) else {k: v for k, v in edit.items() if v is not None}
 
 
 def make_models(directory, families):
@@ -102,8 +102,7 @@ def capture(directory, out, eager):
             rows = {}
             if flavour == "batched":
                 requests = [(p, None) for p in BATCH] + [
-                    ([(3 * i + 5 * n) % 512 for i in range(12 + 7 * n)], {hook: edit})
-                    for n, (hook, edit) in enumerate(edits.items())
+                    ([(3 * i + 5 * n) % 512 for i in range(32)], {hook: edit}) for n, (hook, edit) in enumerate(edits.items())
                 ]
                 params = [SamplingParams(max_tokens=3, temperature=0.0, detokenize=False, ignore_eos=True,
                                          extra_args=tlh.request_args(config, "all", e)) for _p, e in requests]
@@ -111,9 +110,12 @@ def capture(directory, out, eager):
                 read = tlh.read_batched(llm, [o.request_id for o in outputs])
                 for k, (output, (prompt, edit)) in enumerate(zip(outputs, requests)):
                     sequence = list(prompt) + list(output.outputs[0].token_ids)[:-1]
-                    records.append({"flavour": flavour, "key": k, "tokens": sequence,
+                    part = "batched-edited" if edit else "batched-unedited"  # files of 16 MiB at most come back
+                    records.append({"file": part, "key": k, "tokens": sequence,
                                     "edits": {h: edit_to_json(e) for h, e in (edit or {}).items()}})
-                    rows.update({f"{k}/{name}": t.contiguous() for name, t in read[output.request_id].items()})
+                    rows.setdefault(part, {}).update(
+                        {f"{k}/{name}": t.contiguous() for name, t in read[output.request_id].items()}
+                    )
             else:
                 for k, (hook, edit) in enumerate([(None, None), *edits.items()]):
                     tlh.set_edits(llm, {hook: edit} if hook else {})
@@ -121,14 +123,15 @@ def capture(directory, out, eager):
                     llm.generate(TokensPrompt(prompt_token_ids=PROMPT), SamplingParams(max_tokens=1, temperature=0.0,
                                  detokenize=False), use_tqdm=False)
                     read = tlh.read_captures(llm, len(PROMPT))
-                    records.append({"flavour": flavour, "key": k, "tokens": PROMPT,
+                    records.append({"file": "compiled", "key": k, "tokens": PROMPT,
                                     "edits": {hook: edit_to_json(edit)} if hook else {}})
-                    rows.update({f"{k}/{name}": t.contiguous() for name, t in read.items()})
+                    rows.setdefault("compiled", {}).update({f"{k}/{name}": t.contiguous() for name, t in read.items()})
                 tlh.reset_edits(llm)
-            save_file(rows, os.path.join(out, f"{family}-{flavour}.safetensors"))
+            for part, tensors in rows.items():
+                save_file(tensors, os.path.join(out, f"{family}-{part}.safetensors"))
             llm.llm_engine.engine_core.shutdown()
             del llm
-            print(f"{family} {flavour}: {len(rows)} tensors", flush=True)
+            print(f"{family} {flavour}: {sum(map(len, rows.values()))} tensors", flush=True)
         with open(os.path.join(out, f"{family}.json"), "w") as file:
             json.dump({"records": records, "versions": tlh._versions(), "device": torch.cuda.get_device_name()}, file)
 
@@ -150,10 +153,11 @@ def compare(directory, out, tolerance):
                 parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
         bridge = TransformerBridge.boot_transformers(os.path.join(directory, family), hf_model=copy.deepcopy(hf),
                                                      dtype=torch.float32, device="cpu")
-        rows = {flavour: load_file(os.path.join(out, f"{family}-{flavour}.safetensors")) for flavour in ("batched", "compiled")}
+        parts = {record["file"] for record in meta["records"]}
+        rows = {part: load_file(os.path.join(out, f"{family}-{part}.safetensors")) for part in parts}
         worst = {}
         for record in meta["records"]:
-            flavour, key, tokens = record["flavour"], record["key"], record["tokens"]
+            flavour, key, tokens = record["file"], record["key"], record["tokens"]
             edits = {h: edit_from_json(e) for h, e in record["edits"].items()}
             names = [n.split("/", 1)[1] for n in rows[flavour] if n.startswith(f"{key}/")]
             expected = reference(bridge, tokens, names, edits)
