@@ -1490,25 +1490,25 @@ class TestFamilies:
         check_per_request(llm, llm.model, [(BATCH[2], "all", edits)], tolerance=llm.tolerance)
 
 
-@pytest.fixture(scope="class", params=("granite", "falcon", "mixtral"))
+@pytest.fixture(scope="class", params=FAMILIES)
 def compiled_flavour_llm(request, models):
     model = models[request.param]
     with engine(model, sites=model.sites, in_process=True, eager=True) as llm:
         llm.model = model
+        llm.tolerance = FAMILY_TOLERANCE.get(request.param, TOLERANCE)
         yield llm
 
 
 class TestFamiliesCompiledFlavour:
-    """The compiled flavour (one prompt's rows per capture), whose edit tables are one row
-    per hook, on the taps that edit through a transform of their own: Granite's residual
-    multiplier, Falcon's biases added by the layer, and Mixtral's router and expert block:
-    every site unedited, then an edit at each site alone, whose own rows must move."""
+    """Every family in the compiled flavour (one prompt's rows per capture, edit tables of
+    one row per hook), every site TransformerLens runs on it: unedited, then an edit at
+    each site alone, whose own rows must move."""
 
     def test_every_site_unedited_and_edited_matches_transformer_lens(self, compiled_flavour_llm):
         llm = compiled_flavour_llm
         baseline = capture(llm, PROMPT)
-        assert_matches(baseline, llm.model.reference(PROMPT, llm.hook_names), llm.model.family)
-        check_every_site_edit(llm, llm.model, baseline)
+        assert_matches(baseline, llm.model.reference(PROMPT, llm.hook_names), llm.model.family, llm.tolerance)
+        check_every_site_edit(llm, llm.model, baseline, tolerance=llm.tolerance)
 
 
 def test_each_family_places_every_site_transformer_lens_runs(models):
