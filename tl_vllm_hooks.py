@@ -349,14 +349,12 @@ def _moe_taps(
     output, and hook_mlp_out its output too; the router's choice comes from its logits."""
     layer = "model.layers.{i}"
     return {
-        **_without(taps, "mlp_pre", "mlp_post", "mlp_out", "resid_post", "final_norm"),
+        **taps,
         "mlp_pre": _Tap(layer + block, "input", ((block_input, 0),)),
         "expert_weights": _Tap(layer + block + router, "router", part="weights", renormalize=renormalize),
         "expert_indices": _Tap(layer + block + router, "router", part="indices", renormalize=renormalize),
         "mlp_post": _Tap(layer + block, "output"),
         "mlp_out": _Tap(layer + block, "output"),
-        "resid_post": taps["resid_post"],
-        "final_norm": taps["final_norm"],
     }
 
 
@@ -377,9 +375,6 @@ _GPT2_TAPS = {
     "resid_post": _Tap("transformer.h.{i}", "output"),
     "final_norm": _Tap("transformer.ln_f", "normalized", _NORM_INPUT, "layer"),
 }
-
-
-
 # GPT-J: attention and MLP both read ln_1's output (parallel residual); its block
 # takes (position_ids, hidden_states) and returns the stream.
 _GPTJ_TAPS = {
@@ -623,7 +618,7 @@ def _taps(hf_config: Any, sites: set[str] | tuple[str, ...]) -> dict[str, _Tap]:
                 if "resid_mid" in missing
                 else ""
             )
-            + f"; its sites: {list(taps)}"
+            + f"; its sites: {[site for site in SITES if site in taps]}"
         )
     return taps
 
@@ -1278,15 +1273,13 @@ def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int) -> tu
     ranks = _tensor_parallel_size()
     if ranks == 1:
         return None
-    unreduced = [
-        type(linear).__name__
+    if tap.kind == "output" and any(
+        type(linear).__name__ == "RowParallelLinear" and not linear.reduce_results
         for linear in (module, *module.children())
-        if type(linear).__name__ == "RowParallelLinear" and not linear.reduce_results
-    ]
-    if tap.kind == "output" and unreduced:
+    ):
         raise ValueError(
             f"{tap.module}: under tensor parallelism its output is one rank's part of a sum the layer "
-            f"reduces later ({unreduced[0]} without reduce_results), not the whole tensor; "
+            "reduces later (RowParallelLinear without reduce_results), not the whole tensor; "
             "read it with tensor_parallel_size=1"
         )
     if tap.kind == "output" and not tap.part and not getattr(module, "gather_output", True):

@@ -27,6 +27,7 @@ import torch
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import tl_vllm_hooks as tlh  # noqa: E402
+from hook_errors import placed  # noqa: E402  (this folder is on sys.path when run as a script)
 
 BATCH = [
     [(5 * i + 1) % 512 for i in range(9)],
@@ -35,17 +36,6 @@ BATCH = [
 ]
 PROMPT = [(7 * i + 3) % 512 for i in range(40)]
 READ_ONLY = ("mlp.hook_expert_weights", "mlp.hook_expert_indices")
-
-
-def placed_sites(hf_config):
-    sites = []
-    for site in tlh.SITES:
-        try:
-            tlh.capture_specs(hf_config, sites=(site,))
-        except ValueError:
-            continue
-        sites.append(site)
-    return tuple(sites)
 
 
 def site_edits(specs):
@@ -91,7 +81,7 @@ def capture(directory, out, eager):
     for family in sorted(os.listdir(directory)):
         path = os.path.join(directory, family)
         hf_config = AutoConfig.from_pretrained(path)
-        specs = tlh.capture_specs(hf_config, sites=placed_sites(hf_config))
+        specs = tlh.capture_specs(hf_config, sites=tuple(site for site in tlh.SITES if placed(hf_config, site)))
         edits = site_edits(specs)
         records = []
         for flavour in ("batched", "compiled"):
