@@ -143,17 +143,27 @@ def compare(directory, out, tolerance):
                 parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
         bridge = TransformerBridge.boot_transformers(os.path.join(directory, family), hf_model=copy.deepcopy(hf),
                                                      dtype=torch.float32, device="cpu")
+        specs = tlh.capture_specs(hf.config, sites=tuple(site for site in tlh.SITES if placed(hf.config, site)))
         parts = {record["file"] for record in meta["records"]}
         rows = {part: load_file(os.path.join(out, f"{family}-{part}.safetensors")) for part in parts}
         worst = {}
+        routing = {"choices": 0, "followed": 0, "gap": 0.0}
         for record in meta["records"]:
             flavour, key, tokens = record["file"], record["key"], record["tokens"]
             edits = {h: edit_from_json(e) for h, e in record["edits"].items()}
             names = [n.split("/", 1)[1] for n in rows[flavour] if n.startswith(f"{key}/")]
-            expected = reference(bridge, tokens, names, edits)
+            names.sort(key=list(specs).index)  # forward order, as vLLM runs hooks that share a tensor
+            routes = {
+                int(n.split(".")[1]): (rows[flavour][f"{key}/{n}"].long(), rows[flavour][f"{key}/{n[: -len('indices')]}weights"])
+                for n in names
+                if n.endswith("mlp.hook_expert_indices")
+            }
+            expected = reference(bridge, tokens, names, edits, routes, routing)
             for hook in names:
                 actual = rows[flavour][f"{key}/{hook}"].double()
                 wanted = expected[hook][: len(actual)].double()
+                if hook.endswith("hook_expert_indices"):  # the same experts, in either order
+                    actual, wanted = actual.sort(-1).values, wanted.sort(-1).values
                 error = float((actual - wanted).norm() / wanted.norm()) if wanted.norm() else float((actual - wanted).norm())
                 if error >= worst.get(flavour, (0.0, ""))[0]:
                     worst[flavour] = (error, hook)
@@ -162,11 +172,51 @@ def compare(directory, out, tolerance):
             failed |= error > tolerance
             print(f"{family} {flavour} ({meta['device']}, vLLM {meta['versions']['vllm']}): "
                   f"worst relative error {error:.2e} at {hook}: {verdict}", flush=True)
+        if routing["choices"]:
+            far = routing["gap"] > ROUTER_TIE
+            failed |= far
+            print(f"{family} routing: {routing['followed']} of {routing['choices']} token-layer choices differ from "
+                  f"TransformerLens's and were followed, the widest at a router-logit gap of {routing['gap']:.2e}"
+                  f" ({'FAILED: wider than' if far else 'a near-tie, within'} {ROUTER_TIE})", flush=True)
     return 1 if failed else 0
 
 
-def reference(bridge, tokens, names, edits):
+ROUTER_TIE = 5e-2  # router logits of the tiny models are ~N(0, 1): bf16 compute moves them ~1e-2
+
+
+def reference(bridge, tokens, names, edits, routes=None, routing=None):
+    """TransformerLens's rows at ``names`` under ``edits``. A mixture of experts follows
+    vLLM's choice of experts (``routes``: layer -> its captured indices and weights) at
+    each token where the two choose differently; ``routing`` records how many did and
+    the widest router-logit gap TransformerLens saw between the experts that differ,
+    which must be a near-tie (bf16 rounding), never a real disagreement."""
     captured = {}
+    hooks = []
+    for layer, (indices, weights) in (routes or {}).items():
+        differs = {}
+
+        def follow_logits(logits, hook, indices=indices, differs=differs):
+            logits = logits.reshape(-1, logits.shape[-1])[: len(indices)]
+            mine = logits.softmax(-1).topk(indices.shape[-1], dim=-1).indices
+            where = (mine.sort(-1).values != indices.sort(-1).values).any(-1)
+            differs["rows"] = where
+            routing["choices"] += len(where)
+            routing["followed"] += int(where.sum())
+            for row in where.nonzero().flatten().tolist():
+                gap = logits[row, mine[row]].min() - logits[row, indices[row]].min()
+                routing["gap"] = max(routing["gap"], float(gap.abs()))
+
+        def follow(tensor, hook, chosen, differs=differs):
+            rows = tensor.reshape(-1, tensor.shape[-1])
+            where = differs["rows"]
+            rows[: len(where)][where] = chosen[: len(where)][where].to(rows.dtype).to(rows.device)
+            return rows.view_as(tensor)
+
+        hooks += [
+            (f"blocks.{layer}.mlp.gate.hook_out", follow_logits),
+            (f"blocks.{layer}.mlp.hook_expert_weights", lambda t, hook, w=weights, f=follow: f(t, hook, w)),
+            (f"blocks.{layer}.mlp.hook_expert_indices", lambda t, hook, i=indices, f=follow: f(t, hook, i)),
+        ]
 
     def make_hook(name):
         def hook(tensor, hook):
@@ -180,7 +230,7 @@ def reference(bridge, tokens, names, edits):
         return hook
 
     with torch.no_grad():
-        bridge.run_with_hooks(torch.tensor([tokens]), fwd_hooks=[(n, make_hook(n)) for n in names])
+        bridge.run_with_hooks(torch.tensor([tokens]), fwd_hooks=hooks + [(n, make_hook(n)) for n in names])
     return captured
 
 
