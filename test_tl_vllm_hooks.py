@@ -41,10 +41,12 @@ import pytest
 import torch
 
 import tl_vllm_hooks as tlh
+import tl_vllm_hooks_tools as tools
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 TOLERANCE = 1e-5
+NO_ENGINE = pytest.mark.no_engine  # the inner loop's tier: pytest -m no_engine
 MAX_TOKENS_PER_FORWARD = 128
 HERE = Path(__file__).resolve().parent
 # Every family the module claims, written out here rather than read from the module.
@@ -451,6 +453,7 @@ PROMPT = [(7 * i + 3) % 512 for i in range(40)]
 # --- pure helpers ------------------------------------------------------------
 
 
+@NO_ENGINE
 class TestConfigChannel:
     SPECS = {"blocks.0.hook_resid_post": (128,), "blocks.0.attn.hook_z": (2, 64), "gate_up": ("model.layers.0.mlp.gate_up_proj", 512)}
 
@@ -523,16 +526,8 @@ class TestConfigChannel:
         compiled = tlh.configure(self.SPECS, 64)
         assert compiled.serve_args[-1] == "--no-enable-prefix-caching"
 
-    @pytest.mark.parametrize(
-        "name, replacement",
-        [("clear_config", "LLM(model, **config.llm_kwargs)"), ("engine_kwargs", "config.llm_kwargs"),
-         ("absent_hooks", "status(llm)['absent']")],
-    )
-    def test_removed_calls_say_what_to_write_instead(self, name, replacement):
-        with pytest.raises(AttributeError, match=re.escape(replacement)):
-            getattr(tlh, name)
 
-
+@NO_ENGINE
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
 def test_tensor_wire_format_is_exact(dtype):
     tensor = (torch.randn(5, 3) * 1000).to(dtype)
@@ -540,6 +535,7 @@ def test_tensor_wire_format_is_exact(dtype):
     assert decoded.dtype == dtype and torch.equal(decoded, tensor)
 
 
+@NO_ENGINE
 def test_tensor_wire_format_rejects_truncated_data():
     message = tlh.encode_tensor(torch.ones(4))
     message["data"] = message["data"][:-1]
@@ -547,6 +543,7 @@ def test_tensor_wire_format_rejects_truncated_data():
         tlh.decode_tensor(message)
 
 
+@NO_ENGINE
 def test_capture_specs_names_follow_transformer_lens():
     from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
 
@@ -588,6 +585,7 @@ def test_capture_specs_names_follow_transformer_lens():
         tlh.capture_specs(llama, layers=[True])
 
 
+@NO_ENGINE
 def test_capture_specs_refuse_what_the_architecture_lacks():
     from transformers import GPTNeoXConfig, MambaConfig, MixtralConfig, OPTConfig
 
@@ -618,6 +616,7 @@ BATCHED_CONFIG = tlh.CaptureConfig(
 )
 
 
+@NO_ENGINE
 @pytest.mark.parametrize(
     "config, kwargs, message",
     [
@@ -644,6 +643,7 @@ def test_bad_request_args_are_refused_in_the_driver(config, kwargs, message):
         tlh.request_args(config, **kwargs)
 
 
+@NO_ENGINE
 def test_request_args_travel_as_plain_values():
     vector = torch.linspace(0, 1, 128)
     options = tlh.request_args(
@@ -661,6 +661,7 @@ def test_request_args_travel_as_plain_values():
     assert served.extra_args == options
 
 
+@NO_ENGINE
 def test_prefix_cache_settings_follow_each_requests_options():
     """Where the engine builds a request: edits salt its cache blocks (the same edits, the
     same salt, kept beside the user's own), keeping prompt rows before the last skips reading
@@ -692,6 +693,7 @@ def test_prefix_cache_settings_follow_each_requests_options():
     assert untouched.cache_salt is None and not untouched.sampling_params.skip_reading_prefix_cache
 
 
+@NO_ENGINE
 def test_request_ids_join_exactly():
     match = tlh._match_request_ids
     assert match(["1", "11"], ["11-0123abcd", "1-89abcdef"]) == {"1": "1-89abcdef", "11": "11-0123abcd"}
@@ -702,6 +704,7 @@ def test_request_ids_join_exactly():
         match(["1"], ["1-0123abcd", "1-89abcdef"])
 
 
+@NO_ENGINE
 def test_step_collection_keeps_each_requests_rows():
     """The batched flavour's per-step bookkeeping on hand-made steps, no engine: which rows each
     request keeps, across chunks, decode steps, a preemption and prefix-cache gaps."""
@@ -758,6 +761,7 @@ def test_step_collection_keeps_each_requests_rows():
     assert next_positions == {"A": 7, "B": 5, "C": 6, "D": 5, "E": 0, "F": 4, "G": 5, "N": 2, "H": 6}
 
 
+@NO_ENGINE
 def test_with_prefix_caching_a_request_keeps_rows_only_if_asked_and_marked():
     """A request without options may be served from the cache: it keeps nothing. Options
     the engine process did not mark (it lacks the module) are not applied, and say why."""
@@ -781,6 +785,7 @@ def test_with_prefix_caching_a_request_keeps_rows_only_if_asked_and_marked():
     assert refused.capture == "none" and "options were refused: capture: expected one of" in state.incomplete["refused"]
 
 
+@NO_ENGINE
 def test_request_table_reuses_entries_and_keeps_values_as_it_grows():
     table = tlh._RequestTable()
     ids = [f"r{i}" for i in range(150)]  # past the first 64 entries and the next 64
@@ -1354,13 +1359,14 @@ class TestSink:
         assert status["lost"] > 0 and "No space left" in status["error"]
 
 
+@NO_ENGINE
 def test_a_writer_goes_on_after_the_whole_shards_and_drops_the_rest(tmp_path):
     """The shard writer alone, on CPU tensors: three shards, the second then cut short and
     a fourth left half-written; a new writer on the directory keeps shards 1 and 3, removes
     the rest, and numbers its next shard 4."""
     config = tlh.CaptureConfig({"blocks.0.hook_resid_post": (4,)}, enable_batching=True, sink_dir=str(tmp_path))
     header = {
-        **tlh._sink_header(config), "writer": "pp0-tp0", "model": "m", "versions": {"vllm": "v"},
+        **tools.sink_header(config), "writer": "pp0-tp0", "model": "m", "versions": {"vllm": "v"},
         "writes": ["blocks.0.hook_resid_post"], "shards": {},
     }
     rows = {f"r{i}": torch.arange(12.0).reshape(3, 4) + i for i in range(4)}
@@ -1369,7 +1375,7 @@ def test_a_writer_goes_on_after_the_whole_shards_and_drops_the_rest(tmp_path):
         entry = {"prompt_token_ids": [1, 2, 3], "positions": [[0, 3]]}
         writer.write(request_id, entry, [("blocks.0.hook_resid_post", [3, 4], [rows[request_id][:1], rows[request_id][1:]])])
 
-    writer = tlh._ShardWriter(str(tmp_path), "pp0-tp0", header, shard_bytes=1)  # a shard per request
+    writer = tools.ShardWriter(str(tmp_path), "pp0-tp0", header, shard_bytes=1)  # a shard per request
     for request_id in ("r0", "r1", "r2"):
         write(writer, request_id)
     writer.close()
@@ -1378,7 +1384,7 @@ def test_a_writer_goes_on_after_the_whole_shards_and_drops_the_rest(tmp_path):
     ]
     os.truncate(tmp_path / "shard-pp0-tp0-000002.safetensors", 100)
     (tmp_path / "shard-pp0-tp0-000004.safetensors.partial").write_bytes(b"rows of a killed engine")
-    writer = tlh._ShardWriter(str(tmp_path), "pp0-tp0", header, shard_bytes=1)
+    writer = tools.ShardWriter(str(tmp_path), "pp0-tp0", header, shard_bytes=1)
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == [
         "shard-pp0-tp0-000001.safetensors", "shard-pp0-tp0-000003.safetensors"
     ]
@@ -1390,17 +1396,18 @@ def test_a_writer_goes_on_after_the_whole_shards_and_drops_the_rest(tmp_path):
     for request_id in dataset:
         assert torch.equal(dataset[request_id]["blocks.0.hook_resid_post"], rows[request_id])
     with pytest.raises(ValueError, match="was written with another model"):
-        tlh._ShardWriter(str(tmp_path), "pp0-tp0", {**header, "model": "other"}, shard_bytes=1)
+        tools.ShardWriter(str(tmp_path), "pp0-tp0", {**header, "model": "other"}, shard_bytes=1)
 
 
+@NO_ENGINE
 def test_a_shard_open_shard_seconds_closes_without_a_flush(tmp_path):
     """A server's writer: its shard closes by age, and a reader waiting for the request gets it."""
     config = tlh.CaptureConfig({"blocks.0.hook_resid_post": (4,)}, enable_batching=True, sink_dir=str(tmp_path))
     header = {
-        **tlh._sink_header(config), "writer": "pp0-tp0", "model": "m", "versions": {"vllm": "v"},
+        **tools.sink_header(config), "writer": "pp0-tp0", "model": "m", "versions": {"vllm": "v"},
         "writes": ["blocks.0.hook_resid_post"], "shards": {},
     }
-    writer = tlh._ShardWriter(str(tmp_path), "pp0-tp0", header, shard_bytes=1 << 30, shard_seconds=0.3)
+    writer = tools.ShardWriter(str(tmp_path), "pp0-tp0", header, shard_bytes=1 << 30, shard_seconds=0.3)
     rows = torch.arange(8.0).reshape(2, 4)
     writer.write("cmpl-7-0-0123abcd", {"prompt_token_ids": [5, 6], "positions": [[0, 2]]}, [("blocks.0.hook_resid_post", [2, 4], [rows])])
     with pytest.raises(TimeoutError, match=r"no whole rows of \['cmpl-8-0'\]"):
@@ -1416,10 +1423,37 @@ def test_a_shard_open_shard_seconds_closes_without_a_flush(tmp_path):
     writer.close()
 
 
+@NO_ENGINE
 def test_configure_refuses_a_sink_dir_it_cannot_write(tmp_path):
     with small_filesystem(tmp_path / "read-only", "1m", read_only=True) as directory:
         with pytest.raises(ValueError, match=f"sink_dir: cannot write to {directory}: Read-only file system"):
             tlh.configure({"blocks.0.hook_resid_post": (128,)}, enable_batching=True, sink_dir=str(directory))
+
+
+def test_requests_are_checked_against_the_engine_they_go_to(models):
+    """With a compiled and a batched engine in one process, built in either order, a request
+    with per-request options is taken by the batched engine and refused by the compiled one;
+    its SamplingParams, made while only the compiled engine exists, are not refused."""
+    from vllm import SamplingParams
+
+    model, prompt, sites = models["llama"], {"prompt_token_ids": PROMPT}, ("resid_post",)
+    batched_config = tlh.configure(
+        tlh.capture_specs(model.hf.config, sites=sites), MAX_TOKENS_PER_FORWARD, enable_batching=True
+    )
+
+    def check(compiled, batched, params):
+        with pytest.raises(ValueError, match="this engine has compiled hooks"):
+            compiled.generate(prompt, params, use_tqdm=False)
+        (output,) = batched.generate(prompt, params, use_tqdm=False)
+        rows = tlh.read_batched(batched, [output.request_id])[output.request_id]
+        assert_matches(rows, model.reference(PROMPT, list(rows)))
+
+    with engine(model, sites=sites, in_process=False, eager=True) as compiled_first:
+        params = SamplingParams(max_tokens=1, detokenize=False, extra_args=tlh.request_args(batched_config, "prompt"))
+        with engine(model, sites=sites, in_process=False, eager=True, batching=True) as batched:
+            check(compiled_first, batched, params)
+            with engine(model, sites=sites, in_process=False, eager=True) as compiled_after:
+                check(compiled_after, batched, params)
 
 
 def test_remove_hooks_takes_edits_out_of_an_eager_engine(models):
@@ -1511,6 +1545,7 @@ class TestFamiliesCompiledFlavour:
         check_every_site_edit(llm, llm.model, baseline, tolerance=llm.tolerance)
 
 
+@NO_ENGINE
 def test_each_family_places_every_site_transformer_lens_runs(models):
     """No engine: capture_specs places every site the bridge runs on each family, with
     TransformerLens's row shapes, and refuses by name every other site (those of
@@ -1532,6 +1567,7 @@ def test_each_family_places_every_site_transformer_lens_runs(models):
                     tlh.capture_specs(model.hf.config, sites=(site,))
 
 
+@NO_ENGINE
 @pytest.mark.parametrize("family", tuple(TRANSFORMERS_TAPS))
 def test_transformers_taps_read_what_transformer_lens_reads(models, family):
     """The GPU classes' reference (transformers' modules at TRANSFORMERS_TAPS) gives
@@ -1559,19 +1595,23 @@ PROBE = textwrap.dedent(
 
     if __name__ == "__main__":
         model_dir, specs, extension = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "extension"
-        kwargs = tlh.configure(specs, 128).llm_kwargs
+        config = tlh.configure(specs, 128, enable_batching=True)
+        kwargs = config.llm_kwargs
         if not extension:
             del kwargs["worker_extension_cls"]
         llm = LLM(model_dir, dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
                   gpu_memory_utilization=0.05, **kwargs)
         result = {"module": tlh.__file__}
         if extension:
-            tlh.open_capture(llm)
-            llm.generate(TokensPrompt(prompt_token_ids=list(range(1, 21))),
-                         SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-            (rows,) = tlh.read_captures(llm, 20).values()
-            result["rows"] = rows.tolist()
+            # Two requests in one batch: one read as it is, one under an edit and kept at positions 10-19.
+            (hook,) = specs
+            params = [SamplingParams(max_tokens=1, detokenize=False, extra_args=tlh.request_args(config, *options))
+                      for options in [("prompt",), (list(range(10, 20)), {hook: {"op": "scale", "value": 0.5}})]]
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 21)))] * 2, params, use_tqdm=False)
+            rows = tlh.read_batched(llm, [output.request_id for output in outputs])
+            result["rows"] = [rows[output.request_id][hook].tolist() for output in outputs]
             result["worker_module"] = tlh.status(llm)["module"]
+        result["tools_imported"] = "tl_vllm_hooks_tools" in sys.modules
         print("PROBE " + json.dumps(result), flush=True)
     """
 )
@@ -1605,8 +1645,12 @@ def test_copied_in_file_works_in_spawned_workers(tmp_path, models):
     assert code == 0 and result, f"probe failed:\n{log[-4000:]}"
     copy = str(tmp_path / "tl_vllm_hooks.py")
     assert result["module"] == copy and result["worker_module"] == copy, result["worker_module"]
-    expected = models["llama"].reference(list(range(1, 21)), ["blocks.0.hook_resid_post"])["blocks.0.hook_resid_post"]
-    assert relative_error(torch.tensor(result["rows"]), expected) <= TOLERANCE
+    assert not result["tools_imported"], "the core alone imported its companion"
+    hook, prompt = "blocks.0.hook_resid_post", list(range(1, 21))
+    plain = models["llama"].reference(prompt, [hook])[hook]
+    edited = models["llama"].reference(prompt, [hook], {hook: {"op": "scale", "value": 0.5}})[hook]
+    assert relative_error(torch.tensor(result["rows"][0]), plain) <= TOLERANCE
+    assert relative_error(torch.tensor(result["rows"][1]), edited[10:]) <= TOLERANCE
 
 
 def test_installed_entry_point_installs_hooks_in_spawned_worker(tmp_path, models):
@@ -2363,6 +2407,7 @@ def test_capture_command_writes_what_compare_confirms(tmp_path, models, capture_
     assert strict.returncode == 1 and "over tolerance" in strict.stdout
 
 
+@NO_ENGINE
 @pytest.mark.parametrize(
     "arguments, message",
     [
@@ -2373,11 +2418,11 @@ def test_capture_command_writes_what_compare_confirms(tmp_path, models, capture_
         (["compare", "missing"], "no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory"),
     ],
 )
-def test_command_line_errors_are_one_line(tmp_path, models, arguments, message):
-    arguments = [str(models["llama"].path) if a == "MODEL" else a for a in arguments]
-    done = run_command(["-m", "tl_vllm_hooks", *arguments], tmp_path, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+def test_command_line_errors_are_one_line(tmp_path, models, arguments, message, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert tools.main([str(models["llama"].path) if a == "MODEL" else a for a in arguments]) == 2
+    errors = capfd.readouterr().err
+    assert message in errors and len(errors.strip().splitlines()) == 1, errors[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -36,9 +36,7 @@ as pickle: the config is JSON, tensors travel as dtype, shape and raw bytes.
 
 from __future__ import annotations
 
-import argparse
 import atexit
-import collections
 import contextlib
 import dataclasses
 import difflib
@@ -54,12 +52,7 @@ import os
 import re
 import socket
 import sys
-import tempfile
-import threading
-import time
 import warnings
-import weakref
-import zlib
 from typing import Any
 
 import numpy as np
@@ -92,9 +85,26 @@ __all__ = [
     "set_edits",
     "status",
     "tiny_model",
+    "unregister",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def _tools() -> Any:
+    """The companion module, tl_vllm_hooks_tools (the dataset sink, CaptureDataset,
+    tiny_model, the command line), imported the first time one of them is asked for."""
+    try:
+        import tl_vllm_hooks_tools
+    except ModuleNotFoundError as error:
+        if error.name != "tl_vllm_hooks_tools":
+            raise
+        raise ModuleNotFoundError(
+            "sink_dir, CaptureDataset, tiny_model and the command line live in tl_vllm_hooks_tools.py: "
+            f"copy it from the project beside {__file__}"
+        ) from None
+    return tl_vllm_hooks_tools
+
 
 # ---------------------------------------------------------------------------
 # Hook names and architectures. What a TransformerLens hook name means is fixed
@@ -643,7 +653,8 @@ def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
         (
             width
             for width in (
-                getattr(hf_config, name, None) for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+                getattr(hf_config, name, None)
+                for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
             )
             if width
         ),
@@ -939,7 +950,7 @@ def configure(
         shard_seconds,
     )
     if sink_dir is not None:
-        _check_sink_dir(config)
+        _tools().check_sink_dir(config)
     register()
     return config
 
@@ -959,19 +970,31 @@ def _disabled() -> bool:
 # ---------------------------------------------------------------------------
 
 _V2_BATCH = "_tl_step_batch"  # Model Runner V2's batch of the step in flight, see _wrap_steps
-_original_load_model = None
-_input_processors: weakref.WeakSet = weakref.WeakSet()  # vLLM's, of the engines this process takes requests for
+_SERVING_MODULES = (  # where the OpenAI server's request classes check a request's model
+    ("vllm.entrypoints.serve.engine.serving", "BaseServing"),  # 0.32
+    ("vllm.entrypoints.openai.serving_engine", "OpenAIServing"),  # 0.24-0.28
+)
+_originals: dict[tuple[Any, str], Any] = {}  # (vLLM class, attribute): what register() replaced
+
+
+def _patch(owner: Any, attribute: str, replacement: Any) -> None:
+    original = owner.__dict__[attribute]
+    _originals[(owner, attribute)] = original
+    setattr(owner, attribute, replacement)
 
 
 def register() -> None:
-    """Patch vLLM where a request and the hooks meet, once per process:
+    """Patch vLLM where a request and the hooks meet, once per process (``unregister``
+    puts every original back):
 
     * ``Worker.load_model`` (0.24-0.32: ``vllm.v1.worker.gpu_worker``, which the
       CPU worker subclasses) installs the configured hooks after the weights load;
-    * where requests come in (``InputProcessor.process_inputs``, and
-      ``SamplingParams`` checks in a process serving one engine, so that the API
-      server answers HTTP 400 before it streams), bad ``request_args`` options
-      are refused with the message ``request_args`` gives;
+    * where the engine takes a request (``InputProcessor.process_inputs``), bad
+      ``request_args`` options are refused with the message ``request_args`` gives,
+      checked against that engine's config;
+    * in a process that has loaded the OpenAI server, its request check
+      (``_check_model``) does the same against the server's engine, so that it
+      answers HTTP 400 before it streams;
     * where the engine builds its ``Request``, options become prefix-cache
       settings (see ``_keep_out_of_prefix_cache``).
 
@@ -979,48 +1002,29 @@ def register() -> None:
     process. A worker whose engine has no config gets no hooks, and so does every
     worker of a process with ``TL_VLLM_HOOKS_DISABLE=1``.
     """
-    global _original_load_model
-    if _original_load_model is not None or _disabled():
+    if _originals or _disabled():
         return
-    from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.request import Request
     from vllm.v1.worker.gpu_worker import Worker
 
-    original = Worker.load_model
+    load_weights = Worker.load_model
 
     def load_model(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+        load_weights(self, *args, **kwargs)
         config = _engine_config(self.vllm_config)
         if config is not None and not _disabled():
             _install(self, config)
 
-    load_model.__wrapped__ = original
-    Worker.load_model = load_model
-    _original_load_model = original
+    _patch(Worker, "load_model", load_model)
 
-    take_inputs, build_processor = InputProcessor.process_inputs, InputProcessor.__init__
+    take_inputs = InputProcessor.process_inputs
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
         _check_options(getattr(params, "extra_args", None), _engine_payload(self.vllm_config))
         return take_inputs(self, request_id, prompt, params, *args, **kwargs)
 
-    def init_input_processor(self, *args, **kwargs):
-        build_processor(self, *args, **kwargs)
-        _input_processors.add(self)
-
-    InputProcessor.process_inputs, InputProcessor.__init__ = process_inputs, init_input_processor
-
-    verify = SamplingParams._verify_args
-
-    def verify_args(self):
-        verify(self)
-        if self.extra_args and _REQUEST_KEY in self.extra_args:
-            payloads = {_engine_payload(processor.vllm_config) for processor in list(_input_processors)}
-            if len(payloads) == 1:  # else process_inputs checks them against their engine's
-                _check_options(self.extra_args, payloads.pop())
-
-    SamplingParams._verify_args = verify_args
+    _patch(InputProcessor, "process_inputs", process_inputs)
 
     build_request = Request.from_engine_core_request.__func__
 
@@ -1028,7 +1032,34 @@ def register() -> None:
         _keep_out_of_prefix_cache(request)
         return build_request(cls, request, *args, **kwargs)
 
-    Request.from_engine_core_request = classmethod(from_engine_core_request)
+    _patch(Request, "from_engine_core_request", classmethod(from_engine_core_request))
+
+    # Only where the server is loaded already: importing it costs each vLLM process ~0.7 s.
+    serving = next(
+        (getattr(sys.modules[module], name) for module, name in _SERVING_MODULES if module in sys.modules), None
+    )
+    if serving is not None:
+        check_model = serving._check_model
+
+        async def check_request(self, request):
+            error = await check_model(self, request)
+            engine = getattr(self, "engine_client", None)  # the servings that generate have one
+            if error is None and engine is not None:
+                try:
+                    _check_options(getattr(request, "vllm_xargs", None), _engine_payload(engine.vllm_config))
+                except ValueError as refusal:
+                    return self.create_error_response(str(refusal))
+            return error
+
+        _patch(serving, "_check_model", check_request)
+
+
+def unregister() -> None:
+    """Undo ``register()``: vLLM's patched attributes get their originals back. Hooks
+    already installed stay; engines built afterwards get none."""
+    while _originals:
+        (owner, attribute), original = _originals.popitem()
+        setattr(owner, attribute, original)
 
 
 def _engine_payload(vllm_config: Any) -> str | None:
@@ -1477,15 +1508,15 @@ def _install(worker: Any, config: CaptureConfig) -> None:
 
 
 def _open_sink(state: _HookState, vllm_config: Any) -> None:
-    """Give this rank a _ShardWriter if it writes: the first tensor-parallel rank of each
+    """Give this rank a ShardWriter (tl_vllm_hooks_tools) if it writes: the first tensor-parallel rank of each
     pipeline stage writes its stage's hooks, the other ranks only their parts of split ones."""
     tensor_rank, shards = _tensor_parallel_rank(), state.shards()
     writes = [name for name in state.hook_names if tensor_rank == 0 or name in shards]
     if not writes:
         return
-    writer = f"pp{_pipeline_rank()}-tp{tensor_rank}"
+    writer, tools = f"pp{_pipeline_rank()}-tp{tensor_rank}", _tools()
     header = {
-        **_sink_header(state.config),
+        **tools.sink_header(state.config),
         "writer": writer,
         "model": vllm_config.model_config.model,
         "versions": _versions(),
@@ -1494,7 +1525,7 @@ def _open_sink(state: _HookState, vllm_config: Any) -> None:
     }
     flavour = state.flavour
     config = state.config
-    flavour.sink = _ShardWriter(config.sink_dir, writer, header, config.shard_bytes, config.shard_seconds)
+    flavour.sink = tools.ShardWriter(config.sink_dir, writer, header, config.shard_bytes, config.shard_seconds)
     flavour.sink_hooks = writes
     atexit.register(flavour.sink.close)  # what was written stays readable if the engine is not flushed
 
@@ -1950,428 +1981,6 @@ def _write_rows(fd: int, chunks: list[torch.Tensor]) -> int:
 
 
 # ---------------------------------------------------------------------------
-# Activation files. A sink directory holds safetensors shards and, for each
-# writer (a worker that holds hooks), a manifest of JSON lines: a header, then
-# one line per shard, appended only once that shard is whole on disk. A shard
-# or line that is not whole is not part of the dataset, so a crash never
-# leaves a claim the files do not back, and a restart goes on after the last
-# whole shard. Workers write; any process reads, without vLLM.
-# ---------------------------------------------------------------------------
-
-_MANIFEST_FORMAT = "tl_vllm_hooks.sink/1"
-_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what vLLM adds to a user's request id
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
-_SINK_QUEUE_BYTES = 1 << 30  # finished requests' rows waiting to be written, at most (but one)
-
-
-def _header_room(shard_bytes: int) -> int:
-    """Bytes reserved for a shard's safetensors header (padded with spaces), so that rows
-    stream to disk before the header that lists them is known: 1/64 of the shard, from
-    64 KiB to 1 MiB (a few hundred to several thousand tensors)."""
-    return min(1 << 20, max(1 << 16, shard_bytes // 64 // 8 * 8))
-
-
-def _manifest_path(directory: str, writer: str) -> str:
-    return os.path.join(directory, f"manifest-{writer}.jsonl")
-
-
-def _read_manifest(path: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]], int]:
-    """(header or None, shard lines, bytes of the whole lines). A last line without its
-    newline was cut short by a crash and is left out; any other bad line is an error."""
-    with open(path, "rb") as file:
-        data = file.read()
-    whole = data.rfind(b"\n") + 1
-    lines = []
-    for number, line in enumerate(data[:whole].splitlines(), 1):
-        try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}: line {number} is not JSON: the manifest is damaged") from None
-    if not lines:
-        return None, [], whole
-    header = lines[0]
-    if not isinstance(header, dict) or header.get("format") != _MANIFEST_FORMAT:
-        raise ValueError(f"{path}: its first line is not a {_MANIFEST_FORMAT} header")
-    return header, lines[1:], whole
-
-
-def _sink_header(config: CaptureConfig) -> dict[str, Any]:
-    """What every manifest of a sink written with this config agrees on."""
-    return {
-        "format": _MANIFEST_FORMAT,
-        "dtype": _dtype_name(config.dtype),
-        "hooks": {name: list(config.row_shape(name)) for name in config.capture_specs},
-    }
-
-
-def _check_sink_dir(config: CaptureConfig) -> None:
-    """Refuse, before an engine is built, a sink directory that cannot be written or
-    that holds captures of other hooks or another dtype."""
-    directory = config.sink_dir
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
-            pass
-    except OSError as error:
-        raise ValueError(
-            f"sink_dir: cannot write to {directory}: {error.strerror}; give a writable directory"
-        ) from None
-    expected = _sink_header(config)
-    for path in sorted(glob.glob(_manifest_path(directory, "*"))):
-        header = _read_manifest(path)[0]
-        if header is not None and {key: header.get(key) for key in expected} != expected:
-            raise ValueError(
-                f"sink_dir: {path} holds captures of other hooks or another dtype "
-                f"({header.get('dtype')}, {sorted(header.get('hooks', {}))}); give an empty directory, "
-                "or the config that wrote it to go on with it"
-            )
-
-
-class _ShardWriter:
-    """One worker's part of a sink: appends finished requests' rows to the open shard
-    and closes it (header, fsync, rename, manifest line) once it holds shard_bytes or
-    has been open shard_seconds.
-
-    Writes run on a thread of their own (the system calls release the GIL), so the
-    model's next steps overlap them; requests queue in host memory up to
-    _SINK_QUEUE_BYTES, beyond which the step that finishes one waits. On an
-    OSError (disk full, directory gone) the open shard is removed and the writer
-    stops: what the manifest lists stays whole, and ``error`` says what happened
-    and how many requests were not written.
-    """
-
-    def __init__(
-        self, directory: str, writer: str, header: dict[str, Any], shard_bytes: int, shard_seconds: float | None = None
-    ):
-        self.directory, self.writer, self.shard_bytes = directory, writer, shard_bytes
-        self.shard_seconds = shard_seconds
-        self.opened_at = 0.0  # time.monotonic() when the open shard was opened
-        self.dtype = _SAFETENSORS_DTYPES[header["dtype"]]
-        self.header_room = _header_room(shard_bytes)
-        self.manifest = _manifest_path(directory, writer)
-        self.error: str | None = None
-        self.lost = 0  # requests not written since the error
-        self.fd: int | None = None  # the open shard
-        self.staged: str | None = None  # its path while written
-        self.tensors: dict[str, dict[str, Any]] = {}  # its safetensors header entries
-        self.requests: dict[str, dict[str, Any]] = {}  # its manifest entries
-        self.data_bytes = self.header_bytes = 0
-        self.shards, self.written, self.next_number = self._resume(header)
-        self.queue: collections.deque = collections.deque()  # (request id, entry, parts, bytes) or an Event
-        self.queued_bytes = 0
-        self.busy_seconds = 0.0  # spent writing and closing shards
-        self.changed = threading.Condition()
-        threading.Thread(target=self._drain, name=f"tl_vllm_hooks-sink-{writer}", daemon=True).start()
-
-    def write(self, request_id: str, entry: dict[str, Any], parts: list[tuple[str, list[int], list]]) -> None:
-        """Queue one request: its manifest entry (prompt token ids, positions) and, per
-        hook, (name, shape [rows, *row shape], host tensors that concatenate to it, left
-        unchanged until written)."""
-        size = sum(chunk.numel() * chunk.element_size() for _name, _shape, chunks in parts for chunk in chunks)
-        with self.changed:
-            while self.queue and self.queued_bytes + size > _SINK_QUEUE_BYTES:
-                self.changed.wait()
-            self.queue.append((request_id, entry, parts, size))
-            self.queued_bytes += size
-            self.changed.notify_all()
-
-    def close(self) -> None:
-        """Write what is queued and close the open shard, if it holds anything; returns
-        once done and raises nothing (see ``error``)."""
-        done = threading.Event()
-        with self.changed:
-            self.queue.append(done)
-            self.changed.notify_all()
-        done.wait()
-
-    def _seconds_left(self) -> float | None:
-        """Until the open shard is due to close by age; None when none holds rows or it closes by size only."""
-        if self.fd is None or not self.requests or self.shard_seconds is None:
-            return None
-        return self.opened_at + self.shard_seconds - time.monotonic()
-
-    def _due(self) -> bool:
-        left = self._seconds_left()
-        return left is not None and left <= 0
-
-    def _drain(self) -> None:
-        while True:
-            with self.changed:
-                while not self.queue and not self._due():
-                    self.changed.wait(self._seconds_left())
-                item = self.queue[0] if self.queue else None  # None: the open shard's time is up
-            closing = not isinstance(item, tuple)  # close() asked (an Event), or the time is up
-            started = time.perf_counter()
-            try:
-                if closing:
-                    self._close_shard()
-                else:
-                    self._write_now(*item[:3])
-            except Exception as error:  # disk full, directory gone: stop, keep what is whole, say why
-                self._fail(error, also_lost=0 if closing else int(item[0] not in self.requests))
-            self.busy_seconds += time.perf_counter() - started
-            if item is None:
-                continue
-            with self.changed:
-                self.queue.popleft()
-                self.queued_bytes -= 0 if closing else item[3]
-                self.changed.notify_all()
-            if closing:
-                item.set()
-
-    def _resume(self, header: dict[str, Any]) -> tuple[int, int]:
-        """Keep the whole shards an earlier engine listed; drop the rest. Returns (shards,
-        requests, the number of the next shard)."""
-        os.makedirs(self.directory, exist_ok=True)
-        kept: list[dict[str, Any]] = []
-        if os.path.exists(self.manifest):
-            old_header, lines, whole = _read_manifest(self.manifest)
-            if old_header is not None and old_header != header:
-                differs = sorted(key for key in header if old_header.get(key) != header[key])
-                raise ValueError(
-                    f"sink_dir: {self.manifest} was written with another {', '.join(differs)}; "
-                    "give an empty directory, or the same model, hooks, dtype and versions to go on with it"
-                )
-            kept = [line for line in lines if self._is_whole(line)]
-            if old_header is None or len(kept) < len(lines) or whole < os.path.getsize(self.manifest):
-                dropped = [line["shard"] for line in lines if line not in kept]
-                if dropped:
-                    logger.warning("tl_vllm_hooks: dropping shards cut short or missing: %s", dropped)
-                self._rewrite_manifest(header, kept)
-        else:
-            self._rewrite_manifest(header, [])
-        listed = {line["shard"] for line in kept}
-        for path in glob.glob(os.path.join(self.directory, f"shard-{self.writer}-*")):
-            if os.path.basename(path) not in listed:  # written after the last whole line
-                os.unlink(path)
-        numbers = [int(re.search(r"-(\d+)\.safetensors$", line["shard"]).group(1)) for line in kept]
-        return len(kept), sum(len(line["requests"]) for line in kept), max(numbers, default=0) + 1
-
-    def _is_whole(self, line: dict[str, Any]) -> bool:
-        path = os.path.join(self.directory, line["shard"])
-        return os.path.isfile(path) and os.path.getsize(path) == line["bytes"]
-
-    def _rewrite_manifest(self, header: dict[str, Any], lines: list[dict[str, Any]]) -> None:
-        staged = self.manifest + ".partial"
-        with open(staged, "w", encoding="utf-8") as file:
-            file.writelines(json.dumps(line) + "\n" for line in [header, *lines])
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(staged, self.manifest)
-
-    def _write_now(self, request_id: str, entry: dict[str, Any], parts: list) -> None:
-        if self.error is not None:
-            self.lost += 1
-            return
-        keys = {name: f"{request_id}/{name}" for name, _shape, _chunks in parts}
-        largest = [2**50, 2**50]  # the header grows by at most this request's entries
-        needed = len(json.dumps({keys[n]: {"dtype": "BF16", "shape": s, "data_offsets": largest} for n, s, _ in parts}))
-        if self.fd is not None and self.header_bytes + needed > self.header_room - 1024:
-            self._close_shard()
-        if self.fd is None:
-            self._open_shard()
-        for name, shape, chunks in parts:
-            start = self.data_bytes
-            self.data_bytes += _write_rows(self.fd, chunks)
-            self.tensors[keys[name]] = {"dtype": self.dtype, "shape": shape, "data_offsets": [start, self.data_bytes]}
-        self.header_bytes += needed
-        self.requests[request_id] = {**entry, "tensors": keys}
-        if self.data_bytes >= self.shard_bytes or self._due():
-            self._close_shard()
-
-    def _open_shard(self) -> None:
-        self.shard_name = f"shard-{self.writer}-{self.next_number:06d}.safetensors"
-        self.next_number += 1
-        self.staged = os.path.join(self.directory, self.shard_name + ".partial")
-        self.fd = os.open(self.staged, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
-        os.lseek(self.fd, 8 + self.header_room, os.SEEK_SET)
-        self.opened_at = time.monotonic()
-        self.tensors, self.requests, self.data_bytes, self.header_bytes = {}, {}, 0, 0
-
-    def _close_shard(self) -> None:
-        if self.fd is None or not self.requests:
-            return
-        header = json.dumps({**self.tensors, "__metadata__": {"format": "pt"}}).encode()
-        if len(header) > self.header_room:  # one request with more tensors than a shard's header holds
-            raise OSError(f"the shard's header needs {len(header)} bytes, more than the {self.header_room} reserved")
-        os.pwrite(self.fd, self.header_room.to_bytes(8, "little") + header.ljust(self.header_room, b" "), 0)
-        os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = None
-        os.rename(self.staged, os.path.join(self.directory, self.shard_name))
-        line = {"shard": self.shard_name, "bytes": 8 + self.header_room + self.data_bytes, "requests": self.requests}
-        with open(self.manifest, "a", encoding="utf-8") as file:
-            file.write(json.dumps(line) + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        self.shards += 1
-        self.written += len(self.requests)
-        self.requests = {}
-
-    def _fail(self, error: Exception, also_lost: int = 0) -> None:
-        self.lost += len(self.requests) + also_lost
-        self.requests = {}
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = None
-        if self.staged is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.staged)
-        self.error = (
-            f"writing {self.staged or self.directory} failed ({error}); {self.manifest} lists "
-            f"{self.shards} whole shards ({self.written} requests), which stay readable"
-        )
-        logger.error("tl_vllm_hooks: sink: %s", self.error)
-
-
-def _position_ranges(positions: np.ndarray) -> list[list[int]]:
-    """Sorted positions as [start, stop) ranges of consecutive ones."""
-    if not positions.size:
-        return []
-    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-    firsts, lasts = np.concatenate([[0], breaks]), np.concatenate([breaks, [positions.size]]) - 1
-    return [[int(positions[first]), int(positions[last]) + 1] for first, last in zip(firsts, lasts)]
-
-
-class CaptureDataset:
-    """The requests a sink directory holds, each read on its own.
-
-    ``CaptureDataset(directory)`` (what ``flush_sink`` returns) reads the manifests.
-    ``request_ids``: the requests whose rows every writer has whole on disk, in the
-    order written (vLLM's worker ids: the user's id plus ``-{8 hex}`` where vLLM adds
-    it; either form is accepted below). ``hooks``: ``{hook_name: row shape}``;
-    ``dtype``, ``model`` and ``versions`` (vLLM, torch, tl_vllm_hooks) as written.
-
-    ``dataset[request_id]``: ``{hook_name: [rows, *row shape]}`` CPU tensors of the
-    capture dtype, mapped copy-on-write from the shard, so only that request's bytes
-    are read (from disk when first touched). ``dataset.entry(request_id)``:
-    ``{"prompt_token_ids": list[int] | None, "positions": [[start, stop], ...]}``,
-    the token positions of the rows, in order.
-
-    ValueError when a listed shard is missing, cut short, or does not hold what its
-    manifest says; RuntimeError for a request whose options the workers refused.
-    """
-
-    def __init__(self, directory: str):
-        self.directory = os.path.abspath(directory)
-        self._writers: list[tuple[dict[str, Any], dict[str, tuple[str, dict[str, Any]]]]] = []
-        for path in sorted(glob.glob(_manifest_path(self.directory, "*"))):
-            header, lines, _whole = _read_manifest(path)
-            if header is None:
-                continue
-            requests = {}
-            for line in lines:
-                shard = os.path.join(self.directory, line["shard"])
-                size = os.path.getsize(shard) if os.path.isfile(shard) else None
-                if size != line["bytes"]:
-                    found = "missing" if size is None else f"{size} bytes"
-                    raise ValueError(
-                        f"{shard}: {found}, but {os.path.basename(path)} lists it with {line['bytes']} bytes: "
-                        "cut short or replaced. Capturing into this directory again drops it and its requests"
-                    )
-                requests.update((request_id, (shard, entry)) for request_id, entry in line["requests"].items())
-            self._writers.append((header, requests))
-        if not self._writers:
-            raise ValueError(f"{self.directory}: no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory")
-        first = self._writers[0][0]
-        self.model, self.versions, self.dtype = first["model"], first["versions"], getattr(torch, first["dtype"])
-        written = {name for header, _requests in self._writers for name in header["writes"]}
-        self.hooks = {name: tuple(shape) for name, shape in first["hooks"].items() if name in written}
-        self._whole = set.intersection(*(set(requests) for _header, requests in self._writers))
-        self.request_ids = [request_id for request_id in self._writers[0][1] if request_id in self._whole]
-        self._by_user_id = {_VLLM_SUFFIX.sub("", request_id): request_id for request_id in self.request_ids}
-        self._shard_headers: dict[str, dict[str, Any]] = {}
-
-    @classmethod
-    def wait(cls, directory: str, request_ids: list[str], timeout: float = 60.0) -> CaptureDataset:
-        """The directory's dataset once it holds every one of ``request_ids`` (either form),
-        reading the manifests again every 0.1 s: how a server's client gets its rows,
-        which reach the disk when their shard closes (``shard_seconds``). The OpenAI
-        server's ids: a chat completion's ``id``, or ``f"{id}-{i}"`` for the i-th prompt
-        of a completion. TimeoutError names the requests still missing."""
-        deadline = time.monotonic() + timeout
-        while True:
-            dataset = cls(directory) if glob.glob(_manifest_path(directory, "*")) else None
-            missing = [r for r in request_ids if dataset is None or r not in dataset]
-            if not missing:
-                return dataset
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{directory}: after {timeout} s, no whole rows of {missing[:5]} ({len(missing)} requests): "
-                    "not finished, kept no rows, or their shard is still open (configure(shard_seconds=...))"
-                )
-            time.sleep(0.1)
-
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
-    def __iter__(self):
-        return iter(self.request_ids)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._whole or request_id in self._by_user_id
-
-    def _worker_id(self, request_id: str) -> str:
-        if request_id in self._whole:
-            return request_id
-        if request_id in self._by_user_id:
-            return self._by_user_id[request_id]
-        raise KeyError(
-            f"{self.directory}: no request {request_id!r}; it holds {len(self)}, e.g. {self.request_ids[:5]}"
-        )
-
-    def entry(self, request_id: str) -> dict[str, Any]:
-        entry = self._writers[0][1][self._worker_id(request_id)][1]
-        return {key: value for key, value in entry.items() if key != "tensors"}
-
-    def __getitem__(self, request_id: str) -> dict[str, torch.Tensor]:
-        worker_id = self._worker_id(request_id)
-        per_writer = []
-        for header, requests in self._writers:
-            shard, entry = requests[worker_id]
-            if "error" in entry:
-                raise RuntimeError(f"{self.directory}: request {request_id!r}: {entry['error']}")
-            listed = self._shard_header(shard)
-            num_rows = sum(stop - start for start, stop in entry["positions"])
-            mapped = np.memmap(shard, dtype=np.uint8, mode="c") if entry["tensors"] else None
-            rows = {}
-            for name, key in entry["tensors"].items():
-                tensor = listed.get(key)
-                if tensor is None or tensor["shape"][0] != num_rows:
-                    raise ValueError(
-                        f"{shard}: {'has no tensor' if tensor is None else 'holds a different row count for'} "
-                        f"{key!r}, which its manifest lists with {num_rows} rows: the manifest does not match its shards"
-                    )
-                start, end = (listed["__data_start__"] + offset for offset in tensor["data_offsets"])
-                rows[name] = torch.from_numpy(mapped[start:end]).view(self.dtype).view(tensor["shape"])
-            per_writer.append((header["shards"], rows))
-        return _join_ranks(per_writer)
-
-    def _shard_header(self, shard: str) -> dict[str, Any]:
-        """The shard's safetensors header, checked against the file and the dataset's dtype."""
-        if shard not in self._shard_headers:
-            with open(shard, "rb") as file:
-                length = int.from_bytes(file.read(8), "little")
-                try:
-                    header = json.loads(file.read(length)) if length <= 1 << 20 else None
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    header = None
-            if not isinstance(header, dict):
-                raise ValueError(f"{shard}: not a shard this module wrote (its safetensors header does not parse)")
-            header.pop("__metadata__", None)
-            data_bytes = os.path.getsize(shard) - 8 - length
-            item = torch.empty((), dtype=self.dtype).element_size()
-            code = _SAFETENSORS_DTYPES[_dtype_name(self.dtype)]
-            for key, tensor in header.items():
-                start, end = tensor["data_offsets"]
-                if tensor["dtype"] != code or end - start != math.prod(tensor["shape"]) * item or end > data_bytes:
-                    raise ValueError(f"{shard}: tensor {key!r} ({tensor}) does not fit the shard or its {code} dtype")
-            self._shard_headers[shard] = {**header, "__data_start__": 8 + length}
-        return self._shard_headers[shard]
-
-
-# ---------------------------------------------------------------------------
 # Edits. One wire form for every flavour: per hook, an op, an optional value
 # (a number or a row-shaped tensor) and optional positions. Each becomes a
 # (scale, bias) pair with out = out * scale + bias. Checked in the driver
@@ -2699,6 +2308,15 @@ class _StepLayout:
         self.row_positions = np.repeat(offsets, self.counts) + np.arange(self.starts[-1])
 
 
+def _position_ranges(positions: np.ndarray) -> list[list[int]]:
+    """Sorted positions as [start, stop) ranges of consecutive ones."""
+    if not positions.size:
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    firsts, lasts = np.concatenate([[0], breaks]), np.concatenate([breaks, [positions.size]]) - 1
+    return [[int(positions[first]), int(positions[last]) + 1] for first, last in zip(firsts, lasts)]
+
+
 @dataclasses.dataclass
 class _RequestRows:
     """What was kept of one request so far: one chunk per step that kept rows.
@@ -2745,7 +2363,7 @@ class _Batched:
         self.copy_stream = torch.cuda.Stream(state.device) if state.device.type == "cuda" else None
         # With a sink_dir, finished requests' rows go to disk; _install gives the
         # ranks that write (and the hooks each writes) a _ShardWriter.
-        self.sink: _ShardWriter | None = None
+        self.sink: Any = None  # tl_vllm_hooks_tools.ShardWriter
         self.sink_hooks: list[str] = []
         # Model Runner V2 warms up with requests of its own (_warmup_{i}_), which finish
         # inside the warm-up: never written.
@@ -3066,6 +2684,9 @@ class _Batched:
             self.sink.write(request_id, {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}, parts)
 
 
+_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what vLLM adds to a user's request id
+
+
 def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, str]:
     """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix."""
     by_user_id: dict[str, list[str]] = {}
@@ -3144,7 +2765,7 @@ class _WorkerExtension:
             "absent": list(state.absent),
             "shards": state.shards(),
             "unread_requests": state.flavour.unread_requests,
-            "sink": _sink_status(getattr(state.flavour, "sink", None)),
+            "sink": sink.status() if (sink := getattr(state.flavour, "sink", None)) else None,
         }
 
     @_errors_as_data
@@ -3218,14 +2839,14 @@ class _WorkerExtension:
     @_errors_as_data
     def tl_flush_sink(self) -> dict[str, Any] | None:
         """Write every held request to the sink (the driver saw them all finish) and close
-        the open shard; this rank's _sink_status, None where the rank writes nothing."""
+        the open shard; this rank's writer's status, None where the rank writes nothing."""
         flavour = self._tl_flavour(_Batched, "flush_sink")
         if flavour.config.sink_dir is None:
             raise RuntimeError("flush_sink: this engine has no sink: configure(..., sink_dir=directory)")
         flavour.write_to_sink(sorted(set(flavour.records) | set(flavour.incomplete)))
         if flavour.sink is not None:
             flavour.sink.close()
-        return _sink_status(flavour.sink)
+        return flavour.sink.status() if flavour.sink is not None else None
 
     @_errors_as_data
     def tl_reset_batched(self) -> None:
@@ -3236,35 +2857,14 @@ class _WorkerExtension:
         _uninstall(self)
 
 
-def _sink_status(sink: _ShardWriter | None) -> dict[str, Any] | None:
-    if sink is None:
-        return None
-    return {
-        "directory": sink.directory,
-        "shards": sink.shards,
-        "requests": sink.written,
-        "lost": sink.lost,
-        "error": sink.error,
-        "busy_seconds": sink.busy_seconds,
-    }
-
-
-_REMOVED = {
-    "clear_config": "configure() leaves nothing behind any more; build the engine with "
-    "LLM(model, **config.llm_kwargs) and drop the clear_config() call",
-    "engine_kwargs": "write LLM(model, **config.llm_kwargs)",
-    "absent_hooks": "write status(llm)['absent']",
-}
-
-
 def __getattr__(name: str) -> Any:
     if name == "WorkerExtension":
         # How a vLLM worker loads its worker_extension_cls, before it loads the model.
         # A copied-in file has no entry point to register it: it registers here.
         register()
         return _WorkerExtension
-    if name in _REMOVED:
-        raise AttributeError(f"tl_vllm_hooks.{name} was removed in 0.2: {_REMOVED[name]}")
+    if name in ("CaptureDataset", "tiny_model", "main"):
+        return getattr(_tools(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -3521,10 +3121,10 @@ def _flush_sink_steps():
     failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
     if failures:
         raise RuntimeError("flush_sink: " + " | ".join(failures))
-    return CaptureDataset(writers[0]["directory"])
+    return _tools().CaptureDataset(writers[0]["directory"])
 
 
-def flush_sink(engine: Any) -> CaptureDataset:
+def flush_sink(engine: Any) -> Any:
     """Write every request that ran to the engine's ``sink_dir``, close the open shards,
     and return the directory's ``CaptureDataset``.
 
@@ -3567,499 +3167,7 @@ def remove_hooks(engine: Any) -> None:
     return _drive(engine, _one_call("tl_remove_hooks"))
 
 
-# ---------------------------------------------------------------------------
-# Command line. Runs in the driver; everything above stays importable without it.
-# ---------------------------------------------------------------------------
-
-
-_TINY_MODELS = {
-    # family: (transformers config and model classes, its config beside the common shape).
-    # Width 128 and head size 64: vLLM's CPU attention takes head sizes from 32 up. One
-    # key-value head where the family has grouped queries; mixtures of 4 experts, 2 a token.
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)),
-    "mistral": (
-        "MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)
-    ),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=64)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64)),
-    "gemma3": (
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        dict(num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16),
-    ),
-    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
-    "phi": ("PhiConfig", "PhiForCausalLM", dict(partial_rotary_factor=0.5)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False, pad_token_id=0)),
-    "granite": (
-        "GraniteConfig",
-        "GraniteForCausalLM",
-        dict(
-            num_key_value_heads=1,
-            embedding_multiplier=3.0,
-            residual_multiplier=0.5,
-            attention_multiplier=0.1,
-            logits_scaling=2.0,
-        ),
-    ),
-    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=1, partial_rotary_factor=0.5)),
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=1)),
-    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=1, logit_scale=0.5)),
-    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(num_key_value_heads=1, head_dim=64, sliding_window=16)),
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        dict(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
-    ),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        dict(
-            num_key_value_heads=1,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=128,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(
-            num_key_value_heads=1,
-            head_dim=64,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "olmoe": (
-        "OlmoeConfig",
-        "OlmoeForCausalLM",
-        dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
-    ),
-    "gpt_oss": (
-        "GptOssConfig",
-        "GptOssForCausalLM",
-        dict(
-            num_key_value_heads=1,
-            head_dim=64,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=16,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=256)),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25, tie_word_embeddings=False)),
-    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_inner=256, rotary_dim=32, tie_word_embeddings=False)),
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=256, word_embed_proj_dim=128, init_std=0.1)),
-    "bloom": ("BloomConfig", "BloomForCausalLM", dict()),
-    "falcon": (
-        "FalconConfig",
-        "FalconForCausalLM",
-        dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=True),
-    ),
-}
-
-
-def tiny_model(directory: str, family: str = "llama") -> Any:
-    """A random fp32 model small enough for a CPU, saved to ``directory`` with a tokenizer.
-
-    family: a key of the tiny model table (every family the architecture table
-    places); 3 layers, width 128, 2 heads of 64, MLP 256, vocabulary 512 (words
-    ``t0`` .. ``t511``), as each family's config names them. Norm weights and
-    biases are random too, so a tensor taken before a norm's weight never equals
-    one taken after it.
-    Returns the transformers model (eval mode, eager attention) holding the
-    saved weights.
-    """
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    if family not in _TINY_MODELS:
-        raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(_TINY_MODELS)}")
-    config_class, model_class, shape = _TINY_MODELS[family]
-    torch.manual_seed(zlib.crc32(family.encode()))
-    config_class = getattr(transformers, config_class)
-    common = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.1,
-    )
-    # Only what the family's config takes (Bloom's MLP is 4 * hidden_size and has no setting).
-    known = set(inspect.signature(config_class.__init__).parameters) | set(config_class.attribute_map)
-    config = config_class(
-        **{key: value for key, value in common.items() if key in known},
-        attn_implementation="eager",  # exact attention (SDPA drops Gemma 2's logit soft-capping)
-        **shape,
-    )
-    model = getattr(transformers, model_class)(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 1:  # norm weights start at 1 (or 0 for Gemma's 1 + w), biases at 0
-                parameter.add_(0.2 * torch.randn_like(parameter))
-    model.save_pretrained(directory)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1")
-    tokenizer.save_pretrained(directory)
-    return model
-
-
-def _demo_reference(hf_model: Any, token_ids: list[int], names: list[str], edits: dict) -> dict[str, torch.Tensor]:
-    """The demo's hooks on transformers' Llama: ``{hook_name: [len(token_ids), width]}``.
-
-    There a decoder layer returns the residual stream itself, attention and MLP
-    return what is added to it, and ln_final.hook_normalized is the final
-    norm's input normalized before its weight. ``edits`` maps a hook name to a
-    function of its rows whose result replaces them downstream.
-    """
-    captured: dict[str, torch.Tensor] = {}
-    model = hf_model.model
-    sites = {"hook_embed": model.embed_tokens}
-    for i, layer in enumerate(model.layers):
-        sites.update(
-            {
-                f"blocks.{i}.hook_resid_post": layer,
-                f"blocks.{i}.hook_attn_out": layer.self_attn,
-                f"blocks.{i}.hook_mlp_out": layer.mlp,
-            }
-        )
-
-    def make_hook(name: str):
-        def hook(_module, _inputs, output):
-            rows = output[0] if isinstance(output, tuple) else output
-            if name in edits:
-                rows = edits[name](rows)
-            captured[name] = rows[0].detach().clone()
-            return (rows, *output[1:]) if isinstance(output, tuple) else rows
-
-        return hook
-
-    def final_norm(module, inputs):
-        x = inputs[0][0].double()
-        captured["ln_final.hook_normalized"] = (
-            x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-        ).float()
-
-    handles = [sites[name].register_forward_hook(make_hook(name)) for name in names if name in sites]
-    handles.append(model.norm.register_forward_pre_hook(final_norm))
-    try:
-        with torch.no_grad():
-            hf_model(torch.tensor([token_ids]))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {name: captured[name] for name in names}
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model_dir = tempfile.mkdtemp(prefix="tl_vllm_hooks_demo_")
-    hf_model = tiny_model(model_dir)
-    num_layers = hf_model.config.num_hidden_layers
-    specs = capture_specs(hf_model.config, sites=("embed", "resid_post", "attn_out", "mlp_out", "final_norm"))
-    config = configure(specs, max_num_batched_tokens=256)
-    llm = LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=512,
-        enforce_eager=args.eager,
-        gpu_memory_utilization=0.1,
-        **config.llm_kwargs,
-    )
-    prompt = [(37 * i + 11) % 512 for i in range(24)]
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-
-    def run_vllm() -> dict[str, torch.Tensor]:
-        open_capture(llm)
-        llm.generate(TokensPrompt(prompt_token_ids=prompt), params, use_tqdm=False)
-        return read_captures(llm, len(prompt))
-
-    def run_transformers(layer0_scale: float) -> dict[str, torch.Tensor]:
-        return _demo_reference(
-            hf_model, prompt, list(specs), {"blocks.0.hook_resid_post": lambda rows: rows * layer0_scale}
-        )
-
-    plain = run_vllm()
-    set_edits(llm, {"blocks.0.hook_resid_post": {"op": "scale", "value": 0.5}})
-    edited = run_vllm()
-    reset_edits(llm)
-    expected, expected_edited = run_transformers(1.0), run_transformers(0.5)
-
-    def error(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a.double() - b.double()).norm() / b.double().norm())
-
-    print(
-        f"tl_vllm_hooks {__version__} demo: random Llama {num_layers} layers x 128, fp32, "
-        f"{len(prompt)}-token prompt, {'eager' if args.eager else 'compiled'} engine"
-    )
-    print(f"{'hook':28} {'rows x width':>13} {'rel err vs HF':>14} " f"{'edit moved it':>14} {'edited rel err':>15}")
-    worst = 0.0
-    for name in specs:
-        shape = "x".join(map(str, plain[name].shape))
-        errors = (error(plain[name], expected[name]), error(edited[name], expected_edited[name]))
-        worst = max(worst, *errors)
-        moved = error(edited[name], plain[name])
-        print(f"{name:28} {shape:>13} {errors[0]:>14.1e} {moved:>14.1e} {errors[1]:>15.1e}")
-    print(f"edit: blocks.0.hook_resid_post scaled by 0.5; worst relative error {worst:.1e}")
-    return 0 if worst <= args.tolerance else 1
-
-
-def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
-    """(how many, an iterator of (request id, token ids)) over the command's prompts, read
-    lazily: a file's prompt is named by its line number, so a resumed run finds it again."""
-    if sum(map(bool, (args.token_ids, args.prompts, args.token_ids_file))) != 1:
-        raise ValueError('give one of --token-ids "1 2 3" (repeatable), --prompts FILE or --token-ids-file FILE')
-
-    def token_ids(text: str, where: str) -> list[int]:
-        try:
-            ids = [int(token) for token in text.replace(",", " ").split()]
-        except ValueError:
-            raise ValueError(f"{where}: expected integers separated by spaces or commas, got {text[:100]!r}") from None
-        if not ids or min(ids) < 0:
-            raise ValueError(f"{where}: expected token ids >= 0, got {text[:100]!r}")
-        return ids
-
-    if args.token_ids:
-        prompts = [(f"prompt-{i}", token_ids(text, "--token-ids")) for i, text in enumerate(args.token_ids, 1)]
-        return len(prompts), iter(prompts)
-    path = args.prompts or args.token_ids_file
-    with open(path, encoding="utf-8") as lines:
-        count = sum(1 for line in lines if line.strip())
-    if args.prompts:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        parse = lambda text, number: tokenizer(text)["input_ids"]  # noqa: E731
-    else:
-        parse = lambda text, number: token_ids(text, f"{path}:{number}")  # noqa: E731
-
-    def read():
-        with open(path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    yield f"line-{number}", parse(line.rstrip("\n"), number)
-
-    return count, read()
-
-
-def _capture(args: argparse.Namespace) -> int:
-    """Capture every prompt's rows into a sink directory with one batched, eager engine,
-    going on from what an earlier run of it left there."""
-    import time
-
-    from tqdm import tqdm
-    from transformers import AutoConfig
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    hf_config = AutoConfig.from_pretrained(args.model)
-    specs = capture_specs(hf_config, sites=tuple(args.sites.split(",")), layers=args.layers)
-    config = configure(
-        specs,
-        args.max_num_batched_tokens,
-        getattr(torch, args.dtype),
-        enable_batching=True,
-        sink_dir=args.out,
-        shard_bytes=int(args.shard_mb * 2**20),
-    )
-    count, prompts = _prompts(args)
-    params = SamplingParams(max_tokens=1, detokenize=False, extra_args=request_args(config, capture=args.keep))
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        enforce_eager=True,
-        skip_tokenizer_init=True,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        **config.llm_kwargs,
-    )
-    # The workers have dropped what an interrupted run left unfinished: go on after it.
-    done = {_VLLM_SUFFIX.sub("", request_id) for request_id in CaptureDataset(config.sink_dir)}
-    engine, running, rows, tokens, started = llm.llm_engine, 0, 0, 0, time.perf_counter()
-    progress = tqdm(total=count, initial=len(done), unit="prompt", file=args.terminal, disable=None)
-    waiting = ((request_id, ids) for request_id, ids in prompts if request_id not in done)
-    while True:
-        for request_id, ids in itertools.islice(waiting, args.max_in_flight - running):
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
-            running += 1
-        if not running:
-            break
-        for output in engine.step():
-            if output.finished:
-                running -= 1
-                tokens += len(output.prompt_token_ids)
-                rows += len(output.prompt_token_ids) if args.keep == "prompt" else 1
-                progress.set_postfix_str(f"{tokens / (time.perf_counter() - started):,.0f} tok/s, {rows:,} rows")
-                progress.update()
-    dataset = flush_sink(llm)
-    progress.close()
-    print(
-        f"wrote {dataset.directory}: {len(dataset)} requests ({len(done)} from an earlier run) x "
-        f"{len(dataset.hooks)} hooks ({args.dtype}); read them with tl_vllm_hooks.CaptureDataset"
-    )
-    return 0
-
-
-def _compare(args: argparse.Namespace) -> int:
-    """Per hook, the worst error of a capture directory against TransformerLens on the same model."""
-    try:
-        from transformer_lens.model_bridge import TransformerBridge
-    except ImportError:
-        raise ValueError(
-            "compare checks hooks against TransformerLens, which is not installed here: "
-            "pip install transformer-lens==4.3.0"
-        ) from None
-    dataset = CaptureDataset(args.directory)
-    hooks = list(dataset.hooks)
-    bridge = TransformerBridge.boot_transformers(args.model or dataset.model, dtype=torch.float32, device="cpu")
-    worst: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in hooks}
-    for index, request_id in enumerate(dataset, 1):
-        entry, captured = dataset.entry(request_id), dataset[request_id]
-        positions = [p for start, stop in entry["positions"] for p in range(start, stop)]
-        _logits, cache = bridge.run_with_cache(torch.tensor([entry["prompt_token_ids"]]), names_filter=hooks)
-        for name in hooks:
-            expected = cache[name][0][positions].double()
-            difference = (captured[name].double() - expected).abs()
-            relative = float(difference.norm()) / (float(expected.norm()) or 1.0)
-            worst[name] = (max(worst[name][0], float(difference.max())), max(worst[name][1], relative))
-        logger.info("compared request %d/%d", index, len(dataset))
-    print(
-        f"{dataset.directory} ({_dtype_name(dataset.dtype)}, vLLM {dataset.versions['vllm']}) vs TransformerLens "
-        f"fp32, {len(dataset)} requests; tolerance {args.tolerance:g} (relative L2)"
-    )
-    print(f"{'hook':28} {'max abs err':>12} {'rel L2 err':>11}")
-    for name, (absolute, relative) in worst.items():
-        flag = "" if relative <= args.tolerance else "  <- over tolerance"
-        print(f"{name:28} {absolute:12.3e} {relative:11.3e}{flag}")
-    if args.plot:
-        _plot_errors(worst, args.plot, args.tolerance)
-    return 0 if all(relative <= args.tolerance for _a, relative in worst.values()) else 1
-
-
-def _plot_errors(worst: dict[str, tuple[float, float]], path: str, tolerance: float) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot
-    except ImportError:
-        print(f"--plot: matplotlib is not installed, so {path} was not written")
-        return
-    figure, axes = pyplot.subplots(figsize=(max(6, 0.35 * len(worst)), 4))
-    axes.bar(range(len(worst)), [relative for _a, relative in worst.values()])
-    axes.axhline(tolerance, color="red", linestyle="--", label=f"tolerance {tolerance:g}")
-    axes.set_yscale("log")
-    axes.set_xticks(range(len(worst)), list(worst), rotation=90, fontsize=7)
-    axes.set_ylabel("relative L2 error vs TransformerLens")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tl_vllm_hooks", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--verbose", action="store_true", help="show vLLM's logging and progress bars")
-    demo = commands.add_parser(
-        "demo", parents=[common], help="capture and edit a tiny random Llama in vLLM and check it against transformers"
-    )
-    demo.add_argument("--eager", action="store_true", help="build the engine with enforce_eager=True")
-    demo.add_argument("--tolerance", type=float, default=1e-5, help="exit 1 past this relative error (default 1e-5)")
-    capture = commands.add_parser(
-        "capture", parents=[common], help="capture hooks of many prompts into a directory of safetensors shards"
-    )
-    capture.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
-    capture.add_argument("--token-ids", action="append", help='one prompt as token ids, "1 2 3"; repeatable')
-    capture.add_argument("--prompts", help="a text file, one prompt per line (needs the model's tokenizer)")
-    capture.add_argument("--token-ids-file", help="a file with one prompt per line as token ids, e.g. 1 2 3")
-    capture.add_argument(
-        "--sites", default="resid_post", help=f"comma list of {', '.join(SITES)} (as the architecture has)"
-    )
-    capture.add_argument(
-        "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list (default all)"
-    )
-    capture.add_argument("--keep", default="prompt", choices=("prompt", "last_prompt_token"), help="rows to keep")
-    capture.add_argument("--dtype", default="float32", choices=_FLOAT_DTYPES)
-    capture.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    capture.add_argument("--max-in-flight", type=int, default=256, help="prompts handed to vLLM at a time")
-    capture.add_argument("--shard-mb", type=float, default=1024, help="close a shard at this many MiB of rows")
-    capture.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    capture.add_argument(
-        "--out", required=True, help="the directory to write; a run into one an earlier run began goes on from it"
-    )
-    compare = commands.add_parser(
-        "compare",
-        parents=[common],
-        help="compare a capture directory with TransformerLens on the same model (needs transformer-lens)",
-    )
-    compare.add_argument("directory", help="a directory written by the capture command")
-    compare.add_argument("--model", help="the model to load (default: the one the manifest names)")
-    compare.add_argument("--tolerance", type=float, default=1e-4, help="exit 1 past this relative L2 error")
-    compare.add_argument("--plot", help="also write a bar chart of the errors to this PNG (needs matplotlib)")
-    args = parser.parse_args(argv)
-    command = {"demo": _demo, "capture": _capture, "compare": _compare}[args.command]
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO)
-        return _run(command, args, sys.stderr)
-    return _run_quietly(command, args)
-
-
-def _run(command: Any, args: argparse.Namespace, errors: Any) -> int:
-    args.terminal = errors  # where progress bars go
-    try:
-        return command(args)
-    except (ValueError, KeyError, OSError) as error:
-        print(f"error: {error}", file=errors)
-        return 2
-
-
-def _run_quietly(command: Any, args: argparse.Namespace) -> int:
-    """Run a command with file descriptors 1 and 2 going to a temporary log, as do the
-    vLLM processes it starts (they inherit them): only its result (printed to sys.stdout)
-    and its errors reach the terminal, with the log's last lines if it crashes."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's logging in this process
-    sys.stdout.flush()
-    sys.stderr.flush()
-    terminal = os.dup(1), os.dup(2)
-    original_stdout = sys.stdout
-    with tempfile.TemporaryFile() as log, os.fdopen(os.dup(terminal[1]), "w") as errors:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-        sys.stdout = os.fdopen(os.dup(terminal[0]), "w", buffering=1)
-        try:
-            return _run(command, args, errors)
-        except BaseException:
-            log.seek(0)
-            tail = log.read().decode(errors="replace").splitlines()[-30:]
-            print("\n".join(["last lines of vLLM's output (--verbose shows all of it):", *tail]), file=errors)
-            raise
-        finally:
-            sys.stdout.close()
-            sys.stdout = original_stdout
-            for fd, saved in zip((1, 2), terminal):
-                os.dup2(saved, fd)
-                os.close(saved)
-
-
 if __name__ == "__main__":
-    # Run the imported module, not this __main__ copy, so WORKER_EXTENSION and
-    # the registration state are the ones vLLM's workers see.
-    from tl_vllm_hooks import main as _main
-
-    sys.exit(_main())
+    # The command line is the companion's; it imports this file as tl_vllm_hooks, whose
+    # WORKER_EXTENSION and registration state are the ones vLLM's workers see.
+    sys.exit(_tools().main())

@@ -22,9 +22,10 @@ import tempfile
 import torch
 
 import tl_vllm_hooks as tlh
+import tl_vllm_hooks_tools as tools
 
 PROMPT = [(7 * i + 3) % 512 for i in range(40)]
-FAMILIES = tuple(tlh._TINY_MODELS)  # every family tiny_model builds
+FAMILIES = tuple(tools._TINY_MODELS)  # every family tiny_model builds
 
 
 def transformer_lens_rows(bridge, names, edits):
