@@ -694,6 +694,25 @@ def test_prefix_cache_settings_follow_each_requests_options():
 
 
 @NO_ENGINE
+def test_unregister_puts_back_every_attribute_register_patched():
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.request import Request
+    from vllm.v1.worker.gpu_worker import Worker
+
+    tlh.register()
+    patched = dict(tlh._originals)
+    assert {(owner, name) for owner, name in patched} >= {
+        (Worker, "load_model"), (InputProcessor, "process_inputs"), (Request, "from_engine_core_request")
+    }
+    try:
+        tlh.unregister()
+        assert all(owner.__dict__[name] is original for (owner, name), original in patched.items())
+    finally:
+        tlh.register()  # as every other test expects
+    assert Worker.load_model is not patched[(Worker, "load_model")]
+
+
+@NO_ENGINE
 def test_request_ids_join_exactly():
     match = tlh._match_request_ids
     assert match(["1", "11"], ["11-0123abcd", "1-89abcdef"]) == {"1": "1-89abcdef", "11": "11-0123abcd"}
