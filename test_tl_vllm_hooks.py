@@ -545,7 +545,7 @@ def test_tensor_wire_format_rejects_truncated_data():
 
 @NO_ENGINE
 def test_capture_specs_names_follow_transformer_lens():
-    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig
 
     llama = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96)
     llama.architectures = ["LlamaForCausalLM"]
@@ -1449,43 +1449,92 @@ def test_configure_refuses_a_sink_dir_it_cannot_write(tmp_path):
             tlh.configure({"blocks.0.hook_resid_post": (128,)}, enable_batching=True, sink_dir=str(directory))
 
 
-def test_requests_are_checked_against_the_engine_they_go_to(models):
-    """With a compiled and a batched engine in one process, built in either order, a request
-    with per-request options is taken by the batched engine and refused by the compiled one;
-    its SamplingParams, made while only the compiled engine exists, are not refused."""
-    from vllm import SamplingParams
+class TestEngineChecks:
+    """Engines of their own: the engine a request is checked against, hooks removed, no config, the compile cache."""
 
-    model, prompt, sites = models["llama"], {"prompt_token_ids": PROMPT}, ("resid_post",)
-    batched_config = tlh.configure(
-        tlh.capture_specs(model.hf.config, sites=sites), MAX_TOKENS_PER_FORWARD, enable_batching=True
-    )
+    def test_requests_are_checked_against_the_engine_they_go_to(self, models):
+        """With a compiled and a batched engine in one process, built in either order, a request
+        with per-request options is taken by the batched engine and refused by the compiled one;
+        its SamplingParams, made while only the compiled engine exists, are not refused."""
+        from vllm import SamplingParams
 
-    def check(compiled, batched, params):
-        with pytest.raises(ValueError, match="this engine has compiled hooks"):
-            compiled.generate(prompt, params, use_tqdm=False)
-        (output,) = batched.generate(prompt, params, use_tqdm=False)
-        rows = tlh.read_batched(batched, [output.request_id])[output.request_id]
-        assert_matches(rows, model.reference(PROMPT, list(rows)))
+        model, prompt, sites = models["llama"], {"prompt_token_ids": PROMPT}, ("resid_post",)
+        batched_config = tlh.configure(
+            tlh.capture_specs(model.hf.config, sites=sites), MAX_TOKENS_PER_FORWARD, enable_batching=True
+        )
 
-    with engine(model, sites=sites, in_process=False, eager=True) as compiled_first:
-        params = SamplingParams(max_tokens=1, detokenize=False, extra_args=tlh.request_args(batched_config, "prompt"))
-        with engine(model, sites=sites, in_process=False, eager=True, batching=True) as batched:
-            check(compiled_first, batched, params)
-            with engine(model, sites=sites, in_process=False, eager=True) as compiled_after:
-                check(compiled_after, batched, params)
+        def check(compiled, batched, params):
+            with pytest.raises(ValueError, match="this engine has compiled hooks"):
+                compiled.generate(prompt, params, use_tqdm=False)
+            (output,) = batched.generate(prompt, params, use_tqdm=False)
+            rows = tlh.read_batched(batched, [output.request_id])[output.request_id]
+            assert_matches(rows, model.reference(PROMPT, list(rows)))
 
+        with engine(model, sites=sites, in_process=False, eager=True) as compiled_first:
+            params = SamplingParams(max_tokens=1, detokenize=False, extra_args=tlh.request_args(batched_config, "prompt"))
+            with engine(model, sites=sites, in_process=False, eager=True, batching=True) as batched:
+                check(compiled_first, batched, params)
+                with engine(model, sites=sites, in_process=False, eager=True) as compiled_after:
+                    check(compiled_after, batched, params)
 
-def test_remove_hooks_takes_edits_out_of_an_eager_engine(models):
-    with engine(models["llama"], sites=("final_norm",), in_process=False, eager=True, batching=True) as llm:
-        (plain,) = generate(llm, BATCH[:1], max_tokens=4)
-        tlh.set_edits(llm, {"ln_final.hook_normalized": {"op": "suppress"}})
-        (suppressed,) = generate(llm, BATCH[:1], max_tokens=4)
-        assert list(suppressed.outputs[0].token_ids) == [0, 0, 0, 0], "all-zero logits pick token 0"
-        tlh.remove_hooks(llm)
-        (after,) = generate(llm, BATCH[:1], max_tokens=4)
-        assert list(after.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
-        with pytest.raises(RuntimeError, match="this engine has no hooks"):
-            tlh.read_batched(llm, [after.request_id])
+    def test_remove_hooks_takes_edits_out_of_an_eager_engine(self, models):
+        with engine(models["llama"], sites=("final_norm",), in_process=False, eager=True, batching=True) as llm:
+            (plain,) = generate(llm, BATCH[:1], max_tokens=4)
+            tlh.set_edits(llm, {"ln_final.hook_normalized": {"op": "suppress"}})
+            (suppressed,) = generate(llm, BATCH[:1], max_tokens=4)
+            assert list(suppressed.outputs[0].token_ids) == [0, 0, 0, 0], "all-zero logits pick token 0"
+            tlh.remove_hooks(llm)
+            (after,) = generate(llm, BATCH[:1], max_tokens=4)
+            assert list(after.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+            with pytest.raises(RuntimeError, match="this engine has no hooks"):
+                tlh.read_batched(llm, [after.request_id])
+
+    def test_config_in_the_environment_reaches_spawned_workers(self, models):
+        """For servers one does not construct: TL_VLLM_HOOKS_CONFIG instead of additional_config."""
+        from vllm import LLM
+
+        model = models["llama"]
+        config = tlh.configure(tlh.capture_specs(model.hf.config, sites=("mlp_out",), layers=[1]), MAX_TOKENS_PER_FORWARD)
+        kwargs = {key: value for key, value in config.llm_kwargs.items() if key != "additional_config"}
+        with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING="1", TL_VLLM_HOOKS_CONFIG=config.to_json()):
+            llm = LLM(str(model.path), **engine_arguments(), enforce_eager=True, **kwargs)
+            try:
+                assert_matches(capture(llm, PROMPT), model.reference(PROMPT, ["blocks.1.hook_mlp_out"]))
+            finally:
+                shutdown(llm, in_process=False)
+
+    def test_engine_built_without_the_config_has_no_hooks(self, models):
+        from vllm import LLM
+
+        config = tlh.configure({"layer0": ("model.layers.0", 128)}, MAX_TOKENS_PER_FORWARD)
+        with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING="1"):
+            llm = LLM(str(models["qwen2"].path), **engine_arguments(), enforce_eager=True,
+                      worker_extension_cls=config.llm_kwargs["worker_extension_cls"])
+            try:
+                generate(llm, [PROMPT])
+                with pytest.raises(RuntimeError, match=re.escape("this engine has no hooks: build it with LLM(model, **")):
+                    tlh.read_fire_counts(llm)
+            finally:
+                shutdown(llm, in_process=False)
+
+    def test_compile_cache_never_serves_a_graph_traced_for_other_hooks(self, models, tmp_path, monkeypatch):
+        """vLLM keys its on-disk compile cache by its config, which knows no hooks.
+
+        Three compiled engines share one cache directory: hooks on one site, on
+        another, then the first again. Each must run exactly its own hooks, and
+        the two configs must get two cache entries (one, without the module's key).
+        """
+        cache = tmp_path / "vllm-cache"
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache))
+        model = models["llama"]
+        for sites in [("resid_post",), ("mlp_out",), ("resid_post",)]:
+            with engine(model, sites=sites, in_process=False, eager=False) as llm:
+                tlh.reset_fire_counts(llm)
+                captured = capture(llm, PROMPT)
+                assert set(tlh.read_fire_counts(llm).values()) == {1}, tlh.read_fire_counts(llm)
+                assert_matches(captured, model.reference(PROMPT, llm.hook_names), f"cache, {sites}")
+        entries = sorted(p.name for p in cache.glob("torch_compile_cache/*/*") if p.is_dir())
+        assert len(entries) == 2, f"expected one compile-cache entry per hook config, got {entries}"
 
 
 # --- the other families ------------------------------------------------------------------
@@ -1655,35 +1704,70 @@ def run_probe(directory: Path, model_dir: Path, specs: dict, mode: str, **env):
     return done.returncode, result, done.stdout + done.stderr
 
 
-def test_copied_in_file_works_in_spawned_workers(tmp_path, models):
-    (tmp_path / "tl_vllm_hooks.py").write_text((HERE / "tl_vllm_hooks.py").read_text())
-    # VLLM_PLUGINS="" keeps an installed entry point from loading: only the copy runs.
-    code, result, log = run_probe(
-        tmp_path, models["llama"].path, {"blocks.0.hook_resid_post": 128}, "extension", VLLM_PLUGINS=""
-    )
-    assert code == 0 and result, f"probe failed:\n{log[-4000:]}"
-    copy = str(tmp_path / "tl_vllm_hooks.py")
-    assert result["module"] == copy and result["worker_module"] == copy, result["worker_module"]
-    assert not result["tools_imported"], "the core alone imported its companion"
-    hook, prompt = "blocks.0.hook_resid_post", list(range(1, 21))
-    plain = models["llama"].reference(prompt, [hook])[hook]
-    edited = models["llama"].reference(prompt, [hook], {hook: {"op": "scale", "value": 0.5}})[hook]
-    assert relative_error(torch.tensor(result["rows"][0]), plain) <= TOLERANCE
-    assert relative_error(torch.tensor(result["rows"][1]), edited[10:]) <= TOLERANCE
+class TestLoading:
+    """Spawned workers: the copied-in core, the installed entry point, engine configs refused at startup."""
 
+    def test_copied_in_file_works_in_spawned_workers(self, tmp_path, models):
+        (tmp_path / "tl_vllm_hooks.py").write_text((HERE / "tl_vllm_hooks.py").read_text())
+        # VLLM_PLUGINS="" keeps an installed entry point from loading: only the copy runs.
+        code, result, log = run_probe(
+            tmp_path, models["llama"].path, {"blocks.0.hook_resid_post": 128}, "extension", VLLM_PLUGINS=""
+        )
+        assert code == 0 and result, f"probe failed:\n{log[-4000:]}"
+        copy = str(tmp_path / "tl_vllm_hooks.py")
+        assert result["module"] == copy and result["worker_module"] == copy, result["worker_module"]
+        assert not result["tools_imported"], "the core alone imported its companion"
+        hook, prompt = "blocks.0.hook_resid_post", list(range(1, 21))
+        plain = models["llama"].reference(prompt, [hook])[hook]
+        edited = models["llama"].reference(prompt, [hook], {hook: {"op": "scale", "value": 0.5}})[hook]
+        assert relative_error(torch.tensor(result["rows"][0]), plain) <= TOLERANCE
+        assert relative_error(torch.tensor(result["rows"][1]), edited[10:]) <= TOLERANCE
 
-def test_installed_entry_point_installs_hooks_in_spawned_worker(tmp_path, models):
-    from importlib.metadata import entry_points
+    def test_installed_entry_point_installs_hooks_in_spawned_worker(self, tmp_path, models):
+        from importlib.metadata import entry_points
 
-    names = [e.value for e in entry_points(group="vllm.general_plugins")]
-    if "tl_vllm_hooks:register" not in names:
-        pytest.skip("tl_vllm_hooks is not pip-installed here (pip install -e .)")
-    # No worker_extension_cls: only the entry point can bring the module into
-    # the worker. A misspelt module path then fails the worker's model load,
-    # with the close match named, which proves the hooks were being installed.
-    code, _result, log = run_probe(tmp_path, models["llama"].path, {"probe": ["model.layers.0.mlpp", 128]}, "plain")
-    assert code != 0, "the engine started although its hook path does not exist"
-    assert "'model.layers.0.mlpp' does not exist" in log and "model.layers.0.mlp" in log, log[-3000:]
+        names = [e.value for e in entry_points(group="vllm.general_plugins")]
+        if "tl_vllm_hooks:register" not in names:
+            pytest.skip("tl_vllm_hooks is not pip-installed here (pip install -e .)")
+        # No worker_extension_cls: only the entry point can bring the module into
+        # the worker. A misspelt module path then fails the worker's model load,
+        # with the close match named, which proves the hooks were being installed.
+        code, _result, log = run_probe(tmp_path, models["llama"].path, {"probe": ["model.layers.0.mlpp", 128]}, "plain")
+        assert code != 0, "the engine started although its hook path does not exist"
+        assert "'model.layers.0.mlpp' does not exist" in log and "model.layers.0.mlp" in log, log[-3000:]
+
+    def test_bad_engine_configs_are_refused_at_startup(self, tmp_path, models):
+        script = tmp_path / "bad_engines.py"
+        script.write_text(BAD_ENGINES)
+        # The Llama's weights under an architecture the table does not place: vLLM
+        # serves it (with its Llama class), and the TransformerLens names must be refused.
+        unplaced = tmp_path / "internlm3"
+        shutil.copytree(models["llama"].path, unplaced)
+        config = json.loads((unplaced / "config.json").read_text())
+        (unplaced / "config.json").write_text(json.dumps({**config, "architectures": ["InternLM3ForCausalLM"]}))
+        environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        done = subprocess.run(
+            [sys.executable, str(script), str(models["llama"].path), str(unplaced)],
+            cwd=HERE, env=environment, capture_output=True, text=True, timeout=600,
+        )
+        log = done.stdout + done.stderr
+        lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+        assert done.returncode == 0 and lines, f"probe failed:\n{log[-4000:]}"
+        result = json.loads(lines[-1][len("PROBE ") :])
+        assert set(result["refused"].values()) == {"ValueError"}, f"engines that started anyway: {result['refused']}"
+        for message in [
+            "'model.layers.0.mpl' does not exist in LlamaForCausalLM; close matches: ['model.layers.0.mlp'",
+            "capture_specs['h']: width 64, but model.layers.0.mlp.down_proj (RowParallelLinear) outputs rows of 128",
+            "row shape (64,), but this model's blocks.0.hook_mlp_out has rows of (128,)",
+            "blocks.3.hook_mlp_out: the model has 3 layers",
+            "architecture InternLM3ForCausalLM: TransformerLens hook names are placed per architecture and this "
+            "module has no table for it; supported: ['BloomForCausalLM', 'CohereForCausalLM', 'Exaone4ForCausalLM'",
+            "enable_prefix_caching: the compiled flavour keeps the rows of one forward, and tokens served from vLLM's",
+            "the engine schedules up to 128 tokens per forward but the capture buffers hold 64",
+        ]:
+            assert message in log, f"missing error message: {message}"
+        assert result["hooks"] == ["blocks.0.hook_mlp_out"], "the good engine after the bad ones has no hooks"
+        assert "this engine has no hooks" in result["disabled"], result["disabled"]
 
 
 # --- CUDA: CUDA graphs and both model runners (skipped without a GPU) ----------------
@@ -1959,54 +2043,67 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
             assert set(counts) == set(status["hooks"]) and set(counts.values()) == {4}, counts
 
 
-def test_sink_joins_the_parts_tensor_parallel_ranks_write(models, tmp_path):
-    """Tensor parallel 2, eager, on two CPU workers or two GPUs: rank 0 writes every hook,
-    rank 1 only its parts of the split ones, and CaptureDataset joins them."""
-    if torch.cuda.is_available() and not TWO_GPUS:
-        pytest.skip("needs two CUDA GPUs")
-    if not TWO_GPUS and len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("two CPU workers need two cores")
-    dtype, tolerance, environment, reference = (
-        ("bfloat16", BF16_TOLERANCE, (), bf16_reference(models["llama"])) if TWO_GPUS
-        else ("float32", TOLERANCE, (("VLLM_CPU_OMP_THREADS_BIND", "0|1"),), models["llama"])
-    )
-    sink_dir = tmp_path / "dataset"
-    with engine(
-        models["llama"], in_process=False, eager=True, batching=True, dtype=dtype, environment=environment,
-        sink_dir=str(sink_dir), tensor_parallel_size=2,
-    ) as llm:
-        (output,) = generate(llm, [PROMPT], extra_args=[tlh.request_args(llm.config, "prompt", EDIT)])
-        dataset = tlh.flush_sink(llm)
-    headers = {path.name: json.loads(path.read_text().splitlines()[0]) for path in sink_dir.glob("manifest-*")}
-    split = {name for name in llm.hook_names if name.endswith(("attn.hook_z", "mlp.hook_post"))}
-    assert set(headers) == {"manifest-pp0-tp0.jsonl", "manifest-pp0-tp1.jsonl"}
-    assert set(headers["manifest-pp0-tp0.jsonl"]["writes"]) == set(llm.hook_names)
-    assert set(headers["manifest-pp0-tp1.jsonl"]["writes"]) == split
-    rows = dataset[output.request_id]
-    assert set(rows) == set(llm.hook_names)
-    assert_matches(rows, reference.reference(PROMPT, llm.hook_names, EDIT), "tp2 sink", tolerance)
+class TestTensorParallel:
+    """Tensor parallel 2 on the CPU, and preemption."""
 
+    def test_sink_joins_the_parts_tensor_parallel_ranks_write(self, models, tmp_path):
+        """Tensor parallel 2, eager, on two CPU workers or two GPUs: rank 0 writes every hook,
+        rank 1 only its parts of the split ones, and CaptureDataset joins them."""
+        if torch.cuda.is_available() and not TWO_GPUS:
+            pytest.skip("needs two CUDA GPUs")
+        if not TWO_GPUS and len(os.sched_getaffinity(0)) < 2:
+            pytest.skip("two CPU workers need two cores")
+        dtype, tolerance, environment, reference = (
+            ("bfloat16", BF16_TOLERANCE, (), bf16_reference(models["llama"])) if TWO_GPUS
+            else ("float32", TOLERANCE, (("VLLM_CPU_OMP_THREADS_BIND", "0|1"),), models["llama"])
+        )
+        sink_dir = tmp_path / "dataset"
+        with engine(
+            models["llama"], in_process=False, eager=True, batching=True, dtype=dtype, environment=environment,
+            sink_dir=str(sink_dir), tensor_parallel_size=2,
+        ) as llm:
+            (output,) = generate(llm, [PROMPT], extra_args=[tlh.request_args(llm.config, "prompt", EDIT)])
+            dataset = tlh.flush_sink(llm)
+        headers = {path.name: json.loads(path.read_text().splitlines()[0]) for path in sink_dir.glob("manifest-*")}
+        split = {name for name in llm.hook_names if name.endswith(("attn.hook_z", "mlp.hook_post"))}
+        assert set(headers) == {"manifest-pp0-tp0.jsonl", "manifest-pp0-tp1.jsonl"}
+        assert set(headers["manifest-pp0-tp0.jsonl"]["writes"]) == set(llm.hook_names)
+        assert set(headers["manifest-pp0-tp1.jsonl"]["writes"]) == split
+        rows = dataset[output.request_id]
+        assert set(rows) == set(llm.hook_names)
+        assert_matches(rows, reference.reference(PROMPT, llm.hook_names, EDIT), "tp2 sink", tolerance)
 
-def test_tensor_parallel_splits_the_heads_of_q_k_v_and_the_mlp_units(models):
-    """Tensor parallel 2 on two CPU workers, GPT-2 (two heads, two key-value heads), batched
-    flavour, eager: every site, hook_q/k/v and mlp.hook_pre split by heads and units
-    across the ranks and joined on read, unedited and under an edit at each site (each
-    rank editing its own heads), against TransformerLens."""
-    if torch.cuda.is_available() or len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("two CPU workers need two cores (two GPUs run test_parallel_layout_matches_one_device)")
-    model = models["gpt2"]
-    with engine(
-        model, sites=model.sites, in_process=False, eager=True, batching=True,
-        environment=(("VLLM_CPU_OMP_THREADS_BIND", "0|1"),), tensor_parallel_size=2,
-    ) as llm:
-        shards = [reply["result"]["shards"] for reply in llm.collective_rpc("tl_status")]
-        split = {"attn.hook_q": 1, "attn.hook_k": 1, "attn.hook_v": 1, "attn.hook_z": 1, "mlp.hook_pre": 128,
-                 "mlp.hook_post": 128}
-        assert shards[1] == {
-            f"blocks.{i}.{hook}": start for i in range(3) for hook, start in split.items()
-        }, "rank 1 holds the second head and the second half of the MLP's units"
-        check_batched(llm, model, prompts=BATCH[:2])
-        check_every_site_edit_per_request(llm, model)
+    def test_tensor_parallel_splits_the_heads_of_q_k_v_and_the_mlp_units(self, models):
+        """Tensor parallel 2 on two CPU workers, GPT-2 (two heads, two key-value heads), batched
+        flavour, eager: every site, hook_q/k/v and mlp.hook_pre split by heads and units
+        across the ranks and joined on read, unedited and under an edit at each site (each
+        rank editing its own heads), against TransformerLens."""
+        if torch.cuda.is_available() or len(os.sched_getaffinity(0)) < 2:
+            pytest.skip("two CPU workers need two cores (two GPUs run test_parallel_layout_matches_one_device)")
+        model = models["gpt2"]
+        with engine(
+            model, sites=model.sites, in_process=False, eager=True, batching=True,
+            environment=(("VLLM_CPU_OMP_THREADS_BIND", "0|1"),), tensor_parallel_size=2,
+        ) as llm:
+            shards = [reply["result"]["shards"] for reply in llm.collective_rpc("tl_status")]
+            split = {"attn.hook_q": 1, "attn.hook_k": 1, "attn.hook_v": 1, "attn.hook_z": 1, "mlp.hook_pre": 128,
+                     "mlp.hook_post": 128}
+            assert shards[1] == {
+                f"blocks.{i}.{hook}": start for i in range(3) for hook, start in split.items()
+            }, "rank 1 holds the second head and the second half of the MLP's units"
+            check_batched(llm, model, prompts=BATCH[:2])
+            check_every_site_edit_per_request(llm, model)
+
+    def test_preempted_requests_come_back_without_duplicated_or_missing_rows(self, models):
+        """A KV cache of 10 blocks of 32 tokens cannot hold four 100-token prompts
+        growing by 40 tokens each: vLLM preempts requests and recomputes them."""
+        model = models["llama"]
+        prompts = [[(17 * i + 29 * r + 1) % 512 for i in range(100)] for r in range(4)]
+        with engine(model, sites=("resid_post",), in_process=False, eager=True, batching=True,
+                    num_gpu_blocks_override=10, block_size=32, max_model_len=256, disable_log_stats=False) as llm:
+            check_batched(llm, model, max_tokens=40, prompts=prompts)
+            preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+            assert preemptions > 0, "the test needs vLLM to preempt; it did not"
 
 
 BAD_ENGINES = textwrap.dedent(
@@ -2059,40 +2156,6 @@ BAD_ENGINES = textwrap.dedent(
         print("PROBE " + json.dumps({"refused": refused, "hooks": hooks, "disabled": disabled}), flush=True)
     """
 )
-
-
-def test_bad_engine_configs_are_refused_at_startup(tmp_path, models):
-    script = tmp_path / "bad_engines.py"
-    script.write_text(BAD_ENGINES)
-    # The Llama's weights under an architecture the table does not place: vLLM
-    # serves it (with its Llama class), and the TransformerLens names must be refused.
-    unplaced = tmp_path / "internlm3"
-    shutil.copytree(models["llama"].path, unplaced)
-    config = json.loads((unplaced / "config.json").read_text())
-    (unplaced / "config.json").write_text(json.dumps({**config, "architectures": ["InternLM3ForCausalLM"]}))
-    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run(
-        [sys.executable, str(script), str(models["llama"].path), str(unplaced)],
-        cwd=HERE, env=environment, capture_output=True, text=True, timeout=600,
-    )
-    log = done.stdout + done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
-    assert done.returncode == 0 and lines, f"probe failed:\n{log[-4000:]}"
-    result = json.loads(lines[-1][len("PROBE ") :])
-    assert set(result["refused"].values()) == {"ValueError"}, f"engines that started anyway: {result['refused']}"
-    for message in [
-        "'model.layers.0.mpl' does not exist in LlamaForCausalLM; close matches: ['model.layers.0.mlp'",
-        "capture_specs['h']: width 64, but model.layers.0.mlp.down_proj (RowParallelLinear) outputs rows of 128",
-        "row shape (64,), but this model's blocks.0.hook_mlp_out has rows of (128,)",
-        "blocks.3.hook_mlp_out: the model has 3 layers",
-        "architecture InternLM3ForCausalLM: TransformerLens hook names are placed per architecture and this "
-        "module has no table for it; supported: ['BloomForCausalLM', 'CohereForCausalLM', 'Exaone4ForCausalLM'",
-        "enable_prefix_caching: the compiled flavour keeps the rows of one forward, and tokens served from vLLM's",
-        "the engine schedules up to 128 tokens per forward but the capture buffers hold 64",
-    ]:
-        assert message in log, f"missing error message: {message}"
-    assert result["hooks"] == ["blocks.0.hook_mlp_out"], "the good engine after the bad ones has no hooks"
-    assert "this engine has no hooks" in result["disabled"], result["disabled"]
 
 
 # --- serving: vllm serve, AsyncLLM, prefix caching ---------------------------------------
@@ -2322,29 +2385,6 @@ class TestAsyncLLM:
         assert plain_s.outputs[0].token_ids != steered["S"].outputs[0].token_ids, "the steering must change S"
 
 
-# --- vLLM's compile cache --------------------------------------------------------------
-
-
-def test_compile_cache_never_serves_a_graph_traced_for_other_hooks(models, tmp_path, monkeypatch):
-    """vLLM keys its on-disk compile cache by its config, which knows no hooks.
-
-    Three compiled engines share one cache directory: hooks on one site, on
-    another, then the first again. Each must run exactly its own hooks, and
-    the two configs must get two cache entries (one, without the module's key).
-    """
-    cache = tmp_path / "vllm-cache"
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache))
-    model = models["llama"]
-    for sites in [("resid_post",), ("mlp_out",), ("resid_post",)]:
-        with engine(model, sites=sites, in_process=False, eager=False) as llm:
-            tlh.reset_fire_counts(llm)
-            captured = capture(llm, PROMPT)
-            assert set(tlh.read_fire_counts(llm).values()) == {1}, tlh.read_fire_counts(llm)
-            assert_matches(captured, model.reference(PROMPT, llm.hook_names), f"cache, {sites}")
-    entries = sorted(p.name for p in cache.glob("torch_compile_cache/*/*") if p.is_dir())
-    assert len(entries) == 2, f"expected one compile-cache entry per hook config, got {entries}"
-
-
 # --- command line and examples -----------------------------------------------------------
 
 
@@ -2393,37 +2433,39 @@ def capture_run(tmp_path_factory, models):
     return run_command(arguments, directory), out, listed
 
 
-def test_an_interrupted_capture_goes_on_where_it_stopped(capture_run):
-    done, out, listed = capture_run
-    requests_before = [r for line in listed[1:] for r in line["requests"]]
-    assert 0 < len(requests_before) < len(CAPTURE_PROMPTS), "the first run must be killed midway"
-    whole_before = len(requests_before) - len(listed[-1]["requests"])  # the last shard was cut short
-    assert done.returncode == 0 and done.stderr == "", done.stdout[-2000:] + done.stderr[-2000:]
-    assert done.stdout.splitlines() == [
-        f"wrote {out}: 300 requests ({whole_before} from an earlier run) x 4 hooks (float32); "
-        "read them with tl_vllm_hooks.CaptureDataset"
-    ]
-    dataset = tlh.CaptureDataset(out)
-    lines = {f"line-{2 * r + 1}": prompt for r, prompt in enumerate(CAPTURE_PROMPTS)}
-    user_ids = [re.sub(r"-[0-9a-f]{8}$", "", request_id) for request_id in dataset]
-    assert sorted(user_ids) == sorted(lines), "each prompt once"
-    assert all(dataset.entry(request_id)["prompt_token_ids"] == lines[request_id] for request_id in user_ids)
-    assert not list(out.glob("*.partial")), "the killed run's open shard is removed"
+class TestCaptureCommand:
+    """The capture and compare commands on one capture run."""
 
+    def test_an_interrupted_capture_goes_on_where_it_stopped(self, capture_run):
+        done, out, listed = capture_run
+        requests_before = [r for line in listed[1:] for r in line["requests"]]
+        assert 0 < len(requests_before) < len(CAPTURE_PROMPTS), "the first run must be killed midway"
+        whole_before = len(requests_before) - len(listed[-1]["requests"])  # the last shard was cut short
+        assert done.returncode == 0 and done.stderr == "", done.stdout[-2000:] + done.stderr[-2000:]
+        assert done.stdout.splitlines() == [
+            f"wrote {out}: 300 requests ({whole_before} from an earlier run) x 4 hooks (float32); "
+            "read them with tl_vllm_hooks.CaptureDataset"
+        ]
+        dataset = tlh.CaptureDataset(out)
+        lines = {f"line-{2 * r + 1}": prompt for r, prompt in enumerate(CAPTURE_PROMPTS)}
+        user_ids = [re.sub(r"-[0-9a-f]{8}$", "", request_id) for request_id in dataset]
+        assert sorted(user_ids) == sorted(lines), "each prompt once"
+        assert all(dataset.entry(request_id)["prompt_token_ids"] == lines[request_id] for request_id in user_ids)
+        assert not list(out.glob("*.partial")), "the killed run's open shard is removed"
 
-def test_capture_command_writes_what_compare_confirms(tmp_path, models, capture_run):
-    _done, out, _listed = capture_run
-    dataset = tlh.CaptureDataset(out)
-    rows = dataset["line-3"]
-    assert set(rows) == {f"blocks.{i}.{h}" for i in (0, 2) for h in ("hook_resid_mid", "attn.hook_z")}
-    assert rows["blocks.2.attn.hook_z"].shape == (len(CAPTURE_PROMPTS[1]), 2, 64)
-    expected = models["gemma2"].reference(CAPTURE_PROMPTS[1], list(rows))
-    assert_matches(rows, expected, "line-3")
-    compared = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-5"], tmp_path)
-    assert compared.returncode == 0, compared.stdout + compared.stderr[-2000:]
-    assert "300 requests" in compared.stdout and "over tolerance" not in compared.stdout
-    strict = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-12"], tmp_path)
-    assert strict.returncode == 1 and "over tolerance" in strict.stdout
+    def test_capture_command_writes_what_compare_confirms(self, tmp_path, models, capture_run):
+        _done, out, _listed = capture_run
+        dataset = tlh.CaptureDataset(out)
+        rows = dataset["line-3"]
+        assert set(rows) == {f"blocks.{i}.{h}" for i in (0, 2) for h in ("hook_resid_mid", "attn.hook_z")}
+        assert rows["blocks.2.attn.hook_z"].shape == (len(CAPTURE_PROMPTS[1]), 2, 64)
+        expected = models["gemma2"].reference(CAPTURE_PROMPTS[1], list(rows))
+        assert_matches(rows, expected, "line-3")
+        compared = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-5"], tmp_path)
+        assert compared.returncode == 0, compared.stdout + compared.stderr[-2000:]
+        assert "300 requests" in compared.stdout and "over tolerance" not in compared.stdout
+        strict = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-12"], tmp_path)
+        assert strict.returncode == 1 and "over tolerance" in strict.stdout
 
 
 @NO_ENGINE
@@ -2444,60 +2486,18 @@ def test_command_line_errors_are_one_line(tmp_path, models, arguments, message, 
     assert message in errors and len(errors.strip().splitlines()) == 1, errors[-2000:]
 
 
-@pytest.mark.parametrize(
-    "example, expected",
-    [
-        ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
-        ("steer.py", "after reset:"),
-        ("parity.py", "worst "),
-        ("per_request.py", "last-token row matches the unedited request's row 29: True"),
-    ],
-)
-def test_example_runs_on_the_built_in_model(tmp_path, example, expected):
-    done = run_command([str(HERE / "examples" / example)], tmp_path)
-    assert done.returncode == 0 and expected in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+class TestExamples:
+    """The examples, each as a user runs it."""
 
-
-# --- engines, one after another ----------------------------------------------------------
-
-
-def test_config_in_the_environment_reaches_spawned_workers(models):
-    """For servers one does not construct: TL_VLLM_HOOKS_CONFIG instead of additional_config."""
-    from vllm import LLM
-
-    model = models["llama"]
-    config = tlh.configure(tlh.capture_specs(model.hf.config, sites=("mlp_out",), layers=[1]), MAX_TOKENS_PER_FORWARD)
-    kwargs = {key: value for key, value in config.llm_kwargs.items() if key != "additional_config"}
-    with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING="1", TL_VLLM_HOOKS_CONFIG=config.to_json()):
-        llm = LLM(str(model.path), **engine_arguments(), enforce_eager=True, **kwargs)
-        try:
-            assert_matches(capture(llm, PROMPT), model.reference(PROMPT, ["blocks.1.hook_mlp_out"]))
-        finally:
-            shutdown(llm, in_process=False)
-
-
-def test_engine_built_without_the_config_has_no_hooks(models):
-    from vllm import LLM
-
-    config = tlh.configure({"layer0": ("model.layers.0", 128)}, MAX_TOKENS_PER_FORWARD)
-    with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING="1"):
-        llm = LLM(str(models["qwen2"].path), **engine_arguments(), enforce_eager=True,
-                  worker_extension_cls=config.llm_kwargs["worker_extension_cls"])
-        try:
-            generate(llm, [PROMPT])
-            with pytest.raises(RuntimeError, match=re.escape("this engine has no hooks: build it with LLM(model, **")):
-                tlh.read_fire_counts(llm)
-        finally:
-            shutdown(llm, in_process=False)
-
-
-def test_preempted_requests_come_back_without_duplicated_or_missing_rows(models):
-    """A KV cache of 10 blocks of 32 tokens cannot hold four 100-token prompts
-    growing by 40 tokens each: vLLM preempts requests and recomputes them."""
-    model = models["llama"]
-    prompts = [[(17 * i + 29 * r + 1) % 512 for i in range(100)] for r in range(4)]
-    with engine(model, sites=("resid_post",), in_process=False, eager=True, batching=True,
-                num_gpu_blocks_override=10, block_size=32, max_model_len=256, disable_log_stats=False) as llm:
-        check_batched(llm, model, max_tokens=40, prompts=prompts)
-        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-        assert preemptions > 0, "the test needs vLLM to preempt; it did not"
+    @pytest.mark.parametrize(
+        "example, expected",
+        [
+            ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
+            ("steer.py", "after reset:"),
+            ("parity.py", "worst "),
+            ("per_request.py", "last-token row matches the unedited request's row 29: True"),
+        ],
+    )
+    def test_example_runs_on_the_built_in_model(self, tmp_path, example, expected):
+        done = run_command([str(HERE / "examples" / example)], tmp_path)
+        assert done.returncode == 0 and expected in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
