@@ -978,7 +978,7 @@ _originals: dict[tuple[Any, str], Any] = {}  # (vLLM class, attribute): what reg
 
 
 def _patch(owner: Any, attribute: str, replacement: Any) -> None:
-    original = owner.__dict__[attribute]
+    original = inspect.getattr_static(owner, attribute)  # a classmethod as itself, an inherited one too
     _originals[(owner, attribute)] = original
     setattr(owner, attribute, replacement)
 
