@@ -20,7 +20,8 @@ rewrites between forwards. Two flavours:
   own rows to keep and its own edits (``request_args``); after each step the
   kept rows go to host memory per request, whole across chunked prefill,
   preemption and decode steps; with a ``sink_dir``, each finished request's
-  rows go on to safetensors shards on disk (``CaptureDataset`` reads them).
+  rows go on to safetensors shards on disk (written and read, as ``CaptureDataset``,
+  by the companion module tl_vllm_hooks_tools, imported only for a sink).
   ``request_args`` is also what the OpenAI server's ``vllm_xargs`` takes, and
   with vLLM's prefix caching on, requests with options are kept apart from
   the cache as their rows and edits need.
@@ -2765,7 +2766,7 @@ class _WorkerExtension:
             "absent": list(state.absent),
             "shards": state.shards(),
             "unread_requests": state.flavour.unread_requests,
-            "sink": sink.status() if (sink := getattr(state.flavour, "sink", None)) else None,
+            "sink": sink.status() if (sink := getattr(state.flavour, "sink", None)) is not None else None,
         }
 
     @_errors_as_data

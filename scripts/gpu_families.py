@@ -38,6 +38,11 @@ PROMPT = [(7 * i + 3) % 512 for i in range(40)]
 READ_ONLY = ("mlp.hook_expert_weights", "mlp.hook_expert_indices")
 
 
+def every_placed_site(hf_config):
+    """capture_specs of every site the module's table places for the model, every layer, in forward order."""
+    return tlh.capture_specs(hf_config, sites=tuple(site for site in tlh.SITES if placed(hf_config, site)))
+
+
 def site_edits(specs):
     """One edit at each site of layer 1 (and the global ones), the ops cycling."""
     edits = {}
@@ -81,7 +86,7 @@ def capture(directory, out, eager):
     for family in sorted(os.listdir(directory)):
         path = os.path.join(directory, family)
         hf_config = AutoConfig.from_pretrained(path)
-        specs = tlh.capture_specs(hf_config, sites=tuple(site for site in tlh.SITES if placed(hf_config, site)))
+        specs = every_placed_site(hf_config)
         edits = site_edits(specs)
         records = []
         for flavour in ("batched", "compiled"):
@@ -143,7 +148,7 @@ def compare(directory, out, tolerance):
                 parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
         bridge = TransformerBridge.boot_transformers(os.path.join(directory, family), hf_model=copy.deepcopy(hf),
                                                      dtype=torch.float32, device="cpu")
-        specs = tlh.capture_specs(hf.config, sites=tuple(site for site in tlh.SITES if placed(hf.config, site)))
+        forward_order = list(every_placed_site(hf.config))
         parts = {record["file"] for record in meta["records"]}
         rows = {part: load_file(os.path.join(out, f"{family}-{part}.safetensors")) for part in parts}
         worst = {}
@@ -152,7 +157,7 @@ def compare(directory, out, tolerance):
             flavour, key, tokens = record["file"], record["key"], record["tokens"]
             edits = {h: edit_from_json(e) for h, e in record["edits"].items()}
             names = [n.split("/", 1)[1] for n in rows[flavour] if n.startswith(f"{key}/")]
-            names.sort(key=list(specs).index)  # forward order, as vLLM runs hooks that share a tensor
+            names.sort(key=forward_order.index)  # as vLLM runs hooks that share a tensor
             routes = {
                 int(n.split(".")[1]): (rows[flavour][f"{key}/{n}"].long(), rows[flavour][f"{key}/{n[: -len('indices')]}weights"])
                 for n in names
