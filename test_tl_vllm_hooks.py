@@ -522,9 +522,9 @@ class TestConfigChannel:
         assert args[args.index("--max-num-batched-tokens") + 1] == "64"
         (payload,) = json.loads(args[args.index("--additional-config") + 1]).values()
         assert tlh.CaptureConfig.from_json(payload) == batched
-        assert "--no-enable-prefix-caching" not in args, "a server keeps its prefix cache"
-        compiled = tlh.configure(self.SPECS, 64)
-        assert compiled.serve_args[-1] == "--no-enable-prefix-caching"
+        # One prefix-caching setting for both: a request without options keeps every row either way.
+        assert args[-1] == "--no-enable-prefix-caching" and batched.llm_kwargs["enable_prefix_caching"] is False
+        assert tlh.configure(self.SPECS, 64).serve_args[-1] == "--no-enable-prefix-caching"
 
 
 @NO_ENGINE
@@ -663,9 +663,9 @@ def test_request_args_travel_as_plain_values():
 
 @NO_ENGINE
 def test_prefix_cache_settings_follow_each_requests_options():
-    """Where the engine builds a request: edits salt its cache blocks (the same edits, the
-    same salt, kept beside the user's own), keeping prompt rows before the last skips reading
-    the cache, and the workers' mark is added."""
+    """Where vLLM's front end takes a request: edits salt its cache blocks (the same edits,
+    the same salt, kept beside the user's own), keeping prompt rows before the last skips
+    reading the cache, and the workers' mark is added."""
     import types
 
     from vllm import SamplingParams
@@ -675,7 +675,7 @@ def test_prefix_cache_settings_follow_each_requests_options():
     def built(capture, edits=None, salt=None):
         params = SamplingParams(extra_args=tlh.request_args(BATCHED_CONFIG, capture, edits))
         request = types.SimpleNamespace(sampling_params=params, cache_salt=salt, prompt_token_ids=list(range(10)))
-        tlh._keep_out_of_prefix_cache(request)
+        tlh._keep_apart_in_prefix_cache(request, tlh._request_options(params.extra_args, BATCHED_CONFIG.to_json()))
         return request
 
     plain = built("prompt")
@@ -688,25 +688,20 @@ def test_prefix_cache_settings_follow_each_requests_options():
     assert built("none", edit, salt="user").cache_salt == "user" + last.cache_salt
     assert built([9]).sampling_params.skip_reading_prefix_cache is False  # the last prompt token always runs
     assert built([3, 9]).sampling_params.skip_reading_prefix_cache is True
-    untouched = types.SimpleNamespace(sampling_params=SamplingParams(), cache_salt=None, prompt_token_ids=[1])
-    tlh._keep_out_of_prefix_cache(untouched)
-    assert untouched.cache_salt is None and not untouched.sampling_params.skip_reading_prefix_cache
+    assert tlh._request_options(SamplingParams().extra_args, BATCHED_CONFIG.to_json()) is None  # left as it is
 
 
 @NO_ENGINE
 def test_unregister_puts_back_every_attribute_register_patched():
     from vllm.v1.engine.input_processor import InputProcessor
-    from vllm.v1.request import Request
     from vllm.v1.worker.gpu_worker import Worker
 
     tlh.register()
-    patched = dict(tlh._originals)
-    assert {(owner, name) for owner, name in patched} >= {
-        (Worker, "load_model"), (InputProcessor, "process_inputs"), (Request, "from_engine_core_request")
-    }
+    patched = {(owner, name): original for owner, record in tlh._originals.items() for name, original in record.items()}
+    assert set(patched) >= {(Worker, "load_model"), (InputProcessor, "process_inputs")}
     try:
         tlh.unregister()
-        assert all(owner.__dict__[name] is original for (owner, name), original in patched.items())
+        assert all(owner.__dict__[name] is original for (owner, name), original in patched.items() if isinstance(owner, type))
     finally:
         tlh.register()  # as every other test expects
     assert Worker.load_model is not patched[(Worker, "load_model")]
@@ -733,19 +728,21 @@ def test_step_collection_keeps_each_requests_rows():
 
     buffer = torch.zeros(32, 2)
     config = tlh.CaptureConfig({"h": ("model.layers.0", 2)}, 32, enable_batching=True)
-    hooks = types.SimpleNamespace(config=config, placed={"h": None}, capture_buffers={"h": buffer}, device=torch.device("cpu"))
+    hooks = types.SimpleNamespace(config=config, placed={"h": types.SimpleNamespace(buffer=buffer)}, device=torch.device("cpu"))
     state = tlh._Batched(hooks, max_num_seqs=8)
-    plan = tlh._RequestPlan
-    state.plans.update({
-        "A": plan(6, "prompt", {}),
-        "B": plan(4, "last_prompt_token", {}),
-        "C": plan(3, np.array([1, 5]), {}),
-        "G": plan(3, "last_prompt_token", {}),
-        "N": plan(2, "none", {}),
-        "H": plan(6, "last_prompt_token", {}),
+    def plan(prompt_len, capture):
+        return tlh._RunningRequest(tlh._RequestOptions(capture), prompt_len, None)
+
+    state.running.update({
+        "A": plan(6, "prompt"),
+        "B": plan(4, "last_prompt_token"),
+        "C": plan(3, np.array([1, 5])),
+        "G": plan(3, "last_prompt_token"),
+        "N": plan(2, "none"),
+        "H": plan(6, "last_prompt_token"),
     })  # D, E and F have no options: every row
-    for request, request_plan in state.plans.items():
-        state.request_table.add(request, request_plan.kept_range, False)
+    for request, running in state.running.items():
+        state.request_table.add(request, running.options.kept_range(running.prompt_len), False)
 
     def step(number, layout):
         """layout: (request id, first position, rows) in row order."""
@@ -783,25 +780,21 @@ def test_step_collection_keeps_each_requests_rows():
 @NO_ENGINE
 def test_with_prefix_caching_a_request_keeps_rows_only_if_asked_and_marked():
     """A request without options may be served from the cache: it keeps nothing. Options
-    the engine process did not mark (it lacks the module) are not applied, and say why."""
+    the front end did not mark (it lacks the module) are not applied, and say why."""
     config = tlh.CaptureConfig({"h": ("model.layers.0", 2)}, 32, enable_batching=True)
-    hooks = types.SimpleNamespace(
-        config=config, placed={"h": None}, capture_buffers={"h": torch.zeros(32, 2)}, device=torch.device("cpu"),
-        prefix_caching=True, edit_dtype=torch.float32,
-    )
-    state = tlh._Batched(hooks, max_num_seqs=8)
+    state = types.SimpleNamespace(config=config, payload=config.to_json(), prefix_caching=True)
     options = tlh.request_args(config, "prompt", {"h": {"op": "scale", "value": 2.0}})
-    assert state._plan("plain", 5, {}).capture == "none"
-    unmarked = state._plan("unmarked", 5, options)
+    assert tlh._worker_options({}, state) == (tlh._KEEP_NONE, None)
+    unmarked, problem = tlh._worker_options(options, state)
     assert unmarked.capture == "none" and not unmarked.edits
-    assert "vLLM's engine process did not load tl_vllm_hooks" in state.incomplete["unmarked"]
-    marked = state._plan("marked", 5, {**options, tlh._CACHE_MARK: "digest"})
-    assert marked.capture == "prompt" and set(marked.edits) == {"h"} and "marked" not in state.incomplete
-    hooks.prefix_caching = False
-    assert state._plan("plain", 5, {}).capture == "all"
+    assert "vLLM's front end did not load tl_vllm_hooks" in problem
+    marked, problem = tlh._worker_options({**options, tlh._CACHE_MARK: "digest"}, state)
+    assert marked.capture == "prompt" and set(marked.edits) == {"h"} and problem is None
+    state.prefix_caching = False
+    assert tlh._worker_options({}, state) == (tlh._KEEP_ALL, None)
     # Where vLLM took the request without the module (nothing checked it): the workers refuse.
-    refused = state._plan("refused", 5, {"tl_vllm_hooks": {"capture": "most"}})
-    assert refused.capture == "none" and "options were refused: capture: expected one of" in state.incomplete["refused"]
+    refused, problem = tlh._worker_options({"tl_vllm_hooks": {"capture": "most"}}, state)
+    assert refused.capture == "none" and "options were refused: capture: expected one of" in problem
 
 
 @NO_ENGINE
@@ -819,7 +812,7 @@ def test_request_table_reuses_entries_and_keeps_values_as_it_grows():
         table.remove(request)
     (reused,) = table.entries(["new"])  # not added: keeps every row
     assert reused in entries[:10] and table.next_position[reused] == 0
-    assert (table.kept_first[reused], table.kept_last[reused]) == tlh._KEEP_ALL
+    assert (table.kept_first[reused], table.kept_last[reused]) == tlh._KEEP_ALL.kept_range(0)
     again = table.add(ids[20], (3, 4), False)  # added again: its position carries on
     assert again == entries[20] and table.next_position[again] == 7 and table.kept_first[again] == 3
 
@@ -854,7 +847,7 @@ def site_edits(specs: dict[str, tuple[int, ...]]) -> dict[str, dict]:
 
 
 def check_every_site_edit(llm, model: Model, baseline: dict, reference=None, tolerance=TOLERANCE) -> None:
-    """Compiled flavour: each site's edit, alone, against the reference (default
+    """One-prompt flavour: each site's edit, alone, against the reference (default
     TransformerLens) with the same edit; the edited hook's own rows must move."""
     for hook, edit in site_edits(hook_shapes(llm)).items():
         tlh.set_edits(llm, {hook: edit})
@@ -878,10 +871,10 @@ def check_every_site_edit_per_request(llm, model: Model, reference=None, toleran
     return worst
 
 
-# --- compiled flavour ----------------------------------------------------------
+# --- one-prompt flavour --------------------------------------------------------
 
 
-class TestCompiled:
+class TestOnePrompt:
     """Compiled engines (torch.compile/inductor): Llama with the engine core in this process,
     Qwen2 in vLLM's default separate processes."""
 
@@ -1453,9 +1446,9 @@ class TestEngineChecks:
     """Engines of their own: the engine a request is checked against, hooks removed, no config, the compile cache."""
 
     def test_requests_are_checked_against_the_engine_they_go_to(self, models):
-        """With a compiled and a batched engine in one process, built in either order, a request
-        with per-request options is taken by the batched engine and refused by the compiled one;
-        its SamplingParams, made while only the compiled engine exists, are not refused."""
+        """With a one-prompt and a batched engine in one process, built in either order, a request
+        with per-request options is taken by the batched engine and refused by the one-prompt one;
+        its SamplingParams, made while only the one-prompt engine exists, are not refused."""
         from vllm import SamplingParams
 
         model, prompt, sites = models["llama"], {"prompt_token_ids": PROMPT}, ("resid_post",)
@@ -1463,19 +1456,19 @@ class TestEngineChecks:
             tlh.capture_specs(model.hf.config, sites=sites), MAX_TOKENS_PER_FORWARD, enable_batching=True
         )
 
-        def check(compiled, batched, params):
-            with pytest.raises(ValueError, match="this engine has compiled hooks"):
-                compiled.generate(prompt, params, use_tqdm=False)
+        def check(one_prompt, batched, params):
+            with pytest.raises(ValueError, match="this engine has one-prompt hooks"):
+                one_prompt.generate(prompt, params, use_tqdm=False)
             (output,) = batched.generate(prompt, params, use_tqdm=False)
             rows = tlh.read_batched(batched, [output.request_id])[output.request_id]
             assert_matches(rows, model.reference(PROMPT, list(rows)))
 
-        with engine(model, sites=sites, in_process=False, eager=True) as compiled_first:
+        with engine(model, sites=sites, in_process=False, eager=True) as one_prompt_first:
             params = SamplingParams(max_tokens=1, detokenize=False, extra_args=tlh.request_args(batched_config, "prompt"))
             with engine(model, sites=sites, in_process=False, eager=True, batching=True) as batched:
-                check(compiled_first, batched, params)
-                with engine(model, sites=sites, in_process=False, eager=True) as compiled_after:
-                    check(compiled_after, batched, params)
+                check(one_prompt_first, batched, params)
+                with engine(model, sites=sites, in_process=False, eager=True) as one_prompt_after:
+                    check(one_prompt_after, batched, params)
 
     def test_remove_hooks_takes_edits_out_of_an_eager_engine(self, models):
         with engine(models["llama"], sites=("final_norm",), in_process=False, eager=True, batching=True) as llm:
@@ -1546,7 +1539,7 @@ class TestEngineChecks:
 
 # TestFamilies' engines run eager in this process (a CPU compile costs ~70 s an engine),
 # except: torch.compiled (inductor) for Qwen3, whose graph carries every tap kind the new
-# sites brought beside Llama's (which TestCompiled and TestBatched compile): heads of a
+# sites brought beside Llama's (which TestOnePrompt and TestBatched compile): heads of a
 # fused qkv projection, Attention's inputs, ln2 after hook_resid_mid on one norm; and in
 # vLLM's separate processes, the default layout, for OLMo 2 (vLLM's Transformers backend).
 COMPILED_FAMILIES = ("qwen3",)
@@ -1593,7 +1586,7 @@ class TestFamilies:
 
 
 @pytest.fixture(scope="class", params=FAMILIES)
-def compiled_flavour_llm(request, models):
+def one_prompt_flavour_llm(request, models):
     model = models[request.param]
     with engine(model, sites=model.sites, in_process=True, eager=True) as llm:
         llm.model = model
@@ -1601,13 +1594,13 @@ def compiled_flavour_llm(request, models):
         yield llm
 
 
-class TestFamiliesCompiledFlavour:
-    """Every family in the compiled flavour (one prompt's rows per capture, edit tables of
+class TestFamiliesOnePromptFlavour:
+    """Every family in the one-prompt flavour (one prompt's rows per capture, edit tables of
     one row per hook), every site TransformerLens runs on it: unedited, then an edit at
     each site alone, whose own rows must move."""
 
-    def test_every_site_unedited_and_edited_matches_transformer_lens(self, compiled_flavour_llm):
-        llm = compiled_flavour_llm
+    def test_every_site_unedited_and_edited_matches_transformer_lens(self, one_prompt_flavour_llm):
+        llm = one_prompt_flavour_llm
         baseline = capture(llm, PROMPT)
         assert_matches(baseline, llm.model.reference(PROMPT, llm.hook_names), llm.model.family, llm.tolerance)
         check_every_site_edit(llm, llm.model, baseline, tolerance=llm.tolerance)
@@ -1762,7 +1755,7 @@ class TestLoading:
             "blocks.3.hook_mlp_out: the model has 3 layers",
             "architecture InternLM3ForCausalLM: TransformerLens hook names are placed per architecture and this "
             "module has no table for it; supported: ['BloomForCausalLM', 'CohereForCausalLM', 'Exaone4ForCausalLM'",
-            "enable_prefix_caching: the compiled flavour keeps the rows of one forward, and tokens served from vLLM's",
+            "enable_prefix_caching: the one-prompt flavour keeps the rows of one forward, and tokens served from vLLM's",
             "the engine schedules up to 128 tokens per forward but the capture buffers hold 64",
         ]:
             assert message in log, f"missing error message: {message}"
@@ -1794,7 +1787,7 @@ MANY_PROMPTS = [[(31 * i + 7 * r) % 512 for i in range(1 + 2 * r)] for r in rang
 
 @CUDA
 class TestCudaGraphs:
-    """Compiled flavour under FULL and PIECEWISE CUDA graphs, Model Runner V2 and V1."""
+    """One-prompt flavour under FULL and PIECEWISE CUDA graphs, Model Runner V2 and V1."""
 
     @pytest.fixture(
         scope="class",
@@ -1917,7 +1910,7 @@ class TestCudaGemma2:
     """A family other than Llama on the GPU: both flavours, Model Runner V2, vLLM's default
     FULL_AND_PIECEWISE graphs, where vLLM's fused add+norm kernels work in place."""
 
-    @pytest.fixture(scope="class", params=["compiled", "batched"])
+    @pytest.fixture(scope="class", params=["one-prompt", "batched"])
     def llm(self, request, models):
         batching = request.param == "batched"
         with engine(models["gemma2"], in_process=False, eager=False, batching=batching, dtype="bfloat16",
@@ -1965,7 +1958,7 @@ def one_gpu_rows(models):
 
 def prompt_rows(llm, flavour, edits):
     """PROMPT's rows, with `edits`, read as a user reads them (all ranks joined)."""
-    if flavour == "compiled":
+    if flavour == "one-prompt":
         tlh.set_edits(llm, edits or {})
         try:
             return capture(llm, PROMPT)
@@ -1975,7 +1968,7 @@ def prompt_rows(llm, flavour, edits):
     return tlh.read_batched(llm, [output.request_id])[output.request_id]
 
 
-@pytest.mark.parametrize("flavour", ["compiled", "batched"])
+@pytest.mark.parametrize("flavour", ["one-prompt", "batched"])
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_parallel_layout_matches_one_device(layout, flavour, models, request):
     if torch.cuda.is_available() and not TWO_GPUS:
@@ -2025,7 +2018,7 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
             if one_gpu is not None:
                 worst = assert_matches(rows, one_gpu[key], f"{context} vs one GPU", tolerance)
                 message += f", vs one GPU {worst:.2e}"
-            if layout == "tp2" and flavour == "compiled":  # each rank's part of what was read
+            if layout == "tp2" and flavour == "one-prompt":  # each rank's part of what was read
                 replies = [reply["result"] for reply in llm.collective_rpc("tl_read_captures", args=(len(PROMPT),))]
                 for name in llm.hook_names:
                     parts = [tlh.decode_tensor(reply["rows"][name]) for reply in replies]
@@ -2173,7 +2166,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    """`vllm serve` on the tiny Llama, eager, with vLLM's prefix caching on (its default), the
+    """`vllm serve` on the tiny Llama, eager, with vLLM's prefix caching turned on after serve_args, the
     batched config and a sink given on the command line (config.serve_args), on a loopback
     port; the real openai client for it."""
     import openai
@@ -2193,7 +2186,7 @@ def server(models, tmp_path_factory):
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.path), "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
         "--max-num-seqs", "8", "--gpu-memory-utilization", "0.05", "--seed", "0", "--enforce-eager",
-        "--chat-template", str(root / "chat.jinja"), *config.serve_args,
+        "--chat-template", str(root / "chat.jinja"), *config.serve_args, "--enable-prefix-caching",  # on, after serve_args
     ]
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     log_path = root / "server.log"

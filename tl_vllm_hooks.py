@@ -1,38 +1,30 @@
 """Read and edit a model's activations while vLLM serves it, under TransformerLens hook names.
 
-One self-contained module. It installs PyTorch forward hooks inside vLLM's
-workers after the weights load and before the first (traced) forward, so the
-hooks become part of the graph that torch.compile and CUDA graphs run::
+One self-contained module. It installs PyTorch forward hooks inside vLLM's workers after
+the weights load and before the first (traced) forward, so the hooks become part of the
+graph that torch.compile and CUDA graphs run::
 
     config = configure(capture_specs(hf_config, sites=("resid_post",)))
     llm = LLM(model, **config.llm_kwargs)
 
-Each hook name means the tensor TransformerLens 4.3's TransformerBridge means
-by it on that architecture; a table per architecture says where vLLM's module
-tree holds it, and an architecture not in the table is refused before the
-first forward. Every hook writes its rows into a buffer allocated at install
-time and applies an edit ``out * scale + bias`` read from tables that the host
-rewrites between forwards. Two flavours:
+Each hook name means the tensor TransformerLens 4.3's TransformerBridge means by it; a
+table per architecture says where vLLM's module tree holds it (others are refused). Every
+hook writes its rows into a buffer made at install time and applies ``out * scale + bias``
+from tables the host rewrites between forwards. Two flavours:
 
-* compiled (default): ``open_capture`` arms the hooks, the next forward's rows
-  are kept (a multi-token generate keeps its prompt's); one prompt per capture.
-* batched (``enable_batching=True``): many requests per generate, each with its
-  own rows to keep and its own edits (``request_args``); after each step the
-  kept rows go to host memory per request, whole across chunked prefill,
-  preemption and decode steps; with a ``sink_dir``, each finished request's
-  rows go on to safetensors shards on disk (written and read, as ``CaptureDataset``,
-  by the companion module tl_vllm_hooks_tools, imported only for a sink).
-  ``request_args`` is also what the OpenAI server's ``vllm_xargs`` takes, and
-  with vLLM's prefix caching on, requests with options are kept apart from
-  the cache as their rows and edits need.
+* one-prompt (default): ``open_capture`` arms the hooks and the next forward's rows are
+  kept (a multi-token generate keeps its prompt's).
+* batched (``enable_batching=True``): many requests per generate, each with its own rows
+  to keep and its own edits (``request_args``, also what the OpenAI server's
+  ``vllm_xargs`` takes), whole across chunked prefill, preemption and decode steps; with a
+  ``sink_dir``, finished requests' rows go to safetensors shards on disk, written and read
+  (``CaptureDataset``) by the companion module tl_vllm_hooks_tools, imported only for it.
 
 The driver helpers take an ``LLM``, or an ``AsyncLLM`` and then return awaitables.
-
-Loading: installed with pip, the ``vllm.general_plugins`` entry point calls
-``register()`` in every vLLM process; copied in, the file registers itself when
-a vLLM worker loads ``WorkerExtension`` from it, before it loads the model.
-``TL_VLLM_HOOKS_DISABLE=1`` switches it off. Nothing crosses a process boundary
-as pickle: the config is JSON, tensors travel as dtype, shape and raw bytes.
+Installed with pip, the ``vllm.general_plugins`` entry point calls ``register()`` in every
+vLLM process; copied in, the file registers itself when a vLLM worker loads
+``WorkerExtension`` from it. ``TL_VLLM_HOOKS_DISABLE=1`` switches it off. Nothing crosses a
+process boundary as pickle: the config is JSON, tensors travel as dtype, shape and bytes.
 """
 
 from __future__ import annotations
@@ -54,6 +46,7 @@ import re
 import socket
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -61,40 +54,20 @@ import torch
 
 __version__ = "0.3.0"
 
+# fmt: off
 __all__ = [
-    "SITES",
-    "WORKER_EXTENSION",
-    "CaptureConfig",
-    "CaptureDataset",
-    "WorkerExtension",
-    "capture_specs",
-    "configure",
-    "decode_tensor",
-    "encode_tensor",
-    "flush_sink",
-    "open_capture",
-    "read_batched",
-    "read_captures",
-    "read_fire_counts",
-    "register",
-    "remove_hooks",
-    "request_args",
-    "reset_batched",
-    "reset_edits",
-    "reset_fire_counts",
-    "segment_by_request",
-    "set_edits",
-    "status",
-    "tiny_model",
-    "unregister",
+    "SITES", "WORKER_EXTENSION", "CaptureConfig", "CaptureDataset", "WorkerExtension", "capture_specs", "configure",
+    "decode_tensor", "encode_tensor", "flush_sink", "open_capture", "read_batched", "read_captures",
+    "read_fire_counts", "register", "remove_hooks", "request_args", "reset_batched", "reset_edits",
+    "reset_fire_counts", "segment_by_request", "set_edits", "status", "tiny_model", "unregister"
 ]
+# fmt: on
 
 logger = logging.getLogger(__name__)
 
 
 def _tools() -> Any:
-    """The companion module, tl_vllm_hooks_tools (the dataset sink, CaptureDataset,
-    tiny_model, the command line), imported the first time one of them is asked for."""
+    """The companion module (the sink, CaptureDataset, tiny_model, the command line), imported when asked for."""
     try:
         import tl_vllm_hooks_tools
     except ModuleNotFoundError as error:
@@ -108,49 +81,35 @@ def _tools() -> Any:
 
 
 # ---------------------------------------------------------------------------
-# Hook names and architectures. What a TransformerLens hook name means is fixed
-# by TransformerLens 4.3's TransformerBridge; where that tensor lives depends on
-# the model class vLLM instantiates, so every architecture has its own table of
-# taps, checked against the bridge on the same weights. A name this table does
-# not place for the loaded architecture is refused, never guessed.
+# Hook names and architectures. What a TransformerLens hook name means is fixed by TransformerLens 4.3's
+# TransformerBridge; where that tensor lives depends on the model class vLLM instantiates, so every architecture has
+# its own table of taps, checked against the bridge on the same weights. A name this table does not place for the
+# loaded architecture is refused, never guessed.
 # ---------------------------------------------------------------------------
 
+# fmt: off
 SITES = {
-    "embed": "hook_embed",
-    "pos_embed": "hook_pos_embed",
-    "resid_pre": "blocks.{i}.hook_resid_pre",
-    "ln1": "blocks.{i}.ln1.hook_normalized",
-    "attn_q": "blocks.{i}.attn.hook_q",
-    "attn_k": "blocks.{i}.attn.hook_k",
-    "attn_v": "blocks.{i}.attn.hook_v",
-    "attn_rot_q": "blocks.{i}.attn.hook_rot_q",
-    "attn_rot_k": "blocks.{i}.attn.hook_rot_k",
-    "attn_z": "blocks.{i}.attn.hook_z",
-    "attn_out": "blocks.{i}.hook_attn_out",
-    "resid_mid": "blocks.{i}.hook_resid_mid",
-    "ln2": "blocks.{i}.ln2.hook_normalized",
-    "mlp_pre": "blocks.{i}.mlp.hook_pre",
-    "expert_weights": "blocks.{i}.mlp.hook_expert_weights",
-    "expert_indices": "blocks.{i}.mlp.hook_expert_indices",
-    "mlp_post": "blocks.{i}.mlp.hook_post",
-    "mlp_out": "blocks.{i}.hook_mlp_out",
-    "resid_post": "blocks.{i}.hook_resid_post",
+    "embed": "hook_embed", "pos_embed": "hook_pos_embed",
+    "resid_pre": "blocks.{i}.hook_resid_pre", "ln1": "blocks.{i}.ln1.hook_normalized",
+    "attn_q": "blocks.{i}.attn.hook_q", "attn_k": "blocks.{i}.attn.hook_k", "attn_v": "blocks.{i}.attn.hook_v",
+    "attn_rot_q": "blocks.{i}.attn.hook_rot_q", "attn_rot_k": "blocks.{i}.attn.hook_rot_k",
+    "attn_z": "blocks.{i}.attn.hook_z", "attn_out": "blocks.{i}.hook_attn_out",
+    "resid_mid": "blocks.{i}.hook_resid_mid", "ln2": "blocks.{i}.ln2.hook_normalized",
+    "mlp_pre": "blocks.{i}.mlp.hook_pre", "expert_weights": "blocks.{i}.mlp.hook_expert_weights",
+    "expert_indices": "blocks.{i}.mlp.hook_expert_indices", "mlp_post": "blocks.{i}.mlp.hook_post",
+    "mlp_out": "blocks.{i}.hook_mlp_out", "resid_post": "blocks.{i}.hook_resid_post",
     "final_norm": "ln_final.hook_normalized",
 }
-"""site -> TransformerLens hook name, in the order a forward reaches them; ``{i}`` is the layer.
-
-Rows are ``[d_model]`` but at attn_q, attn_rot_q and attn_z ``[n_heads, d_head]``
-(attn_z: per head, the output projection's input), at attn_k, attn_v and
-attn_rot_k ``[n_kv_heads, d_head]`` (q and k before rotary, then after it), and
-at mlp_pre and mlp_post ``[d_mlp]`` (the activation's input, its gate on gated
-MLPs, and the down projection's input) on dense MLPs; on mixture-of-experts
-blocks TransformerLens's mlp_pre and mlp_post are the block's input and output,
-``[d_model]``, and the router's choice per token is expert_weights ``[n_experts]``
-(the weight each expert's output is summed with, 0 for those not chosen) and
-expert_indices ``[top_k]`` (the chosen experts, highest weight first, as numbers
-of the capture dtype; read-only). ln1, ln2 and final_norm are a norm's input
-normalized (the mean taken out for LayerNorm), before its weight and bias.
-"""
+# fmt: on
+"""site -> TransformerLens hook name, in forward order; ``{i}`` is the layer. Rows are
+``[d_model]`` but ``[n_heads, d_head]`` at attn_q, attn_rot_q and attn_z (per head, the
+output projection's input), ``[n_kv_heads, d_head]`` at attn_k, attn_v and attn_rot_k (q
+and k before rotary, then after it), ``[d_mlp]`` at mlp_pre and mlp_post on dense MLPs (the
+activation's input, its gate on gated ones, and the down projection's input); on
+mixture-of-experts blocks mlp_pre and mlp_post are the block's input and output, and the
+router's choice is expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen)
+and expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both
+read-only). ln1, ln2 and final_norm are a norm's input normalized, before weight and bias."""
 
 _READ_ONLY_SITES = ("expert_weights", "expert_indices")  # vLLM's fused MoE routes inside its kernel
 
@@ -168,44 +127,31 @@ def _parse_hook_name(name: str) -> tuple[str, int | None] | None:
     return None
 
 
+# Tap kinds: how a site's tensor is read from its module, and how an edit of it flows on.
+_OUTPUT = "output"  # the module's output (its first element if it returns a tuple); edited in place
+_OUTPUT_PAIR = "output_pair"  # the sum of the (hidden, residual) a fused-residual decoder layer returns
+_INPUT = "input"  # one input of the module, which runs on the edited input
+_INPUT_PAIR = "input_pair"  # the sum of (hidden, residual) inputs, residual None in the first layer
+_NORM_INPUT = "norm_input"  # the sum of a fused add-and-norm's inputs; the edit reaches its output only (hook_resid_mid is ln2's input)
+_NORMALIZED = "normalized"  # a norm's input (or sum of two) normalized; an edit reaches it as edited * weight + bias
+_ROUTER = "router"  # a mixture of experts' choice per token, from its router's logits (read-only)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tap:
     """Where one site's tensor is in vLLM's module tree, and how an edit of it flows on.
 
-    module: path in the model vLLM loads; ``{i}`` is the layer.
-    kind:
-      output       the module's output (its first element if it returns a tuple);
-                   edited in place.
-      output_pair  the sum of the (hidden, residual) pair a fused-residual decoder
-                   layer returns; the edit rewrites both halves.
-      input        one input of the module; the module runs on the edited input.
-      input_pair   the sum of two inputs, (hidden, residual) with residual None in
-                   the first layer; the module runs on the edited pair.
-      norm_input   the sum of a fused add-and-norm's two inputs. The edit reaches
-                   the normalized output only: the residual the norm passes on
-                   keeps the unedited sum (TransformerLens's hook_resid_mid is
-                   ln2's input, so editing it changes the MLP's input alone).
-      normalized   a norm's input, or the sum of its two, normalized before its
-                   weight and bias; an edit reaches the norm's output as
-                   ``edited * weight + bias``.
-      router       a mixture of experts' router logits, turned into the top-k
-                   experts (part ``indices``) or their weights over all experts
-                   (part ``weights``): softmax, top-k, then renormalized over the k
-                   where ``renormalize`` says (``always``, or a config attribute).
-    inputs: (argument name, position) of each input an input kind reads.
-    norm: for the norm kinds: ``rms``, ``rms_offset`` (weight applied as
-        1 + weight, Gemma) or ``layer`` (mean-centred, with a bias where it has one).
-    part: for the output and input kinds, the columns of the tensor the site
-        is: ``q``, ``k`` or ``v``, those heads of a fused qkv projection's
-        output; ``gate``, the first half of a gated activation's input (gate,
-        then up); empty for the whole tensor.
-    multiplier: a config attribute the module's output is multiplied by to
-        give TransformerLens's tensor (Granite's residual_multiplier, applied
-        where the branch joins the residual stream); the module's output is
-        edited so that ``output * multiplier`` carries the edit.
-    bias_apart: for the output kind, the module returns (output, bias) and its
-        caller adds the bias (vLLM's skip_bias_add, Falcon's): TransformerLens's
-        tensor is their sum, and the output is edited so that the sum carries the edit.
+    module: path in the model vLLM loads; ``{i}`` is the layer. kind: a tap kind above.
+    inputs: (argument name, position) of each input an input or norm kind reads.
+    norm: ``rms``, ``rms_offset`` (weight applied as 1 + weight, Gemma) or ``layer`` (mean-centred, with a bias
+        where it has one).
+    part: the site's columns of the tensor: ``q``, ``k`` or ``v``, those heads of a fused qkv projection's output;
+        ``gate``, the first half of a gated activation's input; for _ROUTER, ``indices`` (top-k experts) or
+        ``weights`` (over all experts: softmax, top-k, then renormalized where ``renormalize`` says: ``always``, or
+        a config attribute).
+    multiplier: a config attribute the module's output is multiplied by where the branch joins the stream (Granite's
+        residual_multiplier): the product is TransformerLens's tensor and carries the edit. bias_apart: the module
+        returns (output, bias) for its caller to add (skip_bias_add, Falcon's): the sum carries the edit.
     """
 
     module: str
@@ -220,8 +166,9 @@ class _Tap:
 
 _LAYER_PAIR = (("hidden_states", 1), ("residual", 2))  # vLLM's fused-residual decoder layers
 _LAYER_INPUT = (("hidden_states", 1),)  # vLLM's decoder layers, forward(positions, hidden_states, ...)
+_HIDDEN_INPUT = (("hidden_states", 0),)  # decoder layers and norms of transformers' own
 _NORM_PAIR = (("x", 0), ("residual", 1))  # vLLM's RMSNorm(x, residual)
-_NORM_INPUT = (("x", 0),)
+_X_INPUT = (("x", 0),)  # vLLM's norms
 _TORCH_NORM_INPUT = (("input", 0),)  # torch.nn.LayerNorm
 _LINEAR_INPUT = (("input_", 0),)  # vLLM's RowParallelLinear
 _QUERY, _KEY = (("query", 0),), (("key", 1),)  # vLLM's Attention(query, key, value)
@@ -229,407 +176,238 @@ _QUERY, _KEY = (("query", 0),), (("key", 1),)  # vLLM's Attention(query, key, va
 
 def _attention_taps(
     attention: str, qkv: str = ".qkv_proj", o_proj: str = ".o_proj", rotary: bool = True, bias_apart: bool = False
-):
-    """q, k and v (before rotary) as heads of vLLM's fused qkv projection; after rotary,
-    what vLLM's Attention receives; z, the output projection's input."""
+) -> dict[str, _Tap]:
+    """q, k, v as heads of the fused qkv projection's output; after rotary, what vLLM's
+    Attention receives; z, the output projection's input."""
     taps = {
-        "attn_q": _Tap(attention + qkv, "output", part="q", bias_apart=bias_apart),
-        "attn_k": _Tap(attention + qkv, "output", part="k", bias_apart=bias_apart),
-        "attn_v": _Tap(attention + qkv, "output", part="v", bias_apart=bias_apart),
-        "attn_z": _Tap(attention + o_proj, "input", _LINEAR_INPUT),
+        "attn_q": _Tap(attention + qkv, _OUTPUT, part="q", bias_apart=bias_apart),
+        "attn_k": _Tap(attention + qkv, _OUTPUT, part="k", bias_apart=bias_apart),
+        "attn_v": _Tap(attention + qkv, _OUTPUT, part="v", bias_apart=bias_apart),
+        "attn_z": _Tap(attention + o_proj, _INPUT, _LINEAR_INPUT),
     }
     if rotary:
         taps.update(
-            attn_rot_q=_Tap(attention + ".attn", "input", _QUERY), attn_rot_k=_Tap(attention + ".attn", "input", _KEY)
+            attn_rot_q=_Tap(attention + ".attn", _INPUT, _QUERY), attn_rot_k=_Tap(attention + ".attn", _INPUT, _KEY)
         )
     return taps
 
 
+# fmt: off
 def _fused_residual_taps(
-    norm: str,
-    attn_out: str = "",
-    ln2: str = ".post_attention_layernorm",
-    mlp_out: str = ".mlp",
-    embed_scaled: bool = False,
-    embed: str = "model.embed_tokens",
-    attention: str = ".self_attn",
+    norm: str, attn_out: str = "", ln2: str = ".post_attention_layernorm", mlp_out: str = ".mlp",
+    embed_scaled: bool = False, embed: str = "model.embed_tokens", attention: str = ".self_attn",
     layer_pair: tuple[tuple[str, int], ...] = _LAYER_PAIR,
 ) -> dict[str, _Tap]:
-    """vLLM's native Llama-style models: decoder layers take and return (hidden, residual)
-    and each pre-norm adds the two (RMSNorm(x, residual)). Gemma scales the embedding by
-    sqrt(d_model) after embed_tokens (embed_scaled): the scaled one, which enters layer 0,
-    is TransformerLens's hook_embed. attn_out defaults to the attention module's output."""
+    """vLLM's native Llama-style models: decoder layers take and return (hidden, residual),
+    each pre-norm adds the two (RMSNorm(x, residual)). Gemma scales the embedding after
+    embed_tokens (embed_scaled): hook_embed is the scaled one, layer 0's input."""
     layer = "model.layers.{i}"
     return {
-        "embed": _Tap("model.layers.0", "input", _LAYER_INPUT) if embed_scaled else _Tap(embed, "output"),
-        "resid_pre": _Tap(layer, "input_pair", layer_pair),
-        "ln1": _Tap(layer + ".input_layernorm", "normalized", _NORM_PAIR, norm),
+        "embed": _Tap("model.layers.0", _INPUT, _LAYER_INPUT) if embed_scaled else _Tap(embed, _OUTPUT),
+        "resid_pre": _Tap(layer, _INPUT_PAIR, layer_pair),
+        "ln1": _Tap(layer + ".input_layernorm", _NORMALIZED, _NORM_PAIR, norm),
         **_attention_taps(layer + attention),
-        "attn_out": _Tap(layer + (attn_out or attention), "output"),
-        "resid_mid": _Tap(layer + ln2, "norm_input", _NORM_PAIR, norm),
-        "ln2": _Tap(layer + ln2, "normalized", _NORM_PAIR, norm),
-        "mlp_pre": _Tap(layer + ".mlp.gate_up_proj", "output", part="gate"),
-        "mlp_post": _Tap(layer + ".mlp.down_proj", "input", _LINEAR_INPUT),
-        "mlp_out": _Tap(layer + mlp_out, "output"),
-        "resid_post": _Tap(layer, "output_pair"),
-        "final_norm": _Tap("model.norm", "normalized", _NORM_PAIR, norm),
+        "attn_out": _Tap(layer + (attn_out or attention), _OUTPUT),
+        "resid_mid": _Tap(layer + ln2, _NORM_INPUT, _NORM_PAIR, norm),
+        "ln2": _Tap(layer + ln2, _NORMALIZED, _NORM_PAIR, norm),
+        "mlp_pre": _Tap(layer + ".mlp.gate_up_proj", _OUTPUT, part="gate"),
+        "mlp_post": _Tap(layer + ".mlp.down_proj", _INPUT, _LINEAR_INPUT),
+        "mlp_out": _Tap(layer + mlp_out, _OUTPUT),
+        "resid_post": _Tap(layer, _OUTPUT_PAIR),
+        "final_norm": _Tap("model.norm", _NORMALIZED, _NORM_PAIR, norm),
     }
-
-
-def _without(taps: dict[str, _Tap], *sites: str) -> dict[str, _Tap]:
-    """taps less ``sites`` (those TransformerLens's bridge does not run on an architecture,
-    or that another layout places elsewhere)."""
-    return {site: tap for site, tap in taps.items() if site not in sites}
+# fmt: on
 
 
 _LLAMA_TAPS = _fused_residual_taps("rms")
 _GEMMA_TAPS = _fused_residual_taps("rms_offset", embed_scaled=True)
-# Gemma 2 and 3 normalize each branch again before adding it (post-attention and
-# post-feedforward norms, which TransformerLens's attn_out and mlp_out follow);
-# the MLP's pre-norm is pre_feedforward_layernorm.
+# Gemma 2 and 3 normalize each branch again before adding it (post-attention and post-feedforward norms, which
+# TransformerLens's attn_out and mlp_out follow); the MLP's pre-norm is pre_feedforward_layernorm.
 _GEMMA2_TAPS = _fused_residual_taps(
     "rms_offset", ".post_attention_layernorm", ".pre_feedforward_layernorm", ".post_feedforward_layernorm", True
 )
 
 
-def _sequential_taps(
-    norm: str,
-    norm_inputs: tuple[tuple[str, int], ...],
-    multiplier: str = "",
-    embed_scaled: bool = False,
+# fmt: off
+def _stream_taps(
+    layer: str, embed: str | _Tap, final_norm: str | _Tap | None, norm: str,
+    norm_inputs: tuple[tuple[str, int], ...] = _X_INPUT, layer_input: tuple[tuple[str, int], ...] = _LAYER_INPUT,
+    attention: str = ".self_attn", qkv: str = ".qkv_proj", o_proj: str = ".o_proj", rotary: bool = True,
+    first_norm: str = ".input_layernorm", second_norm: str = ".post_attention_layernorm", mlp: str = ".mlp",
+    mlp_in: str = ".gate_up_proj", mlp_proj: str = ".down_proj", multiplier: str = "", bias_apart: bool = False,
+    **places: _Tap | None,
 ) -> dict[str, _Tap]:
-    """vLLM's native models whose decoder layers take and return the residual stream itself
-    (Granite, StableLM): each branch is added to the stream inside the layer, the norms
-    take one input, and the layer's first output is the stream. Granite multiplies the
-    embedding (embed_scaled) and each branch's output (its residual_multiplier) first."""
-    layer = "model.layers.{i}"
-    embed = _Tap("model.layers.0", "input", _LAYER_INPUT) if embed_scaled else _Tap("model.embed_tokens", "output")
-    return {
-        "embed": embed,
-        "resid_pre": _Tap(layer, "input", _LAYER_INPUT),
-        "ln1": _Tap(layer + ".input_layernorm", "normalized", norm_inputs, norm),
-        **_attention_taps(layer + ".self_attn"),
-        "attn_out": _Tap(layer + ".self_attn", "output", multiplier=multiplier),
-        "resid_mid": _Tap(layer + ".post_attention_layernorm", "input", norm_inputs),
-        "ln2": _Tap(layer + ".post_attention_layernorm", "normalized", norm_inputs, norm),
-        "mlp_pre": _Tap(layer + ".mlp.gate_up_proj", "output", part="gate"),
-        "mlp_post": _Tap(layer + ".mlp.down_proj", "input", _LINEAR_INPUT),
-        "mlp_out": _Tap(layer + ".mlp", "output", multiplier=multiplier),
-        "resid_post": _Tap(layer, "output"),
-        "final_norm": _Tap("model.norm", "normalized", norm_inputs, norm),
+    """Models whose decoder layers take and return the residual stream itself, each branch added inside the layer,
+    norms of one input. mlp_in ``.gate_up_proj`` is a gated MLP's, gate first. embed and final_norm: module paths,
+    or taps; ``places`` replaces a site's tap, or drops it with None."""
+    taps = {
+        "embed": _Tap(embed, _OUTPUT) if isinstance(embed, str) else embed,
+        "resid_pre": _Tap(layer, _INPUT, layer_input),
+        "ln1": _Tap(layer + first_norm, _NORMALIZED, norm_inputs, norm),
+        **_attention_taps(layer + attention, qkv, o_proj, rotary, bias_apart),
+        "attn_out": _Tap(layer + attention, _OUTPUT, multiplier=multiplier, bias_apart=bias_apart),
+        "resid_mid": _Tap(layer + second_norm, _INPUT, norm_inputs),
+        "ln2": _Tap(layer + second_norm, _NORMALIZED, norm_inputs, norm),
+        "mlp_pre": _Tap(
+            layer + mlp + mlp_in, _OUTPUT, part="gate" if mlp_in == ".gate_up_proj" else "", bias_apart=bias_apart
+        ),
+        "mlp_post": _Tap(layer + mlp + mlp_proj, _INPUT, _LINEAR_INPUT),
+        "mlp_out": _Tap(layer + mlp, _OUTPUT, multiplier=multiplier, bias_apart=bias_apart),
+        "resid_post": _Tap(layer, _OUTPUT),
+        "final_norm": _Tap(final_norm, _NORMALIZED, norm_inputs, norm) if isinstance(final_norm, str) else final_norm,
+        **places,
     }
+    return {site: taps[site] for site in SITES if taps.get(site) is not None}
+# fmt: on
 
 
-# EXAONE 4 normalizes each branch after it and before adding it, with no norm
-# before: attention reads the stream itself, and the MLP reads the mid-stream.
-_EXAONE4_TAPS = {
-    "embed": _Tap("model.embed_tokens", "output"),
-    "resid_pre": _Tap("model.layers.{i}", "input", _LAYER_INPUT),
-    **_attention_taps("model.layers.{i}.self_attn"),
-    "attn_out": _Tap("model.layers.{i}.post_attention_layernorm", "output"),
-    "resid_mid": _Tap("model.layers.{i}.mlp", "input", _NORM_INPUT),
-    "mlp_pre": _Tap("model.layers.{i}.mlp.gate_up_proj", "output", part="gate"),
-    "mlp_post": _Tap("model.layers.{i}.mlp.down_proj", "input", _LINEAR_INPUT),
-    "mlp_out": _Tap("model.layers.{i}.post_feedforward_layernorm", "output"),
-    "resid_post": _Tap("model.layers.{i}", "output"),
-    "final_norm": _Tap("model.norm", "normalized", _NORM_INPUT, "rms"),
-}
-# Cohere: attention and MLP both read the one norm's output (parallel residual)
-# and the layer adds both to the stream; its LayerNorm has a weight and no bias
-# and passes the residual it is given through untouched.
-_COHERE_NORM_INPUT = (("hidden_states", 0),)
-_COHERE_TAPS = {
-    "embed": _Tap("model.embed_tokens", "output"),
-    "resid_pre": _Tap("model.layers.{i}", "input", _LAYER_INPUT),
-    "ln1": _Tap("model.layers.{i}.input_layernorm", "normalized", _COHERE_NORM_INPUT, "layer"),
-    **_attention_taps("model.layers.{i}.self_attn"),
-    "attn_out": _Tap("model.layers.{i}.self_attn", "output"),
-    "mlp_pre": _Tap("model.layers.{i}.mlp.gate_up_proj", "output", part="gate"),
-    "mlp_post": _Tap("model.layers.{i}.mlp.down_proj", "input", _LINEAR_INPUT),
-    "mlp_out": _Tap("model.layers.{i}.mlp", "output"),
-    "resid_post": _Tap("model.layers.{i}", "output"),
-    "final_norm": _Tap("model.norm", "normalized", _COHERE_NORM_INPUT, "layer"),
-}
+_LAYER = "model.layers.{i}"
 
 
 def _moe_taps(
     taps: dict[str, _Tap], block: str, renormalize: str, router: str = ".gate", block_input: str = "hidden_states"
 ) -> dict[str, _Tap]:
-    """taps with the MLP a mixture-of-experts block at ``block`` (its router and experts
-    inside): TransformerLens's mlp.hook_pre and mlp.hook_post are the block's input and
-    output, and hook_mlp_out its output too; the router's choice comes from its logits."""
-    layer = "model.layers.{i}"
+    """taps with a mixture-of-experts block at ``block`` as the MLP: mlp.hook_pre and
+    mlp.hook_post are its input and output (hook_mlp_out too), the choice its router's."""
     return {
         **taps,
-        "mlp_pre": _Tap(layer + block, "input", ((block_input, 0),)),
-        "expert_weights": _Tap(layer + block + router, "router", part="weights", renormalize=renormalize),
-        "expert_indices": _Tap(layer + block + router, "router", part="indices", renormalize=renormalize),
-        "mlp_post": _Tap(layer + block, "output"),
-        "mlp_out": _Tap(layer + block, "output"),
+        "mlp_pre": _Tap(_LAYER + block, _INPUT, ((block_input, 0),)),
+        "expert_weights": _Tap(_LAYER + block + router, _ROUTER, part="weights", renormalize=renormalize),
+        "expert_indices": _Tap(_LAYER + block + router, _ROUTER, part="indices", renormalize=renormalize),
+        "mlp_post": _Tap(_LAYER + block, _OUTPUT),
+        "mlp_out": _Tap(_LAYER + block, _OUTPUT),
     }
 
 
-# GPT-2 blocks take and return the residual stream itself; the MLP's norm reads
-# the mid-stream while the block keeps its own copy for the skip connection.
-_GPT2_TAPS = {
-    "embed": _Tap("transformer.wte", "output"),
-    "pos_embed": _Tap("transformer.wpe", "output"),
-    "resid_pre": _Tap("transformer.h.{i}", "input", (("hidden_states", 0),)),
-    "ln1": _Tap("transformer.h.{i}.ln_1", "normalized", _NORM_INPUT, "layer"),
-    **_attention_taps("transformer.h.{i}.attn", ".c_attn", ".c_proj", rotary=False),
-    "attn_out": _Tap("transformer.h.{i}.attn", "output"),
-    "resid_mid": _Tap("transformer.h.{i}.ln_2", "input", _NORM_INPUT),
-    "ln2": _Tap("transformer.h.{i}.ln_2", "normalized", _NORM_INPUT, "layer"),
-    "mlp_pre": _Tap("transformer.h.{i}.mlp.c_fc", "output"),
-    "mlp_post": _Tap("transformer.h.{i}.mlp.c_proj", "input", _LINEAR_INPUT),
-    "mlp_out": _Tap("transformer.h.{i}.mlp", "output"),
-    "resid_post": _Tap("transformer.h.{i}", "output"),
-    "final_norm": _Tap("transformer.ln_f", "normalized", _NORM_INPUT, "layer"),
+# fmt: off
+_H_LAYER = "transformer.h.{i}"
+# A norm after each branch, before adding it, and none before (OLMo 2, EXAONE 4): attention reads the stream itself,
+# and the MLP reads the mid-stream.
+_POST_NORMS = {
+    "ln1": None, "ln2": None, "attn_out": _Tap(_LAYER + ".post_attention_layernorm", _OUTPUT),
+    "resid_mid": _Tap(_LAYER + ".mlp", _INPUT, _X_INPUT), "mlp_out": _Tap(_LAYER + ".post_feedforward_layernorm", _OUTPUT),
 }
-# GPT-J: attention and MLP both read ln_1's output (parallel residual); its block
-# takes (position_ids, hidden_states) and returns the stream.
-_GPTJ_TAPS = {
-    "embed": _Tap("transformer.wte", "output"),
-    "resid_pre": _Tap("transformer.h.{i}", "input", _LAYER_INPUT),
-    "ln1": _Tap("transformer.h.{i}.ln_1", "normalized", _NORM_INPUT, "layer"),
-    **_attention_taps("transformer.h.{i}.attn", o_proj=".out_proj", rotary=False),
-    "attn_out": _Tap("transformer.h.{i}.attn", "output"),
-    "mlp_pre": _Tap("transformer.h.{i}.mlp.fc_in", "output"),
-    "mlp_post": _Tap("transformer.h.{i}.mlp.fc_out", "input", _LINEAR_INPUT),
-    "mlp_out": _Tap("transformer.h.{i}.mlp", "output"),
-    "resid_post": _Tap("transformer.h.{i}", "output"),
-    "final_norm": _Tap("transformer.ln_f", "normalized", _NORM_INPUT, "layer"),
-}
-# OPT (norms before each branch, do_layer_norm_before): its layer holds the MLP's
-# two linear layers itself, so the second's output is hook_mlp_out.
-_OPT_LAYER = "model.decoder.layers.{i}"
-_OPT_TAPS = {
-    "embed": _Tap("model.decoder.embed_tokens", "output"),
-    "pos_embed": _Tap("model.decoder.embed_positions", "output"),
-    "resid_pre": _Tap(_OPT_LAYER, "input", (("hidden_states", 0),)),
-    "ln1": _Tap(_OPT_LAYER + ".self_attn_layer_norm", "normalized", _NORM_INPUT, "layer"),
-    **_attention_taps(_OPT_LAYER + ".self_attn", o_proj=".out_proj", rotary=False),
-    "attn_out": _Tap(_OPT_LAYER + ".self_attn", "output"),
-    "resid_mid": _Tap(_OPT_LAYER + ".final_layer_norm", "input", _NORM_INPUT),
-    "ln2": _Tap(_OPT_LAYER + ".final_layer_norm", "normalized", _NORM_INPUT, "layer"),
-    "mlp_pre": _Tap(_OPT_LAYER + ".fc1", "output"),
-    "mlp_post": _Tap(_OPT_LAYER + ".fc2", "input", _LINEAR_INPUT),
-    "mlp_out": _Tap(_OPT_LAYER + ".fc2", "output"),
-    "resid_post": _Tap(_OPT_LAYER, "output"),
-    "final_norm": _Tap("model.decoder.final_layer_norm", "normalized", _NORM_INPUT, "layer"),
+# Parallel residual (Cohere, GPT-J, Falcon, Phi, GPT-NeoX): attention and MLP both read the one norm's output
+# (GPT-NeoX: the block's input), so there is no mid-stream and no hook_resid_mid, as in TransformerLens.
+_PARALLEL = {"resid_mid": None, "ln2": None}
+_BACKEND_ARCHITECTURES = ("OlmoForCausalLM", "Olmo2ForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", "GPTNeoXForCausalLM")
+_BACKEND = {  # vLLM's Transformers backend: rotary inside transformers' attention, where no module holds it
+    "embed": "model.embed_tokens", "final_norm": "model.norm", "layer_input": _HIDDEN_INPUT, "rotary": False,
 }
 
-# BLOOM (residual from before each norm, apply_residual_connection_post_layernorm off):
-# its embedding is normalized once before layer 0, and that is TransformerLens's
-# hook_embed. ALiBi, no rotary.
-_BLOOM_LAYER = "transformer.h.{i}"
-_BLOOM_TAPS = {
-    "embed": _Tap("transformer.h.0", "input", _LAYER_INPUT),
-    "resid_pre": _Tap(_BLOOM_LAYER, "input", _LAYER_INPUT),
-    "ln1": _Tap(_BLOOM_LAYER + ".input_layernorm", "normalized", _TORCH_NORM_INPUT, "layer"),
-    **_attention_taps(_BLOOM_LAYER + ".self_attention", ".query_key_value", ".dense", rotary=False),
-    "attn_out": _Tap(_BLOOM_LAYER + ".self_attention", "output"),
-    "resid_mid": _Tap(_BLOOM_LAYER + ".post_attention_layernorm", "input", _TORCH_NORM_INPUT),
-    "ln2": _Tap(_BLOOM_LAYER + ".post_attention_layernorm", "normalized", _TORCH_NORM_INPUT, "layer"),
-    "mlp_pre": _Tap(_BLOOM_LAYER + ".mlp.dense_h_to_4h", "output"),
-    "mlp_post": _Tap(_BLOOM_LAYER + ".mlp.dense_4h_to_h", "input", _LINEAR_INPUT),
-    "mlp_out": _Tap(_BLOOM_LAYER + ".mlp", "output"),
-    "resid_post": _Tap(_BLOOM_LAYER, "output"),
-    "final_norm": _Tap("transformer.ln_f", "normalized", _TORCH_NORM_INPUT, "layer"),
+_ARCHITECTURES = {  # transformers architecture: its taps in vLLM's model class (_VLLM_CLASSES)
+    "LlamaForCausalLM": _LLAMA_TAPS,
+    "MistralForCausalLM": _LLAMA_TAPS,
+    "Qwen2ForCausalLM": _LLAMA_TAPS,
+    "Qwen3ForCausalLM": _LLAMA_TAPS,
+    "Phi3ForCausalLM": {site: tap for site, tap in _LLAMA_TAPS.items() if site not in ("attn_rot_q", "attn_rot_k")},
+    "GemmaForCausalLM": _GEMMA_TAPS,
+    "Gemma2ForCausalLM": _GEMMA2_TAPS,
+    "Gemma3ForCausalLM": _GEMMA2_TAPS,
+    "MixtralForCausalLM": _moe_taps(_LLAMA_TAPS, ".block_sparse_moe", "always"),
+    "Qwen2MoeForCausalLM": _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob"),
+    "Qwen3MoeForCausalLM": _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob"),
+    "OlmoeForCausalLM": _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob"),
+    # GPT-OSS: TransformerBlock(hidden_states, positions, residual); softmax over the top-k logits.
+    "GptOssForCausalLM": _moe_taps(
+        _fused_residual_taps("rms", embed="model.embedding", attention=".attn",
+                             layer_pair=(("hidden_states", 0), ("residual", 2))),
+        ".mlp", "always", router=".router", block_input="x"),
+    # Granite multiplies the embedding (after embed_tokens) and each branch's output.
+    "GraniteForCausalLM": _stream_taps(_LAYER, _Tap("model.layers.0", _INPUT, _LAYER_INPUT), "model.norm", "rms",
+                                       multiplier="residual_multiplier"),
+    "StableLmForCausalLM": _stream_taps(_LAYER, "model.embed_tokens", "model.norm", "layer", _TORCH_NORM_INPUT),
+    "Exaone4ForCausalLM": _stream_taps(_LAYER, "model.embed_tokens", "model.norm", "rms", **_POST_NORMS),
+    # Cohere's LayerNorm has a weight and no bias, and passes the residual it is given on.
+    "CohereForCausalLM": _stream_taps(_LAYER, "model.embed_tokens", "model.norm", "layer", _HIDDEN_INPUT, **_PARALLEL),
+    # GPT-2's MLP norm reads the mid-stream while the block keeps its own copy for the skip.
+    "GPT2LMHeadModel": _stream_taps(
+        _H_LAYER, "transformer.wte", "transformer.ln_f", "layer", layer_input=_HIDDEN_INPUT, attention=".attn",
+        qkv=".c_attn", o_proj=".c_proj", rotary=False, first_norm=".ln_1", second_norm=".ln_2", mlp_in=".c_fc",
+        mlp_proj=".c_proj", pos_embed=_Tap("transformer.wpe", _OUTPUT)),
+    # GPT-J's block takes (position_ids, hidden_states).
+    "GPTJForCausalLM": _stream_taps(
+        _H_LAYER, "transformer.wte", "transformer.ln_f", "layer", attention=".attn", o_proj=".out_proj", rotary=False,
+        first_norm=".ln_1", mlp_in=".fc_in", mlp_proj=".fc_out", **_PARALLEL),
+    # OPT (norms before each branch, do_layer_norm_before): its layer holds the MLP's two linear layers itself, so
+    # the second's output is hook_mlp_out.
+    "OPTForCausalLM": _stream_taps(
+        "model.decoder.layers.{i}", "model.decoder.embed_tokens", "model.decoder.final_layer_norm", "layer",
+        layer_input=_HIDDEN_INPUT, o_proj=".out_proj", rotary=False, first_norm=".self_attn_layer_norm",
+        second_norm=".final_layer_norm", mlp="", mlp_in=".fc1", mlp_proj=".fc2",
+        pos_embed=_Tap("model.decoder.embed_positions", _OUTPUT), mlp_out=_Tap("model.decoder.layers.{i}.fc2", _OUTPUT)),
+    # BLOOM (residual from before each norm, apply_residual_connection_post_layernorm off) normalizes its embedding
+    # once before layer 0: that is hook_embed. ALiBi, no rotary.
+    "BloomForCausalLM": _stream_taps(
+        _H_LAYER, _Tap("transformer.h.0", _INPUT, _LAYER_INPUT), "transformer.ln_f", "layer", _TORCH_NORM_INPUT,
+        attention=".self_attention", qkv=".query_key_value", o_proj=".dense", rotary=False, mlp_in=".dense_h_to_4h",
+        mlp_proj=".dense_4h_to_h"),
+    # Falcon (7B's layout: parallel_attn, one norm, no new_decoder_architecture): the output projections leave the
+    # bias for the layer to add once both are summed.
+    "FalconForCausalLM": _stream_taps(
+        _H_LAYER, "transformer.word_embeddings", "transformer.ln_f", "layer", _TORCH_NORM_INPUT,
+        attention=".self_attention", qkv=".query_key_value", o_proj=".dense", rotary=False, mlp_in=".dense_h_to_4h",
+        mlp_proj=".dense_4h_to_h", bias_apart=True, **_PARALLEL),
+    # OLMo's LayerNorm has no weight and no bias (transformers' own module, which vLLM keeps); TransformerLens 4.3's
+    # bridge fails on a hook at its hook_normalized ("has no attribute 'weight'"), so ln1, ln2 and ln_final are not
+    # placed.
+    "OlmoForCausalLM": _stream_taps(
+        _LAYER, **{**_BACKEND, "final_norm": None}, norm="layer", ln1=None, ln2=None,
+        resid_mid=_Tap(_LAYER + ".post_attention_layernorm", _INPUT, _HIDDEN_INPUT)),
+    "Olmo2ForCausalLM": _stream_taps(_LAYER, **_BACKEND, norm="rms", **_POST_NORMS),
+    "PhiForCausalLM": _stream_taps(
+        _LAYER, **{**_BACKEND, "final_norm": _Tap("model.final_layernorm", _NORMALIZED, _X_INPUT, "layer")},
+        norm="layer", o_proj=".dense", mlp_in=".fc1", mlp_proj=".fc2", **_PARALLEL),
+    "Starcoder2ForCausalLM": _stream_taps(_LAYER, **_BACKEND, norm="layer", mlp_in=".c_fc", mlp_proj=".c_proj"),
+    # GPT-NeoX: its fused query_key_value interleaves q, k and v per head, which no part here describes.
+    "GPTNeoXForCausalLM": _stream_taps(
+        _LAYER, **{**_BACKEND, "embed": "model.embed_in",
+                   "final_norm": _Tap("model.final_layer_norm", _NORMALIZED, _X_INPUT, "layer")},
+        norm="layer", attention=".attention", o_proj=".dense", mlp_in=".dense_h_to_4h", mlp_proj=".dense_4h_to_h",
+        attn_q=None, attn_k=None, attn_v=None, resid_mid=None),
 }
-
-# Falcon (7B's layout: parallel_attn, one norm, no new_decoder_architecture):
-# attention and MLP read input_layernorm's output, and their output projections
-# leave the bias for the layer to add once both are summed.
-_FALCON_LAYER = "transformer.h.{i}"
-_FALCON_TAPS = {
-    "embed": _Tap("transformer.word_embeddings", "output"),
-    "resid_pre": _Tap(_FALCON_LAYER, "input", _LAYER_INPUT),
-    "ln1": _Tap(_FALCON_LAYER + ".input_layernorm", "normalized", _TORCH_NORM_INPUT, "layer"),
-    **_attention_taps(_FALCON_LAYER + ".self_attention", ".query_key_value", ".dense", rotary=False, bias_apart=True),
-    "attn_out": _Tap(_FALCON_LAYER + ".self_attention", "output", bias_apart=True),
-    "mlp_pre": _Tap(_FALCON_LAYER + ".mlp.dense_h_to_4h", "output", bias_apart=True),
-    "mlp_post": _Tap(_FALCON_LAYER + ".mlp.dense_4h_to_h", "input", _LINEAR_INPUT),
-    "mlp_out": _Tap(_FALCON_LAYER + ".mlp", "output", bias_apart=True),
-    "resid_post": _Tap(_FALCON_LAYER, "output"),
-    "final_norm": _Tap("transformer.ln_f", "normalized", _TORCH_NORM_INPUT, "layer"),
-}
-
-
-def _transformers_backend_taps(norm: str, **places: _Tap | None) -> dict[str, _Tap]:
-    """Models vLLM runs through its Transformers backend: transformers' own decoder layers
-    (which take and return the residual stream itself) with vLLM's linear layers, its
-    attention and its norms (RMSNorm and LayerNorm, which take x alone), the q, k and v
-    projections fused as qkv_proj and a gated MLP's as gate_up_proj, split in half by
-    the activation. Rotary is applied inside transformers' attention, where no module
-    holds it: hook_rot_q and hook_rot_k are not placed. ``places`` replaces a site's
-    tap, or drops it with None."""
-    layer = "model.layers.{i}"
-    taps = {
-        "embed": _Tap("model.embed_tokens", "output"),
-        "resid_pre": _Tap(layer, "input", (("hidden_states", 0),)),
-        "ln1": _Tap(layer + ".input_layernorm", "normalized", _NORM_INPUT, norm),
-        **_attention_taps(layer + ".self_attn", rotary=False),
-        "attn_out": _Tap(layer + ".self_attn", "output"),
-        "resid_mid": _Tap(layer + ".post_attention_layernorm", "input", _NORM_INPUT),
-        "ln2": _Tap(layer + ".post_attention_layernorm", "normalized", _NORM_INPUT, norm),
-        "mlp_pre": _Tap(layer + ".mlp.gate_up_proj", "output", part="gate"),
-        "mlp_post": _Tap(layer + ".mlp.down_proj", "input", _LINEAR_INPUT),
-        "mlp_out": _Tap(layer + ".mlp", "output"),
-        "resid_post": _Tap(layer, "output"),
-        "final_norm": _Tap("model.norm", "normalized", _NORM_INPUT, norm),
-    }
-    taps.update(places)
-    return {site: tap for site, tap in taps.items() if tap is not None}
-
-
-# OLMo's LayerNorm has no weight and no bias (transformers' own module, which vLLM
-# keeps); TransformerLens 4.3's bridge fails on a hook at its hook_normalized ("has no
-# attribute 'weight'"), so ln1, ln2 and ln_final are not placed.
-_OLMO_TAPS = _transformers_backend_taps(
-    "layer",
-    ln1=None,
-    resid_mid=_Tap("model.layers.{i}.post_attention_layernorm", "input", (("hidden_states", 0),)),
-    ln2=None,
-    final_norm=None,
-)
-# OLMo 2 normalizes each branch after it, before adding it (no norm before).
-_OLMO2_TAPS = _transformers_backend_taps(
-    "rms",
-    ln1=None,
-    ln2=None,
-    attn_out=_Tap("model.layers.{i}.post_attention_layernorm", "output"),
-    resid_mid=_Tap("model.layers.{i}.mlp", "input", _NORM_INPUT),
-    mlp_out=_Tap("model.layers.{i}.post_feedforward_layernorm", "output"),
-)
-# Phi: attention and MLP both read the one norm's output (parallel residual).
-_PHI_TAPS = _transformers_backend_taps(
-    "layer",
-    attn_z=_Tap("model.layers.{i}.self_attn.dense", "input", _LINEAR_INPUT),
-    resid_mid=None,
-    ln2=None,
-    mlp_pre=_Tap("model.layers.{i}.mlp.fc1", "output"),
-    mlp_post=_Tap("model.layers.{i}.mlp.fc2", "input", _LINEAR_INPUT),
-    final_norm=_Tap("model.final_layernorm", "normalized", _NORM_INPUT, "layer"),
-)
-_STARCODER2_TAPS = _transformers_backend_taps(
-    "layer",
-    mlp_pre=_Tap("model.layers.{i}.mlp.c_fc", "output"),
-    mlp_post=_Tap("model.layers.{i}.mlp.c_proj", "input", _LINEAR_INPUT),
-)
-# GPT-NeoX: attention and MLP both read the block's input (parallel residual), so
-# there is no mid-stream and no hook_resid_mid, as in TransformerLens. Its fused
-# query_key_value interleaves q, k and v per head, which no part here describes.
-_NEOX_TAPS = _transformers_backend_taps(
-    "layer",
-    embed=_Tap("model.embed_in", "output"),
-    attn_q=None,
-    attn_k=None,
-    attn_v=None,
-    attn_z=_Tap("model.layers.{i}.attention.dense", "input", _LINEAR_INPUT),
-    attn_out=_Tap("model.layers.{i}.attention", "output"),
-    resid_mid=None,
-    mlp_pre=_Tap("model.layers.{i}.mlp.dense_h_to_4h", "output"),
-    mlp_post=_Tap("model.layers.{i}.mlp.dense_4h_to_h", "input", _LINEAR_INPUT),
-    final_norm=_Tap("model.final_layer_norm", "normalized", _NORM_INPUT, "layer"),
-)
-
-_ARCHITECTURES = {
-    # transformers architecture: (the vLLM model classes it is checked with, taps)
-    "LlamaForCausalLM": (("LlamaForCausalLM",), _LLAMA_TAPS),
-    "MistralForCausalLM": (("MistralForCausalLM",), _LLAMA_TAPS),
-    "Qwen2ForCausalLM": (("Qwen2ForCausalLM",), _LLAMA_TAPS),
-    "Qwen3ForCausalLM": (("Qwen3ForCausalLM",), _LLAMA_TAPS),
-    "Phi3ForCausalLM": (("Phi3ForCausalLM",), _without(_LLAMA_TAPS, "attn_rot_q", "attn_rot_k")),
-    "GemmaForCausalLM": (("GemmaForCausalLM",), _GEMMA_TAPS),
-    "Gemma2ForCausalLM": (("Gemma2ForCausalLM",), _GEMMA2_TAPS),
-    "Gemma3ForCausalLM": (("Gemma3ForCausalLM",), _GEMMA2_TAPS),
-    "GraniteForCausalLM": (
-        ("GraniteForCausalLM",),
-        _sequential_taps("rms", _NORM_INPUT, multiplier="residual_multiplier", embed_scaled=True),
-    ),
-    "StableLmForCausalLM": (("StablelmForCausalLM",), _sequential_taps("layer", _TORCH_NORM_INPUT)),
-    "Exaone4ForCausalLM": (("Exaone4ForCausalLM",), _EXAONE4_TAPS),
-    "CohereForCausalLM": (("CohereForCausalLM",), _COHERE_TAPS),
-    "MixtralForCausalLM": (("MixtralForCausalLM",), _moe_taps(_LLAMA_TAPS, ".block_sparse_moe", "always")),
-    "Qwen2MoeForCausalLM": (("Qwen2MoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob")),
-    "Qwen3MoeForCausalLM": (("Qwen3MoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob")),
-    "OlmoeForCausalLM": (("OlmoeForCausalLM",), _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob")),
-    "GptOssForCausalLM": (
-        ("GptOssForCausalLM",),
-        _moe_taps(
-            _fused_residual_taps(
-                "rms",
-                embed="model.embedding",
-                attention=".attn",
-                # TransformerBlock(hidden_states, positions, residual)
-                layer_pair=(("hidden_states", 0), ("residual", 2)),
-            ),
-            ".mlp",
-            "always",  # softmax over the top-k logits
-            router=".router",
-            block_input="x",
-        ),
-    ),
-    "GPT2LMHeadModel": (("GPT2LMHeadModel",), _GPT2_TAPS),
-    "GPTJForCausalLM": (("GPTJForCausalLM",), _GPTJ_TAPS),
-    "OPTForCausalLM": (("OPTForCausalLM",), _OPT_TAPS),
-    "BloomForCausalLM": (("BloomForCausalLM",), _BLOOM_TAPS),
-    "FalconForCausalLM": (("FalconForCausalLM",), _FALCON_TAPS),
-    "OlmoForCausalLM": (("TransformersForCausalLM",), _OLMO_TAPS),
-    "Olmo2ForCausalLM": (("TransformersForCausalLM",), _OLMO2_TAPS),
-    "PhiForCausalLM": (("TransformersForCausalLM",), _PHI_TAPS),
-    "Starcoder2ForCausalLM": (("TransformersForCausalLM",), _STARCODER2_TAPS),
-    "GPTNeoXForCausalLM": (("TransformersForCausalLM",), _NEOX_TAPS),
-}
+# fmt: on
 """Every entry checked against TransformerLens 4.3 on vLLM 0.32 (CPU); Llama and Gemma 2
 also on vLLM 0.24 (CUDA), where Qwen2 and GPT-2 have the same classes. vLLM 0.24 serves
-GPT-NeoX with a native class of its own, which is not in this table and so is refused."""
+GPT-NeoX with a native class of its own, which is not the one checked and so is refused."""
+_VLLM_CLASSES = {  # the vLLM model class each architecture's taps were checked with, where not its own name
+    "StableLmForCausalLM": "StablelmForCausalLM",
+    **dict.fromkeys(_BACKEND_ARCHITECTURES, "TransformersForCausalLM"),
+}
 
 
-_LAYOUT_SETTINGS = {
-    # architecture: {config attribute: the value its table is written for}
+_LAYOUT_SETTINGS = {  # architecture: {config attribute: the value its table is written for; others are refused}
     "OPTForCausalLM": {"do_layer_norm_before": True},
     "BloomForCausalLM": {"apply_residual_connection_post_layernorm": False},
     "FalconForCausalLM": {"new_decoder_architecture": False, "parallel_attn": True},
     "StableLmForCausalLM": {"use_parallel_residual": False},
     "GPTNeoXForCausalLM": {"use_parallel_residual": True},
 }
-"""Settings that change where a family's tensors are; a model with another value is refused."""
-
-
-def _architecture(hf_config: Any) -> str:
-    architectures = getattr(hf_config, "architectures", None) or ["(none given)"]
-    return architectures[0]
 
 
 def _taps(hf_config: Any, sites: set[str] | tuple[str, ...]) -> dict[str, _Tap]:
-    """The taps of the model's architecture. ValueError naming it and the supported ones
-    when the table lacks it, or naming the sites it lacks among ``sites``."""
-    architecture = _architecture(hf_config)
+    """The taps of the model's architecture; ValueError naming it and the supported ones, or
+    the sites among ``sites`` it lacks."""
+    architecture = (getattr(hf_config, "architectures", None) or ["(none given)"])[0]
     if architecture not in _ARCHITECTURES:
         raise ValueError(
-            f"architecture {architecture}: TransformerLens hook names are placed per architecture "
-            f"and this module has no table for it; supported: {sorted(_ARCHITECTURES)}. Hook "
-            "modules of your choosing under names of your own with (module_path, width) specs"
+            f"architecture {architecture}: TransformerLens hook names are placed per architecture and this module has "
+            f"no table for it; supported: {sorted(_ARCHITECTURES)}. Hook modules of your choosing under names of your "
+            "own with (module_path, width) specs"
         )
     for setting, value in _LAYOUT_SETTINGS.get(architecture, {}).items():
         if getattr(hf_config, setting) != value:
             raise ValueError(
-                f"architecture {architecture} with {setting}={getattr(hf_config, setting)!r}: this module's "
-                f"table describes {architecture} with {setting}={value!r}, where its tensors sit elsewhere"
+                f"architecture {architecture} with {setting}={getattr(hf_config, setting)!r}: this module's table "
+                f"describes {architecture} with {setting}={value!r}, where its tensors sit elsewhere"
             )
-    taps = _ARCHITECTURES[architecture][1]
+    taps = _ARCHITECTURES[architecture]
     missing = [site for site in SITES if site in sites and site not in taps]
     if missing:
+        parallel = " (attention and MLP read the same residual stream, as in TransformerLens)"
         raise ValueError(
-            f"{architecture} has no {[SITES[site] for site in missing]}"
-            + (
-                " (attention and MLP read the same residual stream, as in TransformerLens)"
-                if "resid_mid" in missing
-                else ""
-            )
-            + f"; its sites: {[site for site in SITES if site in taps]}"
+            f"{architecture} has no {[SITES[site] for site in missing]}{parallel if 'resid_mid' in missing else ''}"
+            f"; its sites: {[site for site in SITES if site in taps]}"
         )
     return taps
 
@@ -640,42 +418,22 @@ def _num_experts(hf_config: Any) -> int | None:
 
 
 def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
-    """One row's shape at each site of a decoder-only model, from its transformers config
-    (whose attribute names differ between families)."""
-    d_model = hf_config.hidden_size
-    n_heads = hf_config.num_attention_heads
+    """One row's shape at each site, from a transformers config (attribute names differ)."""
+    d_model, n_heads = hf_config.hidden_size, hf_config.num_attention_heads
     d_head = getattr(hf_config, "head_dim", None) or d_model // n_heads
     if getattr(hf_config, "multi_query", False) and not getattr(hf_config, "new_decoder_architecture", False):
         n_kv_heads = 1  # Falcon's multi-query attention
     else:
         n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or getattr(hf_config, "num_kv_heads", None)
-        n_kv_heads = n_kv_heads or n_heads
-    d_mlp = next(
-        (
-            width
-            for width in (
-                getattr(hf_config, name, None)
-                for name in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
-            )
-            if width
-        ),
-        4 * d_model,
-    )
-    n_experts = _num_experts(hf_config)
-    if n_experts:
-        d_mlp = d_model  # a mixture of experts: TransformerLens's mlp hooks are the block's input and output
+    names = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+    d_mlp = next(filter(None, (getattr(hf_config, name, None) for name in names)), 4 * d_model)
     shapes = {site: (d_model,) for site in SITES}
-    if n_experts:
-        shapes.update(expert_weights=(n_experts,), expert_indices=(hf_config.num_experts_per_tok,))
+    if _num_experts(hf_config):  # TransformerLens's mlp hooks are the block's input and output
+        d_mlp = d_model
+        shapes.update(expert_weights=(_num_experts(hf_config),), expert_indices=(hf_config.num_experts_per_tok,))
+    q, kv = (n_heads, d_head), (n_kv_heads or n_heads, d_head)
     shapes.update(
-        attn_q=(n_heads, d_head),
-        attn_rot_q=(n_heads, d_head),
-        attn_z=(n_heads, d_head),
-        attn_k=(n_kv_heads, d_head),
-        attn_v=(n_kv_heads, d_head),
-        attn_rot_k=(n_kv_heads, d_head),
-        mlp_pre=(d_mlp,),
-        mlp_post=(d_mlp,),
+        attn_q=q, attn_rot_q=q, attn_z=q, attn_k=kv, attn_v=kv, attn_rot_k=kv, mlp_pre=(d_mlp,), mlp_post=(d_mlp,)
     )
     return shapes
 
@@ -684,13 +442,9 @@ def capture_specs(
     hf_config: Any, sites: tuple[str, ...] = ("resid_post",), layers: list[int] | None = None
 ) -> dict[str, tuple[int, ...]]:
     """``{hook_name: row shape}`` for the model, in the order a forward reaches them.
-
-    hf_config: the model's transformers config, e.g.
-        ``AutoConfig.from_pretrained(path)``; its architecture must be one the
-        module's table places (ValueError naming it and the supported ones).
-    sites: keys of ``SITES`` the architecture has; layer sites expand over
-        ``layers`` (default all).
-    """
+    hf_config: its transformers config (``AutoConfig.from_pretrained(path)``), of an
+    architecture the tables place (else ValueError naming the supported ones). sites: keys
+    of ``SITES`` the architecture has; layer sites expand over ``layers`` (default all)."""
     unknown = [s for s in sites if s not in SITES]
     if unknown:
         raise ValueError(f"capture_specs: unknown sites {unknown}; valid: {list(SITES)}")
@@ -711,12 +465,10 @@ def capture_specs(
 
 
 # ---------------------------------------------------------------------------
-# Config channel. vLLM builds its workers in other processes, so a module
-# global set in the driver never reaches them: the config travels as JSON in
-# vLLM's own additional_config (which every worker receives, Ray's included,
-# and which vLLM hashes into its compile-cache key), or, for servers started
-# by hand, in one environment variable. It is validated when written and again
-# when read, since a worker may run another copy of this file.
+# Config channel. vLLM builds its workers in other processes, so a module global set in the driver never reaches
+# them: the config travels as JSON in vLLM's own additional_config (which every worker receives, Ray's included, and
+# which vLLM hashes into its compile-cache key), or, for servers started by hand, in one environment variable.
+# Validated when written and again when read (a worker may run another copy).
 # ---------------------------------------------------------------------------
 
 _CONFIG_ENV = "TL_VLLM_HOOKS_CONFIG"
@@ -732,28 +484,22 @@ WORKER_EXTENSION = f"{__name__}.WorkerExtension"
 class CaptureConfig:
     """What the workers hook, and how.
 
-    capture_specs: ``{hook_name: spec}``. A TransformerLens hook name
-        (``blocks.3.hook_resid_post``) takes the shape of one of its rows
-        (``128``, or ``(n_heads, d_head)`` for ``attn.hook_z``), and the
-        architecture table places it; ``capture_specs(hf_config)`` writes
-        these. Any other name takes ``(module_path, width)``: the output of
-        that module of the model vLLM loads (its first element if it returns a
-        tuple), ``width`` its last dimension. Names holding ``hook_`` are
-        TransformerLens's and cannot be given a module path.
-    max_num_batched_tokens: rows of every capture buffer and edit table, and
-        the engine's tokens per forward (``llm_kwargs`` passes it on).
+    capture_specs: ``{hook_name: spec}``. A TransformerLens hook name (``blocks.3.hook_resid_post``) takes the shape
+        of one of its rows (``128``, or ``(n_heads, d_head)`` for ``attn.hook_z``), and the architecture table
+        places it; ``capture_specs(hf_config)`` writes these. Any other name takes ``(module_path, width)``: the
+        output of that module of the model vLLM loads (its first element if it returns a tuple), ``width`` its last
+        dimension. Names holding ``hook_`` are TransformerLens's and cannot be given a module path.
+    max_num_batched_tokens: rows of every capture buffer and edit table, and the engine's tokens per forward
+        (``llm_kwargs`` passes it on).
     dtype: dtype of the capture buffers (a floating dtype).
-    enable_batching: the batched flavour (many requests per generate, each
-        with its own rows and edits) instead of the compiled one.
-    enable_position_interventions: engine-wide edits may be limited to token
-        positions.
-    sink_dir: batched flavour only: a directory (absolute path) where the
-        workers write each finished request's kept rows, as safetensors shards
-        with a manifest (see CaptureDataset), instead of holding them for
-        read_batched.
+    enable_batching: the batched flavour (many requests per generate, each with its own rows and edits) instead of
+        the one-prompt one.
+    enable_position_interventions: engine-wide edits may be limited to token positions.
+    sink_dir: batched flavour only: a directory where the workers write each finished request's kept rows, as
+        safetensors shards with a manifest (see CaptureDataset), instead of holding them for read_batched.
     shard_bytes: a shard is closed once its rows reach this many bytes.
-    shard_seconds: and once it has been open this long (seconds), so that a
-        server's requests reach readers soon; None: by size (or flush_sink) only.
+    shard_seconds: and once it has been open this long (seconds), so that a server's requests reach readers soon;
+        None: by size (or flush_sink) only.
     """
 
     capture_specs: dict[str, tuple[int, ...] | tuple[str, int]]
@@ -769,12 +515,12 @@ class CaptureConfig:
         specs = self.capture_specs
         if not isinstance(specs, dict) or not specs:
             raise ValueError(
-                "capture_specs: expected a non-empty dict {hook_name: row shape} "
-                f"(see capture_specs(hf_config)), got {specs!r}"
+                f"capture_specs: expected a non-empty dict {{hook_name: row shape}} (see capture_specs(hf_config)), got {specs!r}"
             )
         object.__setattr__(self, "capture_specs", {n: _checked_spec(n, s) for n, s in specs.items()})
-        if not _is_positive_int(self.max_num_batched_tokens):
-            raise ValueError(f"max_num_batched_tokens: must be a positive int, got {self.max_num_batched_tokens!r}")
+        for field in ("max_num_batched_tokens", "shard_bytes"):
+            if not _is_positive_int(getattr(self, field)):
+                raise ValueError(f"{field}: must be a positive int, got {getattr(self, field)!r}")
         if not isinstance(self.dtype, torch.dtype) or _dtype_name(self.dtype) not in _FLOAT_DTYPES:
             raise ValueError(f"dtype: expected one of torch.{', torch.'.join(_FLOAT_DTYPES)}, got {self.dtype!r}")
         for flag in ("enable_batching", "enable_position_interventions"):
@@ -786,11 +532,9 @@ class CaptureConfig:
             if not self.enable_batching:
                 raise ValueError("sink_dir: the sink writes per-request rows: configure(..., enable_batching=True)")
             object.__setattr__(self, "sink_dir", os.path.abspath(self.sink_dir))
-        if not _is_positive_int(self.shard_bytes):
-            raise ValueError(f"shard_bytes: must be a positive int, got {self.shard_bytes!r}")
         seconds = self.shard_seconds
         if seconds is not None and (
-            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf
+            not isinstance(seconds, (int, float)) or seconds is True or not 0 < seconds < math.inf
         ):
             raise ValueError(f"shard_seconds: must be a finite number of seconds > 0, or None; got {seconds!r}")
 
@@ -806,37 +550,31 @@ class CaptureConfig:
     @property
     def llm_kwargs(self) -> dict[str, Any]:
         """What ``LLM(model, **config.llm_kwargs)`` (or ``EngineArgs``, ``AsyncEngineArgs``)
-        needs for these hooks: the worker extension, the config in ``additional_config``,
-        the buffers' tokens per forward, and prefix caching off, so that every request
-        keeps all its rows by default. The batched flavour may turn it back on (see
-        ``request_args``); the compiled one refuses it."""
+        needs for these hooks: the worker extension, the config in ``additional_config``, the
+        buffers' tokens per forward, and prefix caching as _PREFIX_CACHING says (off)."""
         return {
             "worker_extension_cls": WORKER_EXTENSION,
             "additional_config": {_ADDITIONAL_CONFIG_KEY: self.to_json()},
             "max_num_batched_tokens": self.max_num_batched_tokens,
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": _PREFIX_CACHING,
         }
 
     @property
     def serve_args(self) -> list[str]:
-        """The same for ``vllm serve MODEL *config.serve_args``, as command-line arguments.
-        Batched engines keep vLLM's prefix caching, as servers run: a request then keeps
-        rows only if its options ask (``request_args``)."""
-        args = [
-            "--worker-extension-cls",
-            WORKER_EXTENSION,
-            "--additional-config",
-            json.dumps({_ADDITIONAL_CONFIG_KEY: self.to_json()}),
-            "--max-num-batched-tokens",
-            str(self.max_num_batched_tokens),
-        ]
-        return args if self.enable_batching else [*args, "--no-enable-prefix-caching"]
+        """``llm_kwargs`` as ``vllm serve MODEL *config.serve_args`` arguments."""
+        args = []
+        for key, value in self.llm_kwargs.items():
+            flag = key.replace("_", "-")
+            if isinstance(value, bool):
+                args.append(f"--{flag}" if value else f"--no-{flag}")
+            else:
+                args += [f"--{flag}", json.dumps(value) if isinstance(value, dict) else str(value)]
+        return args
 
     def to_json(self) -> str:
         """The wire form: JSON, with the module version that wrote it."""
         fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        fields.update(dtype=_dtype_name(self.dtype), version=__version__)
-        return json.dumps(fields, sort_keys=True)
+        return json.dumps({**fields, "dtype": _dtype_name(self.dtype), "version": __version__}, sort_keys=True)
 
     @classmethod
     def from_json(cls, payload: str) -> CaptureConfig:
@@ -845,23 +583,20 @@ class CaptureConfig:
             data = json.loads(payload)
         except (TypeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{_CONFIG_ENV}: not valid JSON ({exc})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{_CONFIG_ENV}: expected a JSON object, got {type(data).__name__}")
         fields = {field.name for field in dataclasses.fields(cls)} | {"version"}
-        if set(data) != fields:
+        if not isinstance(data, dict) or set(data) != fields:
+            given = set(data) if isinstance(data, dict) else set()
             raise ValueError(
-                f"{_CONFIG_ENV}: expected fields {sorted(fields)}, "
-                f"missing {sorted(fields - set(data))}, unknown {sorted(set(data) - fields)}"
+                f"{_CONFIG_ENV}: expected a JSON object with fields {sorted(fields)}, "
+                f"missing {sorted(fields - given)}, unknown {sorted(given - fields)}"
             )
         if data.pop("version") != __version__:
             raise ValueError(
-                f"{_CONFIG_ENV}: written by another version of tl_vllm_hooks than {__version__!r}; "
-                "driver and workers must load the same version"
+                f"{_CONFIG_ENV}: written by another version of tl_vllm_hooks than {__version__!r}; driver and workers "
+                "must load the same version"
             )
-        if data["dtype"] not in _FLOAT_DTYPES:
-            raise ValueError(f"dtype: expected one of {list(_FLOAT_DTYPES)}, got {data['dtype']!r}")
-        if not isinstance(data["capture_specs"], dict):
-            raise ValueError(f"capture_specs: expected an object, got {data['capture_specs']!r}")
+        if data["dtype"] not in _FLOAT_DTYPES or not isinstance(data["capture_specs"], dict):
+            raise ValueError(f"{_CONFIG_ENV}: dtype must be one of {list(_FLOAT_DTYPES)} and capture_specs an object")
         data["capture_specs"] = {n: tuple(s) if isinstance(s, list) else s for n, s in data["capture_specs"].items()}
         return cls(**{**data, "dtype": getattr(torch, data["dtype"])})
 
@@ -871,86 +606,61 @@ def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
     or (module_path, width) for a module of the user's choosing."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"capture_specs: hook names must be non-empty strings, got {name!r}")
-    if "hook_" in name:
-        shape = (spec,) if _is_positive_int(spec) else spec
-        if not isinstance(shape, (tuple, list)) or not shape or not all(map(_is_positive_int, shape)):
+    if "hook_" not in name:
+        if not (isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], str) and spec[0]):
+            spec = None
+        if spec is None or not _is_positive_int(spec[1]):
             raise ValueError(
-                f"capture_specs[{name!r}]: a TransformerLens hook takes the shape of one row "
-                f"(an int, or a tuple such as (n_heads, d_head)); the architecture table places "
-                f"it, so it takes no module path; got {spec!r}. Write specs with capture_specs(hf_config)"
+                f"capture_specs[{name!r}]: expected (module_path: str, width: positive int) for a "
+                f"module of your choosing, got {spec!r}"
             )
-        if re.fullmatch(r"blocks\.\d+\.attn\.(hook_pattern|hook_attn_scores)", name):
-            raise ValueError(
-                f"capture_specs: {name!r}: vLLM's attention kernels compute softmax(q k^T) blockwise and "
-                "never hold the [query, key] matrix, so there is no tensor to read; capture "
-                "attn.hook_rot_q and attn.hook_rot_k (or hook_q, hook_k) and form it from them"
-            )
-        if _parse_hook_name(name) is None:
-            close = difflib.get_close_matches(name, [t.format(i=0) for t in SITES.values()], n=3)
-            raise ValueError(
-                f"capture_specs: {name!r} is not a hook this module knows; TransformerLens hooks "
-                f"here: {sorted(SITES.values())}" + (f"; close matches: {close}" if close else "")
-            )
-        return tuple(shape)
-    if (
-        not isinstance(spec, (tuple, list))
-        or len(spec) != 2
-        or not isinstance(spec[0], str)
-        or not spec[0]
-        or not _is_positive_int(spec[1])
-    ):
+        return (spec[0], spec[1])
+    shape = (spec,) if _is_positive_int(spec) else spec
+    if not isinstance(shape, (tuple, list)) or not shape or not all(map(_is_positive_int, shape)):
         raise ValueError(
-            f"capture_specs[{name!r}]: expected (module_path: str, width: positive int) for a "
-            f"module of your choosing, got {spec!r}"
+            f"capture_specs[{name!r}]: a TransformerLens hook takes the shape of one row (an int, or a tuple such as "
+            f"(n_heads, d_head)); the architecture table places it, so it takes no module path; got {spec!r}. Write "
+            "specs with capture_specs(hf_config)"
         )
-    return (spec[0], spec[1])
+    if re.fullmatch(r"blocks\.\d+\.attn\.(hook_pattern|hook_attn_scores)", name):
+        raise ValueError(
+            f"capture_specs: {name!r}: vLLM's attention kernels compute softmax(q k^T) blockwise and never hold the "
+            "[query, key] matrix, so there is no tensor to read; capture attn.hook_rot_q and attn.hook_rot_k (or "
+            "hook_q, hook_k) and form it from them"
+        )
+    if _parse_hook_name(name) is None:
+        close = difflib.get_close_matches(name, [t.format(i=0) for t in SITES.values()], n=3)
+        raise ValueError(
+            f"capture_specs: {name!r} is not a hook this module knows; TransformerLens hooks here: "
+            f"{sorted(SITES.values())}" + (f"; close matches: {close}" if close else "")
+        )
+    return tuple(shape)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return _is_int(value) and value > 0
 
 
 def _is_position_list(value: Any) -> bool:
     """A non-empty list (or tuple) of token positions: ints >= 0."""
-    return (
-        isinstance(value, (list, tuple))
-        and bool(value)
-        and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in value)
-    )
+    return isinstance(value, (list, tuple)) and bool(value) and all(_is_int(p) and p >= 0 for p in value)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def configure(
-    capture_specs: dict[str, tuple[int, ...] | tuple[str, int]],
-    max_num_batched_tokens: int = 2048,
-    dtype: torch.dtype = torch.float32,
-    enable_batching: bool = False,
-    enable_position_interventions: bool = False,
-    sink_dir: str | None = None,
-    shard_bytes: int = 1 << 30,
-    shard_seconds: float | None = None,
-) -> CaptureConfig:
-    """Validate a config (ValueError naming the field) and register the patch in this process.
-
-    Build the engine with ``LLM(model, **config.llm_kwargs)``: the config rides
-    in the engine's own arguments, so nothing is left behind for later engines.
-    A ``sink_dir`` is created if need be, and refused here if it cannot be
-    written or holds captures of other hooks or another dtype.
-    """
-    config = CaptureConfig(
-        capture_specs,
-        max_num_batched_tokens,
-        dtype,
-        enable_batching,
-        enable_position_interventions,
-        sink_dir,
-        shard_bytes,
-        shard_seconds,
-    )
-    if sink_dir is not None:
+def configure(capture_specs: dict[str, tuple[int, ...] | tuple[str, int]], *args: Any, **kwargs: Any) -> CaptureConfig:
+    """``CaptureConfig(capture_specs, *args, **kwargs)`` (ValueError naming a bad field), with vLLM patched in this
+    process. Build the engine with ``LLM(model, **config.llm_kwargs)``: the config rides in the engine's own
+    arguments, leaving nothing behind for later engines. A ``sink_dir`` is created, and refused if it cannot be
+    written or holds captures of other hooks or another dtype."""
+    config = CaptureConfig(capture_specs, *args, **kwargs)
+    if config.sink_dir is not None:
         _tools().check_sink_dir(config)
     register()
     return config
@@ -961,84 +671,71 @@ def _disabled() -> bool:
 
 
 # ---------------------------------------------------------------------------
-# vLLM's internals: every place this module reads or wraps something of vLLM
-# beyond its public API is in this section (the module paths and argument names
-# of the architecture tables above aside), so a vLLM upgrade is read here.
-# Checked on vLLM 0.24.0 (CUDA: V1 runner and Model Runner V2), 0.28.0 and
-# 0.32.0 (CPU, V1 runner). Hooks must exist before vLLM's first forward (the
-# profile run), where Dynamo traces the model: hooks added later are not in
+# vLLM's internals: every place this module reads or wraps something of vLLM beyond its public API is in this
+# section (the module paths and argument names of the architecture tables above aside), so a vLLM upgrade is read
+# here. Checked on vLLM 0.24.0 (CUDA: V1 runner and Model Runner V2), 0.28.0 and 0.32.0 (CPU, V1 runner). Hooks must
+# exist before vLLM's first forward (the profile run), where Dynamo traces the model: hooks added later are not in
 # the compiled graph and never run, so they go in right after load_model.
 # ---------------------------------------------------------------------------
 
 _V2_BATCH = "_tl_step_batch"  # Model Runner V2's batch of the step in flight, see _wrap_steps
-_SERVING_MODULES = (  # where the OpenAI server's request classes check a request's model
+_SERVING_CLASSES = (  # where the OpenAI server checks a request's model
     ("vllm.entrypoints.serve.engine.serving", "BaseServing"),  # 0.32
     ("vllm.entrypoints.openai.serving_engine", "OpenAIServing"),  # 0.24-0.28
 )
-_originals: dict[tuple[Any, str], Any] = {}  # (vLLM class, attribute): what register() replaced
+# vLLM class or object -> {attribute: what _patch replaced}; weak, so that an engine's worker and runner go when the
+# engine does.
+_originals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ABSENT = object()  # an attribute the owner inherited (from its class, or a base class)
 
 
 def _patch(owner: Any, attribute: str, replacement: Any) -> None:
-    original = inspect.getattr_static(owner, attribute)  # a classmethod as itself, an inherited one too
-    _originals[(owner, attribute)] = original
+    """Every change this module makes to vLLM's classes and objects: undone by _restore."""
+    _originals.setdefault(owner, {}).setdefault(attribute, vars(owner).get(attribute, _ABSENT))
     setattr(owner, attribute, replacement)
 
 
+def _restore(owners: Any) -> None:
+    """Put back what _patch replaced on these classes or objects."""
+    for owner in list(owners):
+        for attribute, original in _originals.pop(owner, {}).items():
+            if original is _ABSENT:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, original)
+
+
 def register() -> None:
-    """Patch vLLM where a request and the hooks meet, once per process (``unregister``
-    puts every original back):
-
-    * ``Worker.load_model`` (0.24-0.32: ``vllm.v1.worker.gpu_worker``, which the
-      CPU worker subclasses) installs the configured hooks after the weights load;
-    * where the engine takes a request (``InputProcessor.process_inputs``), bad
-      ``request_args`` options are refused with the message ``request_args`` gives,
-      checked against that engine's config;
-    * in a process that has loaded the OpenAI server, its request check
-      (``_check_model``) does the same against the server's engine, so that it
-      answers HTTP 400 before it streams;
-    * where the engine builds its ``Request``, options become prefix-cache
-      settings (see ``_keep_out_of_prefix_cache``).
-
-    Idempotent; the ``vllm.general_plugins`` entry point calls it in every vLLM
-    process. A worker whose engine has no config gets no hooks, and so does every
-    worker of a process with ``TL_VLLM_HOOKS_DISABLE=1``.
-    """
-    if _originals or _disabled():
+    """Patch vLLM where a request and the hooks meet, once per process (idempotent; the entry point calls it in
+    every vLLM process, ``unregister`` undoes it): ``Worker.load_model`` installs the configured hooks after the
+    weights load (none if the engine has no config, or with ``TL_VLLM_HOOKS_DISABLE=1``);
+    ``InputProcessor.process_inputs``, where an engine takes a request, refuses bad ``request_args`` options against
+    that engine's config, with the message ``request_args`` gives, and applies the prefix-cache rules; where the
+    OpenAI server is loaded, its ``_check_model`` does the same check, so that it answers HTTP 400."""
+    if any(isinstance(owner, type) for owner in _originals) or _disabled():
         return
     from vllm.v1.engine.input_processor import InputProcessor
-    from vllm.v1.request import Request
     from vllm.v1.worker.gpu_worker import Worker
 
-    load_weights = Worker.load_model
+    load_weights, take_inputs = Worker.load_model, InputProcessor.process_inputs
 
     def load_model(self, *args, **kwargs):
         load_weights(self, *args, **kwargs)
-        config = _engine_config(self.vllm_config)
+        config = _config_from_json(_engine_payload(self.vllm_config))
         if config is not None and not _disabled():
             _install(self, config)
 
-    _patch(Worker, "load_model", load_model)
-
-    take_inputs = InputProcessor.process_inputs
-
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
-        _check_options(getattr(params, "extra_args", None), _engine_payload(self.vllm_config))
-        return take_inputs(self, request_id, prompt, params, *args, **kwargs)
+        options = _request_options(getattr(params, "extra_args", None), _engine_payload(self.vllm_config))
+        request = take_inputs(self, request_id, prompt, params, *args, **kwargs)
+        if options is not None:
+            _keep_apart_in_prefix_cache(request, options)
+        return request
 
+    _patch(Worker, "load_model", load_model)
     _patch(InputProcessor, "process_inputs", process_inputs)
-
-    build_request = Request.from_engine_core_request.__func__
-
-    def from_engine_core_request(cls, request, *args, **kwargs):
-        _keep_out_of_prefix_cache(request)
-        return build_request(cls, request, *args, **kwargs)
-
-    _patch(Request, "from_engine_core_request", classmethod(from_engine_core_request))
-
     # Only where the server is loaded already: importing it costs each vLLM process ~0.7 s.
-    serving = next(
-        (getattr(sys.modules[module], name) for module, name in _SERVING_MODULES if module in sys.modules), None
-    )
+    serving = next((getattr(sys.modules[m], name) for m, name in _SERVING_CLASSES if m in sys.modules), None)
     if serving is not None:
         check_model = serving._check_model
 
@@ -1047,7 +744,7 @@ def register() -> None:
             engine = getattr(self, "engine_client", None)  # the servings that generate have one
             if error is None and engine is not None:
                 try:
-                    _check_options(getattr(request, "vllm_xargs", None), _engine_payload(engine.vllm_config))
+                    _request_options(getattr(request, "vllm_xargs", None), _engine_payload(engine.vllm_config))
                 except ValueError as refusal:
                     return self.create_error_response(str(refusal))
             return error
@@ -1058,9 +755,7 @@ def register() -> None:
 def unregister() -> None:
     """Undo ``register()``: vLLM's patched attributes get their originals back. Hooks
     already installed stay; engines built afterwards get none."""
-    while _originals:
-        (owner, attribute), original = _originals.popitem()
-        setattr(owner, attribute, original)
+    _restore([owner for owner in _originals if isinstance(owner, type)])
 
 
 def _engine_payload(vllm_config: Any) -> str | None:
@@ -1070,120 +765,47 @@ def _engine_payload(vllm_config: Any) -> str | None:
     return payload or os.environ.get(_CONFIG_ENV) or None
 
 
-def _engine_config(vllm_config: Any) -> CaptureConfig | None:
-    return _config_from_json(_engine_payload(vllm_config))
-
-
 @functools.lru_cache(maxsize=16)
 def _config_from_json(payload: str | None) -> CaptureConfig | None:
     return CaptureConfig.from_json(payload) if payload else None
 
 
-def _check_options(extra_args: dict[str, Any] | None, payload: str | None) -> None:
-    """Refuse a request's options (ValueError: what request_args would say) unless they
-    suit an engine with the config ``payload`` (see _engine_payload)."""
-    if not extra_args or _REQUEST_KEY not in extra_args:
-        return
-    options = extra_args[_REQUEST_KEY]
-    # request_args' JSON text is checked once however many requests of a batch share it.
-    (_check_options_text if isinstance(options, str) else _check_request_options)(options, payload)
-
-
-def _check_request_options(options: Any, payload: str | None) -> None:
-    config = _config_from_json(payload)
-    if config is None or not config.enable_batching:
-        raise ValueError(
-            f"{_REQUEST_KEY} request options: this engine has {'no' if config is None else 'compiled'} hooks; "
-            "per-request capture and edits need configure(..., enable_batching=True)"
-        )
-    _parse_request_options(options, config, torch.float32)
-
-
-_check_options_text = functools.lru_cache(maxsize=256)(_check_request_options)
-
-
-def _keep_out_of_prefix_cache(request: Any) -> None:
-    """Before vLLM's engine builds a request, and hashes its prompt's blocks for the prefix cache.
-
-    A request whose options edit rows gets a cache salt made from its edits: its
-    blocks are shared only with requests making the same edits. One that keeps
-    prompt rows before its last skips reading the cache, so those rows run through
-    the model (its blocks are plain vLLM's unless it edits). Its options are marked,
-    so the workers know this ran; options that do not parse are left to the
-    workers, which refuse them.
-    """
-    params = request.sampling_params
-    extra_args = getattr(params, "extra_args", None)
-    if not extra_args or _REQUEST_KEY not in extra_args:
-        return
-    try:
-        options = _options_from_wire(extra_args[_REQUEST_KEY])
-        capture, edits = options.get("capture", "all"), options.get("edits") or {}
-        prompt_len = len(request.prompt_token_ids or ()) or int(request.prompt_embeds.shape[0])
-        keeps_prompt = capture in ("all", "prompt") if isinstance(capture, str) else min(capture) < prompt_len - 1
-        digest = hashlib.sha256(json.dumps(edits, sort_keys=True, default=bytes.hex).encode()).hexdigest()[:32]
-    except (ValueError, TypeError, AttributeError):
-        return
-    if edits:
-        request.cache_salt = f"{request.cache_salt or ''}{_REQUEST_KEY}:{digest}"
-    if keeps_prompt:
-        params.skip_reading_prefix_cache = True
-    params.extra_args = {**extra_args, _CACHE_MARK: digest if edits else ""}
-
-
 def _key_compile_cache(vllm_config: Any, config: CaptureConfig) -> None:
-    # vLLM keys its on-disk compile cache by VllmConfig.compute_hash(), which
-    # hashes additional_config but knows nothing of hooks: a config that came
-    # through the environment is added there, so a graph traced with other
-    # hooks (or none) is never served.
+    """vLLM keys its compile cache by VllmConfig.compute_hash(), which hashes
+    additional_config but knows nothing of hooks: the config goes there (if it came
+    through the environment), so a graph traced with other hooks is never served."""
     extra = vllm_config.additional_config
     if not isinstance(extra, dict):
         raise ValueError(
-            "additional_config: tl_vllm_hooks keys vLLM's compile cache through "
-            f"LLM(additional_config=...), which must be a dict here, got {type(extra).__name__}"
+            "additional_config: tl_vllm_hooks keys vLLM's compile cache through LLM(additional_config=...), which "
+            f"must be a dict here, got {type(extra).__name__}"
         )
     extra["tl_vllm_hooks"] = hashlib.sha256(config.to_json().encode()).hexdigest()
 
 
-def _engine_limits(vllm_config: Any) -> tuple[int, int, bool, Any]:
-    """(tokens per forward, requests per step, prefix caching on, the transformers config)."""
-    scheduler = vllm_config.scheduler_config
-    return (
-        scheduler.max_num_batched_tokens,
-        scheduler.max_num_seqs,
-        bool(vllm_config.cache_config.enable_prefix_caching),
-        vllm_config.model_config.hf_config,
-    )
-
-
 def _after_warm_up(worker: Any, callback: Any) -> None:
     """Call ``callback()`` once vLLM's warm-up, compile and graph-capture forwards are done."""
-    warm_up = worker.compile_or_warm_up_model  # on the instance: CPUWorker overrides it
+    warm_up = worker.compile_or_warm_up_model  # bound here: CPUWorker overrides it
 
     def compile_or_warm_up_model(*args, **kwargs):
         result = warm_up(*args, **kwargs)
         callback()
         return result
 
-    worker.compile_or_warm_up_model = compile_or_warm_up_model
+    _patch(worker, "compile_or_warm_up_model", compile_or_warm_up_model)
 
 
 def _wrap_steps(runner: Any, steps: Any) -> None:
-    """Around each step of the model runner: ``steps.schedule(scheduler_output)`` before it,
-    ``steps.prepared()`` once its inputs are prepared (before the forward),
-    ``steps.executed()`` after the forward, ``steps.finish()`` in any case.
-
-    The V1 runner prepares a step in ``_prepare_inputs`` and keeps the batch in
-    ``input_batch``; Model Runner V2 (0.24) builds a fresh InputBatch in
-    ``prepare_inputs`` and keeps it only in a local variable, so the wrapper keeps
-    it on the runner until execute_model returns, for segment_by_request.
-    """
+    """Around each step of the model runner: ``steps.schedule(scheduler_output)`` before it, ``steps.prepared()``
+    before the forward, ``steps.executed()`` after it and ``steps.finish()`` in any case. Model Runner V2 (0.24)
+    builds a fresh InputBatch in ``prepare_inputs`` and keeps it in a local variable: the wrapper keeps it on the
+    runner until execute_model returns, for segment_by_request."""
     execute_model = runner.execute_model
     tracks_v2 = not hasattr(runner, "input_batch")
     prepare_name = "prepare_inputs" if tracks_v2 else "_prepare_inputs"
     prepare = getattr(runner, prepare_name)
     if tracks_v2:
-        setattr(runner, _V2_BATCH, None)
+        _patch(runner, _V2_BATCH, None)
 
     def prepare_then_route(*args, **kwargs):
         prepared = prepare(*args, **kwargs)
@@ -1203,44 +825,32 @@ def _wrap_steps(runner: Any, steps: Any) -> None:
             if tracks_v2:
                 setattr(runner, _V2_BATCH, None)
 
-    setattr(runner, prepare_name, prepare_then_route)
-    runner.execute_model = execute_then_collect
+    _patch(runner, prepare_name, prepare_then_route)
+    _patch(runner, "execute_model", execute_then_collect)
 
 
-def _unwrap(worker: Any, runner: Any) -> None:
-    for method in ("prepare_inputs", "_prepare_inputs", "execute_model", _V2_BATCH):
-        runner.__dict__.pop(method, None)
-    worker.__dict__.pop("compile_or_warm_up_model", None)
+def _prompt_len(request: Any) -> int:
+    """Prompt tokens of a scheduler's new request or an EngineCoreRequest (token ids or embeddings)."""
+    ids = request.prompt_token_ids
+    return len(ids) if ids is not None else int(request.prompt_embeds.shape[0])
 
 
-def _scheduled(
-    scheduler_output: Any,
-) -> tuple[Any, list[tuple[str, int, list[int] | None, dict, int]], dict[str, int]]:
-    """A step's scheduler output: (ids of requests finished since the last step,
-    [(id, prompt tokens, prompt token ids or None for embeddings, SamplingParams.extra_args,
-    first position)] of the requests new in it, {id: first position} of the others)."""
-    new = []
-    for request in scheduler_output.scheduled_new_reqs:
-        if request.prompt_token_ids is not None:
-            prompt_len = len(request.prompt_token_ids)
-        else:
-            prompt_len = int(request.prompt_embeds.shape[0])
-        extra_args = getattr(request.sampling_params, "extra_args", None) or {}
-        new.append((request.req_id, prompt_len, request.prompt_token_ids, extra_args, request.num_computed_tokens))
+def _scheduled(scheduler_output: Any) -> tuple[Any, list[tuple[str, int, list[int] | None, dict, int]], dict]:
+    """(finished ids, [(id, prompt tokens, prompt token ids or None, extra_args, first
+    position)] of new requests, {id: first position} of the others) of a scheduler output."""
+    new = [
+        (r.req_id, _prompt_len(r), r.prompt_token_ids, r.sampling_params.extra_args or {}, r.num_computed_tokens)
+        for r in scheduler_output.scheduled_new_reqs
+    ]
     cached = scheduler_output.scheduled_cached_reqs
     return scheduler_output.finished_req_ids, new, dict(zip(cached.req_ids, cached.num_computed_tokens))
 
 
 def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
-    """Row offsets and request ids of the forward in flight.
-
-    Returns ``(starts, request_ids)``: request ``request_ids[i]`` owns rows
-    ``starts[i]:starts[i + 1]`` of every ``[num_tokens, width]`` activation;
-    rows past ``starts[-1]`` are padding. Ids are the worker's (the user's id
-    plus a random suffix unless vLLM was told not to add one). Valid only while a
-    forward is in flight. Raises RuntimeError when the runner's layout is not one
-    this module knows.
-    """
+    """``(starts, request_ids)`` of the forward in flight: request ``request_ids[i]`` owns
+    rows ``starts[i]:starts[i + 1]`` of every ``[num_tokens, width]`` activation; rows past
+    ``starts[-1]`` are padding. Ids are the worker's (the user's id plus a random suffix
+    unless vLLM was told not to add one). RuntimeError for a runner this module does not know."""
     input_batch = getattr(model_runner, "input_batch", None)
     query_start_loc = getattr(model_runner, "query_start_loc", None)
     if input_batch is not None and query_start_loc is not None:  # V1 runner
@@ -1250,87 +860,54 @@ def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
         batch = getattr(model_runner, _V2_BATCH)
         if batch is None:  # a forward vLLM runs without requests (profile, capture)
             return [0], []
-        num_requests = batch.num_reqs
-        return batch.query_start_loc_np[: num_requests + 1].tolist(), list(batch.req_ids[:num_requests])
+        return batch.query_start_loc_np[: batch.num_reqs + 1].tolist(), list(batch.req_ids[: batch.num_reqs])
     raise RuntimeError(
-        f"segment_by_request: cannot tell requests apart in {type(model_runner).__name__}: it "
-        "has neither input_batch.req_ids with query_start_loc (vLLM's V1 model runner) nor "
-        "a tracked step batch (Model Runner V2)"
+        f"segment_by_request: cannot tell requests apart in {type(model_runner).__name__}: it has neither "
+        "input_batch.req_ids with query_start_loc (vLLM's V1 model runner) nor a tracked step batch (Model Runner V2)"
     )
 
 
-def _model_positions(args: tuple, kwargs: dict) -> torch.Tensor:
-    """The token positions a vLLM model's forward(input_ids, positions, ...) receives."""
-    return kwargs["positions"] if "positions" in kwargs else args[1]
+def _parallel_ranks() -> tuple[int, int, int]:
+    """(tensor-parallel rank, tensor-parallel size, pipeline stage) of this worker."""
+    from vllm.distributed import parallel_state
 
-
-def _tensor_parallel_rank() -> int:
-    """This worker's rank in its tensor-parallel group (0 without tensor parallelism)."""
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    return get_tensor_model_parallel_rank()
-
-
-def _pipeline_rank() -> int:
-    """This worker's pipeline stage (0 without pipeline parallelism)."""
-    from vllm.distributed.parallel_state import get_pp_group
-
-    return get_pp_group().rank_in_group
-
-
-def _versions() -> dict[str, str]:
-    import vllm
-
-    return {"vllm": vllm.__version__, "torch": torch.__version__, "tl_vllm_hooks": __version__}
-
-
-def _is_pp_missing(module: torch.nn.Module) -> bool:
-    """A placeholder pipeline parallelism left where another rank holds the module."""
-    return type(module).__name__ == "PPMissingLayer"
-
-
-def _tensor_parallel_size() -> int:
-    from vllm.distributed import get_tensor_model_parallel_world_size
-
-    return get_tensor_model_parallel_world_size()
+    tensor_group = parallel_state.get_tp_group()
+    return tensor_group.rank_in_group, tensor_group.world_size, parallel_state.get_pp_group().rank_in_group
 
 
 def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int) -> tuple[int, int] | None:
-    """(first column, columns) of a row of ``width`` this rank holds, or None for all
-    of it: a RowParallelLinear's input, heads of a QKVParallelLinear's output or of
-    what Attention receives, and half a gated activation's input (gate, then up)."""
-    if tap.kind == "input" and getattr(module, "input_is_parallel", False) and getattr(module, "tp_size", 1) > 1:
+    """(first column, columns) of a row of ``width`` this rank holds, or None for all of it:
+    under tensor parallelism heads of q, k, v and z and the MLP's hidden units are split."""
+    if tap.kind == _INPUT and getattr(module, "input_is_parallel", False) and getattr(module, "tp_size", 1) > 1:
         share = module.input_size_per_partition
         return module.tp_rank * share, share
-    ranks = _tensor_parallel_size()
+    rank, ranks, _stage = _parallel_ranks()
     if ranks == 1:
         return None
-    if tap.kind == "output" and any(
+    if tap.kind == _OUTPUT and any(
         type(linear).__name__ == "RowParallelLinear" and not linear.reduce_results
         for linear in (module, *module.children())
     ):
         raise ValueError(
-            f"{tap.module}: under tensor parallelism its output is one rank's part of a sum the layer "
-            "reduces later (RowParallelLinear without reduce_results), not the whole tensor; "
-            "read it with tensor_parallel_size=1"
+            f"{tap.module}: under tensor parallelism its output is one rank's part of a sum the layer reduces later "
+            "(RowParallelLinear without reduce_results), not the whole tensor; read it with tensor_parallel_size=1"
         )
-    if tap.kind == "output" and not tap.part and not getattr(module, "gather_output", True):
-        share = module.output_size_per_partition  # a ColumnParallelLinear's output
-        return _tensor_parallel_rank() * share, share
-    if not (tap.part in ("q", "k", "v", "gate") or tap.inputs in (_QUERY, _KEY)):
-        return None
+    if tap.kind == _OUTPUT and not tap.part and not getattr(module, "gather_output", True):
+        return rank * module.output_size_per_partition, module.output_size_per_partition  # ColumnParallelLinear
     if tap.part == "gate":
         share = width // ranks
-    else:
+    elif tap.part in ("q", "k", "v") or tap.inputs in (_QUERY, _KEY):
         heads = module.num_heads if tap.part == "q" or tap.inputs == _QUERY else module.num_kv_heads
         share = heads * module.head_size
+    else:
+        return None
     if share * ranks != width:
         raise ValueError(
-            f"{tap.module}: its {width} columns are not split evenly over {ranks} tensor-parallel ranks "
-            f"(this rank holds {share}: key and value heads are replicated when there are fewer of them "
-            "than ranks); read them with a tensor_parallel_size that divides the number of key-value heads"
+            f"{tap.module}: its {width} columns are not split evenly over {ranks} tensor-parallel ranks (this rank "
+            f"holds {share}: key and value heads are replicated when there are fewer of them than ranks); read them "
+            "with a tensor_parallel_size that divides the number of key-value heads"
         )
-    return _tensor_parallel_rank() * share, share
+    return rank * share, share
 
 
 def _qkv_columns(module: torch.nn.Module, part: str) -> tuple[int, int] | None:
@@ -1342,8 +919,7 @@ def _qkv_columns(module: torch.nn.Module, part: str) -> tuple[int, int] | None:
 
 
 def _output_width(module: torch.nn.Module) -> int | None:
-    """The width of a module's output rows where its parameters tell it (vLLM's linear
-    layers and embeddings, norms), else None: the hook checks rows at the first forward."""
+    """A module's output width where its parameters tell it, else None (checked at the first forward)."""
     if hasattr(module, "embedding_dim"):  # before the next: vLLM's vocabulary embeddings have both
         return module.embedding_dim
     if hasattr(module, "output_size_per_partition"):
@@ -1354,11 +930,6 @@ def _output_width(module: torch.nn.Module) -> int | None:
     return None
 
 
-def _norm_eps(module: torch.nn.Module) -> float:
-    """vLLM's RMSNorm keeps it as variance_epsilon, torch's LayerNorm as eps."""
-    return getattr(module, "variance_epsilon", None) or module.eps
-
-
 def _forward_parameters(module: torch.nn.Module) -> list[str]:
     """Names of the module's forward arguments (a CustomOp's, whose forward takes *args)."""
     parameters = list(inspect.signature(module.forward).parameters.values())
@@ -1367,97 +938,36 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
     return [p.name for p in parameters]
 
 
-def _driver_vllm_config(engine: Any) -> Any:
-    """The VllmConfig of an offline ``LLM`` or an ``AsyncLLM``."""
-    return getattr(engine, "llm_engine", engine).vllm_config
-
-
-def _has_unfinished_requests(engine: Any) -> bool:
-    engine = getattr(engine, "llm_engine", engine)  # an LLM's LLMEngine, or the AsyncLLM
-    return engine.output_processor.has_unfinished_requests()
-
-
 # ---------------------------------------------------------------------------
-# Worker state. Built once, in _HookState, before the profile run,
-# torch.compile and CUDA-graph capture, so compiled code always sees the same
-# tensors; between forwards only their contents are rewritten.
+# Worker state. Built once, in _HookState, before the profile run, torch.compile and CUDA-graph capture, so compiled
+# code always sees the same tensors; between forwards only their contents are rewritten.
 # ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _PlacedHook:
-    """One hook as this worker holds it: its module and tap, its row shape and the
-    columns of a full row it holds ([n_heads / tp, d_head] and a slice of the columns
-    for a tensor-parallel shard of attn_z, the whole row otherwise)."""
-
-    module: torch.nn.Module
-    tap: _Tap
-    row_shape: tuple[int, ...]
-    columns: tuple[int, int]
-    part_columns: tuple[int, int] | None = None  # a part's columns in the module's tensor
-
-    @property
-    def width(self) -> int:
-        return self.columns[1] - self.columns[0]
 
 
 class _HookState:
-    """Everything one worker's hooks share: buffers, edit tables, handles and the flavour."""
+    """What one worker's hooks share: their flags and fire counts, handles, and the flavour;
+    each _Hook holds its capture buffer and edit tables."""
 
-    def __init__(
-        self,
-        config: CaptureConfig,
-        model: torch.nn.Module,
-        placed: dict[str, _PlacedHook],
-        absent: list[str],
-        max_num_seqs: int,
-        prefix_caching: bool,
-        hf_config: Any,
-    ):
-        self.config = config
-        self.hf_config = hf_config
-        self.prefix_caching = prefix_caching
-        self.placed = placed
-        self.hook_names = list(placed)
-        self.absent = absent
+    def __init__(self, config: CaptureConfig, worker: Any, placed: dict[str, _Hook], absent: list[str]):
+        vllm_config = worker.vllm_config
+        self.config, self.placed, self.hook_names, self.absent = config, placed, list(placed), absent
+        self.hf_config = vllm_config.model_config.hf_config
+        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.payload = config.to_json()  # what requests' options are checked against
         self.handles: list[Any] = []
-        self.device = device = next(model.parameters()).device
-        self.edit_dtype = next(model.parameters()).dtype
-        max_rows = config.max_num_batched_tokens
-
-        def zeros(*shape, dtype=torch.int64):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        self.fire_counts = zeros(len(placed))
-        # One int64 per hook: 0 = open (the next forward writes its rows),
-        # 1 = closed; one fill opens them all.
-        self.capture_flags = zeros(len(placed))
-        self.capture_buffers = {name: zeros(max_rows, hook.width, dtype=config.dtype) for name, hook in placed.items()}
-        flavour = _Batched if config.enable_batching else _Compiled
-        self.flavour = flavour(self, max_num_seqs)
-        # Edit tables, out = out * scale + bias: the flavour gives their shape.
-        self.scales = {
-            name: torch.ones(self.flavour.table_shape(hook.width), dtype=self.edit_dtype, device=device)
-            for name, hook in placed.items()
-        }
-        self.biases = {name: torch.zeros_like(scale) for name, scale in self.scales.items()}
-        # Norm taps: a pre-hook edits the norm's input rows and a post-hook
-        # rewrites the norm's output rows the edit changed; these carry the
-        # edited rows (fp32) and which rows changed from one to the other.
-        norm_taps = [name for name, hook in placed.items() if hook.tap.norm]
-        self.norm_rows = {name: zeros(max_rows, placed[name].width, dtype=torch.float32) for name in norm_taps}
-        self.norm_changed = {name: zeros(max_rows, 1, dtype=torch.bool) for name in norm_taps}
+        parameter = next(worker.model_runner.get_model().parameters())
+        self.device, self.edit_dtype = parameter.device, parameter.dtype
+        self.fire_counts = torch.zeros(len(placed), dtype=torch.int64, device=self.device)
+        # One int64 per hook: 0 = open (the next forward writes its rows), 1 = closed.
+        self.capture_flags = torch.zeros(len(placed), dtype=torch.int64, device=self.device)
+        flavour = _Batched if config.enable_batching else _OnePrompt
+        self.flavour = flavour(self, vllm_config.scheduler_config.max_num_seqs)
 
     def forget_warm_up(self) -> None:
         """Drop what vLLM's own warm-up and graph-capture forwards left behind."""
         self.fire_counts.zero_()
         self.capture_flags.fill_(1)
         self.flavour.forget_warm_up()
-
-    def local_columns(self, name: str, row: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of a full-width edit row or table."""
-        start, stop = self.placed[name].columns
-        return row[..., start:stop]
 
     def shards(self) -> dict[str, int]:
         """For each hook this rank holds a tensor-parallel part of: where its part starts
@@ -1470,112 +980,66 @@ class _HookState:
 
 
 def _install(worker: Any, config: CaptureConfig) -> None:
-    runner = worker.model_runner
-    model = runner.get_model()
-    engine_rows, max_num_seqs, prefix_caching, hf_config = _engine_limits(worker.vllm_config)
+    engine_rows = worker.vllm_config.scheduler_config.max_num_batched_tokens
     if engine_rows > config.max_num_batched_tokens:
         raise ValueError(
-            f"max_num_batched_tokens: the engine schedules up to {engine_rows} tokens per "
-            f"forward but the capture buffers hold {config.max_num_batched_tokens}; build it "
-            "with LLM(model, **config.llm_kwargs), which passes the buffers' size on"
+            f"max_num_batched_tokens: the engine schedules up to {engine_rows} tokens per forward but the capture "
+            f"buffers hold {config.max_num_batched_tokens}; build it with LLM(model, **config.llm_kwargs), which "
+            "passes the buffers' size on"
         )
-    if prefix_caching and not config.enable_batching:
-        raise ValueError(
-            "enable_prefix_caching: the compiled flavour keeps the rows of one forward, and tokens served "
-            "from vLLM's prefix cache never run through the model, so rows would be missing; build the "
-            "engine with LLM(model, **config.llm_kwargs), which turns it off, or use the batched flavour "
-            "(configure(..., enable_batching=True)), which keeps capturing requests off the cache"
-        )
+    _refuse_prefix_caching(bool(worker.vllm_config.cache_config.enable_prefix_caching), config)
     _uninstall(worker)
     _sweep_shared_files()
     atexit.unregister(_sweep_shared_files)  # once per process, however many installs
     atexit.register(_sweep_shared_files, own=True)
-    placed, absent = _place_hooks(model, hf_config, config)
-    state = _HookState(config, model, placed, absent, max_num_seqs, prefix_caching, hf_config)
-    for index in range(len(placed)):
-        _attach_hook(state, index)
-    state.flavour.attach(model, runner)
-    if config.sink_dir is not None:
-        _open_sink(state, worker.vllm_config)
+    model = worker.model_runner.get_model()
+    state = _HookState(config, worker, *_place_hooks(model, worker.vllm_config.model_config.hf_config, config))
+    for index, hook in enumerate(state.placed.values()):  # the hooks that read and edit each
+        hook.bind(state, index)
+        _HOOK_BUILDERS[hook.tap.kind](hook)
+    state.flavour.attach(worker)
     _after_warm_up(worker, state.forget_warm_up)
     worker._tl_hooks = state
     _key_compile_cache(worker.vllm_config, config)
     logger.info(
-        "tl_vllm_hooks: %d hooks installed (%s flavour), %d absent on this rank",
-        len(placed),
-        state.flavour.name,
-        len(absent),
+        "tl_vllm_hooks: %d %s hooks, %d absent on this rank", len(state.placed), state.flavour.name, len(state.absent)
     )
-
-
-def _open_sink(state: _HookState, vllm_config: Any) -> None:
-    """Give this rank a ShardWriter (tl_vllm_hooks_tools) if it writes: the first tensor-parallel rank of each
-    pipeline stage writes its stage's hooks, the other ranks only their parts of split ones."""
-    tensor_rank, shards = _tensor_parallel_rank(), state.shards()
-    writes = [name for name in state.hook_names if tensor_rank == 0 or name in shards]
-    if not writes:
-        return
-    writer, tools = f"pp{_pipeline_rank()}-tp{tensor_rank}", _tools()
-    header = {
-        **tools.sink_header(state.config),
-        "writer": writer,
-        "model": vllm_config.model_config.model,
-        "versions": _versions(),
-        "writes": writes,
-        "shards": {name: shards[name] for name in writes if name in shards},
-    }
-    flavour = state.flavour
-    config = state.config
-    flavour.sink = tools.ShardWriter(config.sink_dir, writer, header, config.shard_bytes, config.shard_seconds)
-    flavour.sink_hooks = writes
-    atexit.register(flavour.sink.close)  # what was written stays readable if the engine is not flushed
 
 
 def _uninstall(worker: Any) -> None:
     state = getattr(worker, "_tl_hooks", None)
     if state is not None:
-        sink = getattr(state.flavour, "sink", None)
-        if sink is not None:
-            sink.close()
+        state.flavour.close()
         for handle in state.handles:
             handle.remove()
-        _unwrap(worker, worker.model_runner)
+        _restore([worker, worker.model_runner])
         worker._tl_hooks = None
 
 
-def _place_hooks(
-    model: torch.nn.Module, hf_config: Any, config: CaptureConfig
-) -> tuple[dict[str, _PlacedHook], list[str]]:
-    """Each configured hook's module and tap on this rank, in the order a forward reaches
-    them (hooks on one module run in that order); names whose module pipeline
-    parallelism put on another rank are returned apart."""
+def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) -> tuple[dict[str, _Hook], list[str]]:
+    """Each configured hook on this rank, in forward order (hooks on one module run in that
+    order), and apart those whose module pipeline parallelism put on another rank."""
     modules = dict(model.named_modules())
     sites = {_parse_hook_name(name)[0] for name in config.capture_specs if "hook_" in name}
     if sites:
-        taps = _taps(hf_config, sites)
-        architecture = _architecture(hf_config)
-        classes = _ARCHITECTURES[architecture][0]
-        if type(model).__name__ not in classes:
+        taps, shapes = _taps(hf_config, sites), _site_shapes(hf_config)
+        architecture = hf_config.architectures[0]
+        described = _VLLM_CLASSES.get(architecture, architecture)
+        if type(model).__name__ != described:
             raise ValueError(
-                f"architecture {architecture}: this vLLM serves it with {type(model).__name__}, "
-                f"whose module tree this module's table does not describe (it describes "
-                f"{list(classes)}); supported: {sorted(_ARCHITECTURES)}"
+                f"architecture {architecture}: this vLLM serves it with {type(model).__name__}, whose module tree "
+                f"this module's table does not describe (it describes {described}); supported: {sorted(_ARCHITECTURES)}"
             )
-        shapes = _site_shapes(hf_config)
 
-    def forward_order(item: tuple[int, str]) -> tuple:
-        position, name = item
-        parsed = _parse_hook_name(name)
-        if parsed is None:
-            return (2, position)
-        site, layer = parsed
-        return (1 if site == "final_norm" else 0, -1 if layer is None else layer, list(SITES).index(site))
+    def forward_order(name: str) -> tuple:  # modules of the user's choosing last, as given
+        site, layer = _parse_hook_name(name) or (None, None)
+        return (2,) if site is None else (site == "final_norm", -1 if layer is None else layer, list(SITES).index(site))
 
     placed, absent = {}, []
-    for _position, name in sorted(enumerate(config.capture_specs), key=forward_order):
+    for name in sorted(config.capture_specs, key=forward_order):
         spec = config.capture_specs[name]
         if isinstance(spec[0], str):
-            tap, path = _Tap(spec[0], "output"), spec[0]
+            tap, path = _Tap(spec[0], _OUTPUT), spec[0]
         else:
             site, layer = _parse_hook_name(name)
             if layer is not None and layer >= hf_config.num_hidden_layers:
@@ -1591,53 +1055,35 @@ def _place_hooks(
         if module is None:
             absent.append(name)
             continue
-        _check_inputs(module, tap, path)
-        row_shape, columns = _rank_share(module, tap, config.row_shape(name))
-        placed[name] = _PlacedHook(module, tap, row_shape, columns, _qkv_columns(module, tap.part))
-        width = _output_width(module) if tap.kind == "output" and not tap.part else None
-        if width is not None and width != placed[name].width:
+        names = _forward_parameters(module) if tap.inputs else []
+        for argument, position in tap.inputs:  # a vLLM that renamed them is refused
+            if position >= len(names) or names[position] != argument:
+                raise ValueError(
+                    f"{path} ({type(module).__name__}) takes {names}: its input {argument!r} is not at "
+                    f"position {position}, where this module's table for this vLLM expects it"
+                )
+        row_shape, width = config.row_shape(name), config.width(name)
+        start, columns = _tensor_parallel_share(module, tap, width) or (0, width)
+        row_shape = (row_shape[0] * columns // width, *row_shape[1:])
+        placed[name] = _Hook(name, module, tap, row_shape, (start, start + columns), _qkv_columns(module, tap.part))
+        output_width = _output_width(module) if tap.kind == _OUTPUT and not tap.part else None
+        if output_width is not None and output_width != columns:
             raise ValueError(
-                f"capture_specs[{name!r}]: width {placed[name].width}, but {path} "
-                f"({type(module).__name__}) outputs rows of {width}"
+                f"capture_specs[{name!r}]: width {columns}, but {path} ({type(module).__name__}) "
+                f"outputs rows of {output_width}"
             )
     return placed, absent
 
 
-def _check_inputs(module: torch.nn.Module, tap: _Tap, path: str) -> None:
-    """Refuse a tap whose inputs are not where the table says (a vLLM that renamed them)."""
-    names = _forward_parameters(module) if tap.inputs else []
-    for name, position in tap.inputs:
-        if position >= len(names) or names[position] != name:
-            raise ValueError(
-                f"{path} ({type(module).__name__}) takes {names}: its input {name!r} is not at "
-                f"position {position}, where this module's table for this vLLM expects it"
-            )
-
-
-def _rank_share(
-    module: torch.nn.Module, tap: _Tap, row_shape: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[int, int]]:
-    """(row shape, columns) of the part of each row this rank holds. Under tensor
-    parallelism the heads of q, k, v and z and the units of the MLP's hidden layer
-    are split across ranks, heads first; everything else is whole on every rank."""
-    width = math.prod(row_shape)
-    share = _tensor_parallel_share(module, tap, width)
-    if share is None:
-        return row_shape, (0, width)
-    start, columns = share
-    return (row_shape[0] * columns // width, *row_shape[1:]), (start, start + columns)
-
-
 def _resolve_module(model: torch.nn.Module, modules: dict, path: str) -> torch.nn.Module | None:
-    """The module at ``path``; None when pipeline parallelism left it on another rank."""
-    module = modules.get(path)
-    if module is not None and not _is_pp_missing(module):
-        return module
+    """The module at ``path``; None where pipeline parallelism left it (or one above) elsewhere."""
     prefix = path
     while prefix:
-        if prefix in modules and _is_pp_missing(modules[prefix]):
+        if type(modules.get(prefix)).__name__ == "PPMissingLayer":
             return None
         prefix = prefix.rpartition(".")[0]
+    if path in modules:
+        return modules[path]
     close = difflib.get_close_matches(path, list(modules), n=3, cutoff=0.6)
     raise ValueError(
         f"capture_specs: module path {path!r} does not exist in {type(model).__name__}"
@@ -1647,39 +1093,18 @@ def _resolve_module(model: torch.nn.Module, modules: dict, path: str) -> torch.n
 
 
 # ---------------------------------------------------------------------------
-# Hooks. Traced into the compiled graph and replayed by CUDA graphs: no Python
-# branching on tensor values, no host transfers, no side effects other than
-# in-place writes into the state's buffers. Python branches on closure
-# constants (the tap kind) and on static facts of a call (whether an argument
-# came by name, whether the residual is None, the width) are fixed at trace
-# time. Every activation is handled as [rows, width]: vLLM's native models pass
-# [tokens, width], its Transformers backend [1, tokens, width].
+# Hooks. Traced into the compiled graph and replayed by CUDA graphs: no Python branching on tensor values, no host
+# transfers, no side effects other than in-place writes into the state's buffers. Python branches on constants (the
+# tap) and on static facts of a call (whether an argument came by name, whether the residual is None, the width) are
+# fixed at trace time. Every activation is handled as [rows, width]: vLLM's native models pass [tokens, width], its
+# Transformers backend [1, tokens, width]. Each tap kind has one builder.
 # ---------------------------------------------------------------------------
 
 
-def _select_edit(scale, bias, index, num_rows):
-    """The edit's (scale, bias) for the forward's rows, broadcastable to [num_rows, width].
-
-    scale, bias: [width], or 2-D tables whose row for forward row r is
-    ``index[r]`` (a [max_rows] int64 buffer the flavour keeps), clamped to the
-    table's last row.
-    """
-    if index is None:
-        return scale, bias
-    rows = index.narrow(0, 0, num_rows).clamp(max=scale.shape[0] - 1)
-    return scale.index_select(0, rows), bias.index_select(0, rows)
-
-
-def _argument(args, kwargs, name, position):
-    if name in kwargs:
-        return kwargs[name]
-    return args[position] if position < len(args) else None
-
-
-def _with_arguments(args, kwargs, replaced):
-    """(args, kwargs) with the (name, position, value) of each of ``replaced`` put in."""
+def _with_arguments(args, kwargs, inputs, values):
+    """(args, kwargs) with each of ``values`` put in as the (name, position) of ``inputs``."""
     args, kwargs = list(args), dict(kwargs)
-    for name, position, value in replaced:
+    for (name, position), value in zip(inputs, values):
         if name in kwargs:
             kwargs[name] = value
         else:
@@ -1695,171 +1120,203 @@ def _normalize(rows, norm, eps):
     return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _attach_hook(state: _HookState, index: int) -> None:
-    """Register the forward hooks (and pre-hooks) that read and edit hook ``index``."""
-    name = state.hook_names[index]
-    placed = state.placed[name]
-    tap, module, width = placed.tap, placed.module, placed.width
-    capture_buffer = state.capture_buffers[name]
-    capture_flag = state.capture_flags.narrow(0, index, 1)
-    fire_count = state.fire_counts.narrow(0, index, 1)
-    scale, bias, row_index = state.scales[name], state.biases[name], state.flavour.row_index(index)
+@dataclasses.dataclass(eq=False)
+class _Hook:
+    """One configured hook as this worker holds it: module, tap, row shape and the columns of
+    a full row it holds (a slice under tensor parallelism); once bound, its capture buffer,
+    flag, fire count and edit tables, and the [rows, width] views its builder's hooks use."""
 
-    def columns_of(tensor):
+    name: str
+    module: torch.nn.Module
+    tap: _Tap
+    row_shape: tuple[int, ...]
+    columns: tuple[int, int]
+    part_columns: tuple[int, int] | None = None  # a part's columns in the module's tensor
+
+    @property
+    def width(self) -> int:
+        return self.columns[1] - self.columns[0]
+
+    def bind(self, state: _HookState, index: int) -> None:
+        self.state, self.index, rows, device = state, index, state.config.max_num_batched_tokens, state.device
+        self.buffer = torch.zeros(rows, self.width, dtype=state.config.dtype, device=device)
+        self.flag = state.capture_flags.narrow(0, index, 1)
+        self.fire_count = state.fire_counts.narrow(0, index, 1)
+        # Edit tables, out = out * scale + bias, of the flavour's rows.
+        self.scale = torch.ones(
+            *filter(None, (state.flavour.table_rows, self.width)), dtype=state.edit_dtype, device=device
+        )
+        self.bias = torch.zeros_like(self.scale)
+        self.row_index = state.flavour.row_index(index)
+        if self.tap.norm:  # the edited rows (fp32) a norm's pre-hook leaves its hook, and which changed
+            self.norm_rows = torch.zeros(rows, self.width, dtype=torch.float32, device=device)
+            self.norm_changed = torch.zeros(rows, 1, dtype=torch.bool, device=device)
+
+    def local(self, row: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a full-width edit row or table."""
+        return row[..., self.columns[0] : self.columns[1]]
+
+    def columns_of(self, tensor):
         """(start, stop) of the site's columns in a module's [..., columns] tensor."""
-        columns = tensor.shape[-1]
-        if placed.part_columns is not None:
-            return placed.part_columns
-        return (0, columns // 2) if tap.part == "gate" else (0, columns)
+        if self.part_columns is not None:
+            return self.part_columns
+        return (0, tensor.shape[-1] // 2) if self.tap.part == "gate" else (0, tensor.shape[-1])
 
-    def as_rows(tensor):
+    def as_rows(self, tensor):
         """The site's [rows, width] view of a module's input or output."""
-        start, stop = columns_of(tensor)
-        if stop - start != width:
+        start, stop = self.columns_of(tensor)
+        if stop - start != self.width:
             raise ValueError(
-                f"{name}: {tap.module} gives rows of width {stop - start} at its {tap.kind}, "
-                f"but the hook was configured with {width}"
+                f"{self.name}: {self.tap.module} gives rows of width {stop - start} at its {self.tap.kind}, "
+                f"but the hook was configured with {self.width}"
             )
         rows = tensor.view(-1, tensor.shape[-1])
         return rows if stop - start == tensor.shape[-1] else rows[:, start:stop]
 
-    def with_rows(tensor, rows):
+    def with_rows(self, tensor, rows):
         """``tensor`` with the site's columns replaced by ``rows``."""
-        start, stop = columns_of(tensor)
+        start, stop = self.columns_of(tensor)
         if stop - start == tensor.shape[-1]:
             return rows.view_as(tensor)
         whole = tensor.view(-1, tensor.shape[-1])
         return torch.cat([whole[:, :start], rows, whole[:, stop:]], dim=-1).view_as(tensor)
 
-    def keep(activation):
+    def keep(self, activation):
         """The first forward after the flag opens wins; later ones rewrite what is there."""
-        fire_count.add_(1)
-        kept = capture_buffer.narrow(0, 0, activation.shape[0])
-        kept.copy_(torch.where(capture_flag.bool(), kept, activation))
-        capture_flag.fill_(1)
+        self.fire_count.add_(1)
+        kept = self.buffer.narrow(0, 0, activation.shape[0])
+        kept.copy_(torch.where(self.flag.bool(), kept, activation))
+        self.flag.fill_(1)
 
-    def edit_of(rows):
-        return _select_edit(scale, bias, row_index, rows.shape[0])
+    def edit_of(self, rows):
+        """The edit's (scale, bias) for these rows, broadcastable to them: [width], or the
+        rows of the 2-D tables the flavour's row_index ([max_rows] int64) picks, clamped."""
+        if self.row_index is None:
+            return self.scale, self.bias
+        picked = self.row_index.narrow(0, 0, rows.shape[0]).clamp(max=self.scale.shape[0] - 1)
+        return self.scale.index_select(0, picked), self.bias.index_select(0, picked)
 
-    if tap.kind == "router":  # read-only: vLLM's fused MoE routes inside its kernel
-        top_k, num_experts = state.hf_config.num_experts_per_tok, _num_experts(state.hf_config)
-        renormalize = tap.renormalize == "always" or bool(getattr(state.hf_config, tap.renormalize, False))
+    def inputs_of(self, args, kwargs):
+        """(the first input the tap reads, the second or None)."""
+        found = [kwargs[n] if n in kwargs else args[at] if at < len(args) else None for n, at in self.tap.inputs]
+        return found[0], found[1] if len(found) > 1 else None
 
-        def hook(_module, _inputs, output):
-            logits = (output[0] if isinstance(output, tuple) else output).reshape(-1, num_experts).float()
-            weights, indices = logits.softmax(-1).topk(top_k, dim=-1)
-            if tap.part == "indices":
-                keep(indices.to(capture_buffer.dtype))
-                return output
-            if renormalize:
-                weights = weights / weights.sum(-1, keepdim=True)
-            keep(torch.zeros_like(logits).scatter(-1, indices, weights).to(capture_buffer.dtype))
+    def add(self, hook=None, pre_hook=None) -> None:
+        if pre_hook is not None:
+            self.state.handles.append(
+                self.module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True)
+            )
+        if hook is not None:
+            self.state.handles.append(self.module.register_forward_hook(torch.no_grad()(hook)))
+
+
+def _router_hooks(site: _Hook) -> None:
+    """The router's top-k from its logits, as vLLM's fused MoE computes it inside its kernel."""
+    hf_config = site.state.hf_config
+    top_k, num_experts = hf_config.num_experts_per_tok, _num_experts(hf_config)
+    renormalize = site.tap.renormalize == "always" or bool(getattr(hf_config, site.tap.renormalize, False))
+
+    def hook(_module, _inputs, output):
+        logits = (output[0] if isinstance(output, tuple) else output).reshape(-1, num_experts).float()
+        weights, indices = logits.softmax(-1).topk(top_k, dim=-1)
+        if site.tap.part == "indices":
+            site.keep(indices.to(site.buffer.dtype))
             return output
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        site.keep(torch.zeros_like(logits).scatter(-1, indices, weights).to(site.buffer.dtype))
+        return output
 
-        state.handles.append(module.register_forward_hook(torch.no_grad()(hook)))
-        return
+    site.add(hook)
 
-    if tap.kind == "output":
-        multiplier = float(getattr(state.hf_config, tap.multiplier)) if tap.multiplier else None
 
-        def hook(_module, _inputs, output):
-            rows = as_rows(output[0] if isinstance(output, tuple) else output)
-            row_scale, row_bias = edit_of(rows)
-            added = output[1] if tap.bias_apart else None
-            if added is not None:
-                start, stop = columns_of(output[0])
-                added = added[start:stop]
-            if multiplier is not None:  # the layer adds output * multiplier: the product carries the edit
-                rows.mul_(row_scale).add_(row_bias / multiplier)
-                keep(rows * multiplier)
-            elif added is not None:  # the layer adds the bias: the sum carries the edit (+ 0 exactly unedited)
-                rows.mul_(row_scale).add_(row_bias + added * row_scale - added)
-                keep(rows + added)
-            else:
-                rows.mul_(row_scale).add_(row_bias)
-                keep(rows)
-            return output
+def _output_hooks(site: _Hook) -> None:
+    tap = site.tap
+    multiplier = float(getattr(site.state.hf_config, tap.multiplier)) if tap.multiplier else None
 
-        state.handles.append(module.register_forward_hook(torch.no_grad()(hook)))
-        return
+    def hook(_module, _inputs, output):
+        rows = site.as_rows(output[0] if isinstance(output, tuple) else output)
+        row_scale, row_bias = site.edit_of(rows)
+        added = output[1] if tap.bias_apart else None
+        if added is not None:
+            start, stop = site.columns_of(output[0])
+            added = added[start:stop]
+        if multiplier is not None:  # the layer adds output * multiplier: the product carries the edit
+            rows.mul_(row_scale).add_(row_bias / multiplier)
+            site.keep(rows * multiplier)
+        elif added is not None:  # the layer adds the bias: the sum carries the edit (+ 0 exactly unedited)
+            rows.mul_(row_scale).add_(row_bias + added * row_scale - added)
+            site.keep(rows + added)
+        else:
+            rows.mul_(row_scale).add_(row_bias)
+            site.keep(rows)
+        return output
 
-    if tap.kind == "output_pair":
-        # (mlp_out * s + b, residual * s): the next layer's fused add+norm sums
-        # exactly what vLLM sums unhooked at identity (x * 1 + 0 == x, bit for
-        # bit), and exact zeros under suppress and set.
-        def hook(_module, _inputs, output):
-            hidden, residual = output
-            row_scale, row_bias = edit_of(as_rows(hidden))
-            residual = (as_rows(residual) * row_scale).view_as(residual)
-            as_rows(hidden).mul_(row_scale).add_(row_bias)
-            keep(as_rows(hidden) + as_rows(residual))
-            return (hidden, residual)
+    site.add(hook)
 
-        state.handles.append(module.register_forward_hook(torch.no_grad()(hook)))
-        return
 
-    (first, first_at), *rest = tap.inputs
-    second, second_at = rest[0] if rest else (None, None)
+def _output_pair_hooks(site: _Hook) -> None:
+    # (mlp_out * s + b, residual * s): the next layer's fused add+norm sums exactly what vLLM sums unhooked at
+    # identity (x * 1 + 0 == x, bit for bit), and exact zeros under suppress and set.
+    def hook(_module, _inputs, output):
+        hidden, residual = output
+        row_scale, row_bias = site.edit_of(site.as_rows(hidden))
+        residual = (site.as_rows(residual) * row_scale).view_as(residual)
+        site.as_rows(hidden).mul_(row_scale).add_(row_bias)
+        site.keep(site.as_rows(hidden) + site.as_rows(residual))
+        return (hidden, residual)
 
-    def inputs_of(args, kwargs):
-        """(the first input, the second or None)."""
-        residual = _argument(args, kwargs, second, second_at) if second else None
-        return _argument(args, kwargs, first, first_at), residual
+    site.add(hook)
 
-    if tap.kind in ("input", "input_pair"):
 
-        def pre_hook(_module, args, kwargs):
-            hidden, residual = inputs_of(args, kwargs)
-            row_scale, row_bias = edit_of(as_rows(hidden))
-            edited = as_rows(hidden) * row_scale + row_bias
-            if residual is None:
-                keep(edited)
-                return _with_arguments(args, kwargs, [(first, first_at, with_rows(hidden, edited))])
-            edited_residual = as_rows(residual) * row_scale
-            keep(edited + edited_residual)
-            replaced = [
-                (first, first_at, edited.view_as(hidden)),
-                (second, second_at, edited_residual.view_as(residual)),
-            ]
-            return _with_arguments(args, kwargs, replaced)
-
-        state.handles.append(module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True))
-        return
-
-    # Norm taps. On CUDA vLLM's fused add+norm overwrites its inputs in place,
-    # so the pre-hook reads them and leaves the edited rows in norm_rows; the
-    # post-hook rewrites only the output rows the edit changed, so an unedited
-    # forward keeps vLLM's own output bit for bit. Where hook_resid_mid's tap
-    # sits on the same norm (ln2's input), ln2 normalizes its edited rows.
-    norm_rows, norm_changed = state.norm_rows[name], state.norm_changed[name]
-    eps = _norm_eps(module)
-    normalized = tap.kind == "normalized"
-    weight, norm_bias = module.weight, getattr(module, "bias", None)  # Cohere's LayerNorm has no bias
-    source = next(
-        (
-            earlier
-            for earlier in state.hook_names[:index]
-            if state.placed[earlier].module is module and state.placed[earlier].tap.kind == "norm_input"
-        ),
-        None,
-    )
+def _input_hooks(site: _Hook) -> None:
+    """An input, or the sum of two (residual None in the first layer); the module runs on the edit."""
 
     def pre_hook(_module, args, kwargs):
-        hidden, residual = inputs_of(args, kwargs)
-        total = as_rows(hidden) if residual is None else as_rows(hidden) + as_rows(residual)
+        hidden, residual = site.inputs_of(args, kwargs)
+        row_scale, row_bias = site.edit_of(site.as_rows(hidden))
+        edited = site.as_rows(hidden) * row_scale + row_bias
+        if residual is None:
+            site.keep(edited)
+            return _with_arguments(args, kwargs, site.tap.inputs, [site.with_rows(hidden, edited)])
+        edited_residual = site.as_rows(residual) * row_scale
+        site.keep(edited + edited_residual)
+        return _with_arguments(
+            args, kwargs, site.tap.inputs, [edited.view_as(hidden), edited_residual.view_as(residual)]
+        )
+
+    site.add(pre_hook=pre_hook)
+
+
+def _norm_hooks(site: _Hook) -> None:
+    """On CUDA vLLM's fused add+norm overwrites its inputs in place, so the pre-hook reads them and leaves the
+    edited rows in norm_rows; the post-hook rewrites only the output rows the edit changed, so an unedited forward
+    keeps vLLM's own output bit for bit. Where hook_resid_mid's tap sits on the same norm (ln2's input), ln2
+    normalizes its edited rows."""
+    state, tap, module = site.state, site.tap, site.module
+    norm_rows, norm_changed = site.norm_rows, site.norm_changed
+    eps = getattr(module, "variance_epsilon", None) or module.eps  # vLLM's RMSNorm, torch's LayerNorm
+    normalized = tap.kind == _NORMALIZED
+    weight, norm_bias = module.weight, getattr(module, "bias", None)  # Cohere's LayerNorm has no bias
+    earlier = list(state.placed.values())[: site.index]
+    source = next((hook for hook in earlier if hook.module is module and hook.tap.kind == _NORM_INPUT), None)
+
+    def pre_hook(_module, args, kwargs):
+        hidden, residual = site.inputs_of(args, kwargs)
+        total = site.as_rows(hidden) if residual is None else site.as_rows(hidden) + site.as_rows(residual)
         if source is not None:
             num_rows = total.shape[0]
-            changed = state.norm_changed[source].narrow(0, 0, num_rows)
-            total = torch.where(changed, state.norm_rows[source].narrow(0, 0, num_rows).to(total.dtype), total)
+            changed = source.norm_changed.narrow(0, 0, num_rows)
+            total = torch.where(changed, source.norm_rows.narrow(0, 0, num_rows).to(total.dtype), total)
         activation = _normalize(total, tap.norm, eps) if normalized else total
-        row_scale, row_bias = edit_of(activation)
+        row_scale, row_bias = site.edit_of(activation)
         edited = activation * row_scale + row_bias
-        keep(edited)
+        site.keep(edited)
         norm_rows.narrow(0, 0, edited.shape[0]).copy_(edited)
         norm_changed.narrow(0, 0, edited.shape[0]).copy_((edited != activation).any(-1, keepdim=True))
 
     def hook(_module, _inputs, output):
-        out = as_rows(output[0] if isinstance(output, tuple) else output)
+        out = site.as_rows(output[0] if isinstance(output, tuple) else output)
         edited = norm_rows.narrow(0, 0, out.shape[0])
         result = edited if normalized else _normalize(edited, tap.norm, eps)
         result = result * (weight.float() + 1.0 if tap.norm == "rms_offset" else weight.float())
@@ -1868,14 +1325,23 @@ def _attach_hook(state: _HookState, index: int) -> None:
         out.copy_(torch.where(norm_changed.narrow(0, 0, out.shape[0]), result.to(out.dtype), out))
         return output
 
-    state.handles.append(module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True))
-    state.handles.append(module.register_forward_hook(torch.no_grad()(hook)))
+    site.add(hook, pre_hook)
+
+
+_HOOK_BUILDERS = {
+    _OUTPUT: _output_hooks,
+    _OUTPUT_PAIR: _output_pair_hooks,
+    _INPUT: _input_hooks,
+    _INPUT_PAIR: _input_hooks,
+    _NORM_INPUT: _norm_hooks,
+    _NORMALIZED: _norm_hooks,
+    _ROUTER: _router_hooks,
+}
 
 
 # ---------------------------------------------------------------------------
-# Tensor wire format. vLLM's RPC carries msgpack values, not tensors, and this
-# module never asks for pickle: a tensor travels as dtype name, shape and its
-# raw bytes, so every dtype (bfloat16 included) round-trips bit for bit.
+# Tensor wire format. vLLM's RPC carries msgpack values, not tensors, and this module never asks for pickle: a
+# tensor travels as dtype name, shape and its raw bytes, so every dtype (bfloat16 included) round-trips bit for bit.
 # ---------------------------------------------------------------------------
 
 _WIRE_DTYPES = _FLOAT_DTYPES + ("int64", "int32", "bool")
@@ -1897,24 +1363,21 @@ def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
         raise ValueError(f"decode_tensor: expected keys dtype, shape, data; got {message!r:.200}")
     if message["dtype"] not in _WIRE_DTYPES:
         raise ValueError(f"decode_tensor: dtype {message['dtype']!r} is not one of {_WIRE_DTYPES}")
-    dtype = getattr(torch, message["dtype"])
-    shape = [int(size) for size in message["shape"]]
-    data = bytes(message["data"])
-    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if len(data) != expected:
-        raise ValueError(
-            f"decode_tensor: {len(data)} bytes for a {message['dtype']} tensor of shape {shape}, "
-            f"expected {expected}"
-        )
+    dtype, shape, data = (
+        getattr(torch, message["dtype"]),
+        [int(size) for size in message["shape"]],
+        bytes(message["data"]),
+    )
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"decode_tensor: {len(data)} bytes for a {message['dtype']} tensor of shape {shape}")
     if not data:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-# Batched rows, which can be gigabytes, reach a driver on the worker's host through a
-# file in /dev/shm (shared memory): the worker writes them there once, the RPC carries
-# their dtypes, shapes and byte offsets, and the driver maps the file and unlinks it
-# at once, so the rows live exactly as long as its tensors. A file whose writer died
+# Batched rows, which can be gigabytes, reach a driver on the worker's host through a file in /dev/shm (shared
+# memory): the worker writes them there once, the RPC carries their dtypes, shapes and byte offsets, and the driver
+# maps the file and unlinks it at once, so the rows live exactly as long as its tensors. A file whose writer died
 # before the driver mapped it is removed when the next engine installs its hooks.
 
 _SHARED_DIR = "/dev/shm"
@@ -1923,8 +1386,7 @@ _shared_file_numbers = itertools.count()
 
 
 def _shared_file(driver_host: str) -> str | None:
-    """A new file for rows to a driver on ``driver_host``; None if that is another host
-    or this one has no /dev/shm."""
+    """A new file for rows to a driver on ``driver_host``; None if that is another host or this one has no /dev/shm."""
     if driver_host != socket.gethostname() or not os.path.isdir(_SHARED_DIR):
         return None
     return os.path.join(_SHARED_DIR, f"{_SHARED_PREFIX}{os.getpid()}-{next(_shared_file_numbers)}")
@@ -1934,25 +1396,17 @@ def _sweep_shared_files(own: bool = False) -> None:
     """Unlink the row files of processes that are gone (and, with ``own``, this one's)."""
     for path in glob.glob(os.path.join(_SHARED_DIR, _SHARED_PREFIX + "*")):
         pid = os.path.basename(path)[len(_SHARED_PREFIX) :].partition("-")[0]
-        if pid.isdigit() and ((own and int(pid) == os.getpid()) or not _process_alive(int(pid))):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
+        with contextlib.suppress(FileNotFoundError, PermissionError, ValueError):  # another user's: alive
+            if not (own and int(pid) == os.getpid()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), 0)
+                    continue  # alive
+            os.unlink(path)
 
 
 def _mapped_rows(path: str) -> torch.Tensor:
-    """The worker's row file as a uint8 tensor, mapped copy-on-write (its tensors are
-    writable, the file is never written) and unlinked: the mapping lives as long as the
-    tensors made from it."""
+    """The worker's row file as uint8, mapped copy-on-write and unlinked at once: the mapping
+    lives as long as the tensors made from it."""
     mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
     os.unlink(path)
     return mapped
@@ -1960,14 +1414,12 @@ def _mapped_rows(path: str) -> torch.Tensor:
 
 def _tensor_at(mapped: torch.Tensor, message: dict[str, Any]) -> torch.Tensor:
     """The tensor ``{"dtype", "shape", "offset"}`` describes in a mapped row file."""
-    dtype = getattr(torch, message["dtype"])
-    size = math.prod(message["shape"]) * dtype.itemsize
-    return mapped[message["offset"] : message["offset"] + size].view(dtype).view(message["shape"])
+    dtype, start = getattr(torch, message["dtype"]), message["offset"]
+    return mapped[start : start + math.prod(message["shape"]) * dtype.itemsize].view(dtype).view(message["shape"])
 
 
 def _write_rows(fd: int, chunks: list[torch.Tensor]) -> int:
-    """Write the chunks' bytes one after another at the file's offset, from their own
-    memory (no gathering copy); returns the bytes written."""
+    """Write the chunks' bytes in order at the file's offset, from their own memory; the bytes written."""
     views = [memoryview(chunk.view(torch.uint8).numpy()) for chunk in chunks if chunk.numel()]
     written = 0
     for first in range(0, len(views), 512):  # below IOV_MAX
@@ -1982,34 +1434,30 @@ def _write_rows(fd: int, chunks: list[torch.Tensor]) -> int:
 
 
 # ---------------------------------------------------------------------------
-# Edits. One wire form for every flavour: per hook, an op, an optional value
-# (a number or a row-shaped tensor) and optional positions. Each becomes a
-# (scale, bias) pair with out = out * scale + bias. Checked in the driver
-# before anything is sent, and again in the worker.
+# Edits and request options. One wire form for every flavour: per hook, an op, an optional value (a number or a
+# row-shaped tensor) and optional positions. Each becomes a (scale, bias) pair with out = out * scale + bias. A
+# request's options are parsed into one _RequestOptions, by the same function wherever they are read (the driver,
+# the engine's front end and the workers), and checked there before anything runs.
 # ---------------------------------------------------------------------------
 
 _EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
 _REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
-_CACHE_MARK = "tl_vllm_hooks_cache"  # in extra_args where _keep_out_of_prefix_cache ran
 _CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
+_NO_LAST_POSITION = np.iinfo(np.int64).max
 
 
 def _parse_edit(
     edit: dict[str, Any], name: str, row_shape: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
     """Validate one wire edit: its (scale, bias) rows, [width] float64, and its positions."""
-    if not isinstance(edit, dict):
-        raise ValueError(f"edits[{name!r}]: expected a dict with 'op', got {edit!r}")
-    if not set(edit) <= {"op", "value", "positions"} or "op" not in edit:
-        raise ValueError(
-            f"edits[{name!r}]: keys must be 'op' plus optional 'value' and 'positions', got {sorted(edit)}"
-        )
+    if not isinstance(edit, dict) or "op" not in edit or not set(edit) <= {"op", "value", "positions"}:
+        keys = sorted(edit) if isinstance(edit, dict) else edit
+        raise ValueError(f"edits[{name!r}]: keys must be 'op' plus optional 'value' and 'positions', got {keys!r:.200}")
     op = edit["op"]
     if op not in _EDIT_OPS:
         raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
     if _EDIT_OPS[op] != ("value" in edit):
-        need = "needs a 'value'" if _EDIT_OPS[op] else "takes no 'value'"
-        raise ValueError(f"edits[{name!r}]: op {op!r} {need}")
+        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if _EDIT_OPS[op] else 'takes no'} 'value'")
     width = math.prod(row_shape)
     shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
     valid = f"a finite number or a finite float tensor of shape {' or '.join(map(str, map(list, shapes)))}"
@@ -2035,46 +1483,37 @@ def _parse_edit(
     positions = edit.get("positions")
     if positions is not None and not _is_position_list(positions):
         raise ValueError(
-            f"edits[{name!r}]: positions must be a non-empty list of token positions " f"(ints >= 0), got {positions!r}"
+            f"edits[{name!r}]: positions must be a non-empty list of token positions (ints >= 0), got {positions!r}"
         )
     return scale_row, bias_row, None if positions is None else list(positions)
 
 
 def _global_rows(config: CaptureConfig) -> int:
-    """Rows of the engine-wide part of an edit table: one per position (and one for every
-    position past them), or one."""
+    """Rows of the engine-wide part of an edit table: one per position and one past, or one."""
     return config.max_num_batched_tokens + 1 if config.enable_position_interventions else 1
 
 
-def _engine_wide_tables(
-    edit: dict[str, Any], name: str, config: CaptureConfig, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An engine-wide edit as (scale, bias): [width], or [max_rows + 1, width] by position."""
-    width = config.width(name)
+def _engine_wide_tables(edit: dict[str, Any], name: str, config: CaptureConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """An engine-wide edit as float64 (scale, bias): [width], or [max_rows + 1, width] by position."""
     scale_row, bias_row, positions = _parse_edit(edit, name, config.row_shape(name))
+    per_request = "; request_args(edits=...) takes any position" if config.enable_batching else ""
     if not config.enable_position_interventions:
         if positions is not None:
             raise ValueError(
-                f"edits[{name!r}]: positions need configure(enable_position_interventions=True)"
-                + (" or, per request, request_args(edits=...)" if config.enable_batching else "")
+                f"edits[{name!r}]: positions need configure(enable_position_interventions=True){per_request}"
             )
-        return scale_row.to(dtype), bias_row.to(dtype)
-    shape = (_global_rows(config), width)
-    if positions is None:
-        # Every row, the last (every position past the table) included.
-        return scale_row.expand(shape).to(dtype), bias_row.expand(shape).to(dtype)
-    limit = shape[0] - 1
-    if max(positions) >= limit:
+        return scale_row, bias_row
+    shape = (_global_rows(config), config.width(name))
+    if positions is None:  # every row, the last (every position past the table) included
+        return scale_row.expand(shape), bias_row.expand(shape)
+    if max(positions) >= shape[0] - 1:
         raise ValueError(
-            f"edits[{name!r}]: positions must be < {limit} (max_num_batched_tokens) for an "
-            f"engine-wide edit, got {positions!r}"
-            + ("; request_args(edits=...) takes any position" if config.enable_batching else "")
+            f"edits[{name!r}]: positions must be < {shape[0] - 1} (max_num_batched_tokens) for an engine-wide edit, "
+            f"got {positions!r}{per_request}"
         )
-    scale = torch.ones(shape, dtype=torch.float64)
-    bias = torch.zeros(shape, dtype=torch.float64)
-    scale[positions] = scale_row
-    bias[positions] = bias_row
-    return scale.to(dtype), bias.to(dtype)
+    scale, bias = torch.ones(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+    scale[positions], bias[positions] = scale_row, bias_row
+    return scale, bias
 
 
 def _check_hook_name(name: Any, config: CaptureConfig) -> None:
@@ -2092,23 +1531,51 @@ def _check_hook_name(name: Any, config: CaptureConfig) -> None:
         )
 
 
-def _options_from_wire(options: Any) -> Any:
-    """A request's options as sent: the JSON text request_args writes (a value the OpenAI
-    API's vllm_xargs accepts), or a dict written by hand."""
-    if not isinstance(options, str):
-        return options
-    try:
-        return json.loads(options)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"request options: not valid JSON ({error}); write them with request_args") from None
+@dataclasses.dataclass(frozen=True)
+class _RequestOptions:
+    """One request's options (see request_args), checked against its engine's config.
+
+    capture: one of _CAPTURE_MODES, or the positions kept, sorted int64.
+    edits: hook -> (scale row, bias row: [width] float64; sorted int64 positions or None).
+    digest: of the edits ("" without): the request's prefix-cache salt.
+    """
+
+    capture: str | np.ndarray = "all"
+    edits: dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]] = dataclasses.field(default_factory=dict)
+    digest: str = ""
+
+    def kept_range(self, prompt_len: int) -> tuple[int, int]:
+        """(first, last) position kept; first is -1 for a list of positions."""
+        if isinstance(self.capture, np.ndarray):
+            return (-1, _NO_LAST_POSITION)
+        last = prompt_len - 1
+        ranges = {"all": (0, _NO_LAST_POSITION), "prompt": (0, last), "last_prompt_token": (last, last)}
+        return ranges.get(self.capture, (0, -1))
+
+    def keeps_any(self, start: int, stop: int, prompt_len: int) -> bool:
+        """Whether the row of some position in [start, stop) is kept."""
+        if isinstance(self.capture, np.ndarray):
+            return bool(((self.capture >= start) & (self.capture < stop)).any())
+        first, last = self.kept_range(prompt_len)
+        return first <= last and first < stop and last >= start
 
 
-def _parse_request_options(
-    options: Any, config: CaptureConfig, dtype: torch.dtype
-) -> tuple[str | np.ndarray, dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]]]:
-    """Validate one request's wire options (see request_args): (capture, edits by hook),
-    each edit (scale row, bias row, sorted int64 positions or None) in ``dtype``."""
-    options = _options_from_wire(options)
+_KEEP_ALL, _KEEP_NONE = _RequestOptions("all"), _RequestOptions("none")
+
+
+def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOptions:
+    """The one parser of a request's options (request_args' JSON text, or a dict by hand);
+    ValueError naming the problem."""
+    if config is None or not config.enable_batching:
+        raise ValueError(
+            f"{_REQUEST_KEY} request options: this engine has {'no' if config is None else 'one-prompt'} hooks; "
+            "per-request capture and edits need configure(..., enable_batching=True)"
+        )
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"request options: not valid JSON ({error}); write them with request_args") from None
     if not isinstance(options, dict) or not set(options) <= {"capture", "edits"}:
         raise ValueError(f"request options: expected a dict with keys 'capture' and 'edits', got {options!r:.200}")
     capture = options.get("capture", "all")
@@ -2127,129 +1594,191 @@ def _parse_request_options(
     for name, edit in edits.items():
         _check_hook_name(name, config)
         scale_row, bias_row, positions = _parse_edit(edit, name, config.row_shape(name))
-        positions = None if positions is None else np.unique(np.asarray(positions, dtype=np.int64))
-        parsed[name] = (scale_row.to(dtype), bias_row.to(dtype), positions)
-    return capture, parsed
+        parsed[name] = (scale_row, bias_row, None if positions is None else np.unique(np.asarray(positions, np.int64)))
+    digest = (
+        hashlib.sha256(json.dumps(edits, sort_keys=True, default=bytes.hex).encode()).hexdigest()[:32] if edits else ""
+    )
+    return _RequestOptions(capture, parsed, digest)
 
 
-def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
-    source = torch.from_numpy(array)
-    if target.device.type == "cuda":
-        source = source.pin_memory()  # the copy is queued; pinned memory outlives it
-    target.copy_(source, non_blocking=True)
+@functools.lru_cache(maxsize=256)
+def _parse_options_text(text: str, payload: str | None) -> _RequestOptions:
+    """request_args' JSON text, parsed once however many requests share it."""
+    return _parse_options(text, _config_from_json(payload))
+
+
+def _request_options(extra_args: dict[str, Any] | None, payload: str | None) -> _RequestOptions | None:
+    """The options in a request's extra_args (None without) for an engine with the config
+    ``payload``; ValueError if they do not suit it."""
+    options = (extra_args or {}).get(_REQUEST_KEY)
+    if options is None:
+        return None
+    if isinstance(options, str):
+        return _parse_options_text(options, payload)
+    return _parse_options(options, _config_from_json(payload))
 
 
 # ---------------------------------------------------------------------------
-# Flavours: what differs between the compiled and the batched hooks, behind
-# one interface (name, table_shape, row_index, engine_wide, attach,
-# forget_warm_up, unread_requests). The hooks above run in every forward;
-# what depends on which requests are in a step happens on the host, outside
-# any graph, so both run under torch.compile and CUDA graphs as eagerly.
+# Prefix caching. Tokens vLLM serves from its prefix cache never run through the model, so their rows are missing,
+# and a block computed under an edit would be served to requests that never asked for it. Engines built with
+# llm_kwargs or serve_args have it off; with the batched flavour a user may turn it on, and every rule that then
+# applies is in this section.
+# ---------------------------------------------------------------------------
+
+_PREFIX_CACHING = False  # what llm_kwargs and serve_args set: every request keeps all its rows
+_CACHE_MARK = "tl_vllm_hooks_cache"  # in extra_args once _keep_apart_in_prefix_cache ran
+
+
+def _keep_apart_in_prefix_cache(request: Any, options: _RequestOptions) -> None:
+    """On the EngineCoreRequest vLLM's front end made, before its blocks are hashed: edits
+    salt its cache blocks (shared only by requests making the same edits), keeping prompt
+    rows before the last skips reading the cache, and the mark tells the workers."""
+    params = request.sampling_params
+    if options.edits:
+        request.cache_salt = f"{request.cache_salt or ''}{_REQUEST_KEY}:{options.digest}"
+    prompt_len = _prompt_len(request)
+    if options.keeps_any(0, prompt_len - 1, prompt_len):
+        params.skip_reading_prefix_cache = True
+    params.extra_args = {**params.extra_args, _CACHE_MARK: options.digest}
+
+
+def _refuse_prefix_caching(prefix_caching: bool, config: CaptureConfig, edits: Any = None) -> None:
+    """Refuse the one-prompt flavour on an engine with prefix caching, and engine-wide edits on any."""
+    if prefix_caching and not config.enable_batching:
+        raise ValueError(
+            "enable_prefix_caching: the one-prompt flavour keeps the rows of one forward, and tokens served from "
+            "vLLM's prefix cache never run through the model, so rows would be missing; build the engine with "
+            "LLM(model, **config.llm_kwargs), which turns it off, or use the batched flavour (configure(..., "
+            "enable_batching=True)), which keeps capturing requests off the cache"
+        )
+    if prefix_caching and edits:
+        raise ValueError(
+            "set_edits: engine-wide edits change every request's keys and values, and vLLM's prefix cache would go "
+            "on serving blocks computed without them; on an engine with prefix caching, edit per request: "
+            "request_args(config, edits=...)"
+        )
+
+
+def _worker_options(extra_args: dict[str, Any], state: _HookState) -> tuple[_RequestOptions, str | None]:
+    """A new request's options as the workers apply them, and why its rows cannot be read
+    (None if they can); without options, every row, or none with prefix caching on."""
+    if _REQUEST_KEY not in extra_args:
+        return (_KEEP_NONE if state.prefix_caching else _KEEP_ALL), None
+    if state.prefix_caching and _CACHE_MARK not in extra_args:  # its edits would reach others' blocks
+        return _KEEP_NONE, (
+            "its options were not applied: vLLM's front end did not load tl_vllm_hooks, which keeps "
+            "requests with options apart in the prefix cache; install the module (its entry point loads it "
+            "in every vLLM process) or build the engine with enable_prefix_caching=False"
+        )
+    try:
+        return _request_options(extra_args, state.payload), None
+    except (ValueError, TypeError) as error:
+        # The driver or the front end checked them; hand-written extra_args that fail here must not stop the engine:
+        # the request runs unedited, reading it raises.
+        return _KEEP_NONE, f"its options were refused: {error}"
+
+
+def _skipped_rows_problem(expected: int, first_position: int) -> str:
+    """Why a request's rows are not whole: positions it keeps never ran (served from the cache)."""
+    return (
+        f"rows for positions {expected}..{first_position - 1} never ran through the model "
+        "(prefix caching reused them); build the engine with enable_prefix_caching=False"
+    )
+
+
+# ---------------------------------------------------------------------------
+# Flavours: what differs between the one-prompt and the batched hooks, behind one interface (_Flavour). The hooks
+# above run in every forward; what depends on which requests are in a step happens on the host, outside any graph,
+# so both flavours run under torch.compile and CUDA graphs as they run eagerly.
 # ---------------------------------------------------------------------------
 
 
-class _Compiled:
-    """One prompt per capture: ``open_capture`` arms the hooks and the next forward's rows
-    stay until the next open. Edit tables are [width], or, with edits by position,
-    [max_rows + 1, width] indexed by each row's token position (the last row serves every
-    position past max_rows: an edit without positions is there, identity under one
-    limited to positions)."""
+class _Flavour:
+    """``table_rows``: rows of each edit table (None: one, [width]); ``row_index(hook_index)``:
+    the buffer that picks each forward row's row of them (None: one); ``attach(worker)`` once
+    the hooks are in, ``forget_warm_up()`` after vLLM's warm-up, ``close()`` at uninstall.
+    Each read is one flavour's; the other refuses it, naming the setting that gives it."""
 
-    name = "compiled"
+    name = ""
     unread_requests = 0
+    table_rows: int | None = None
 
-    def __init__(self, state: _HookState, _max_num_seqs: int):
-        self.config = state.config
-        self.state = state
-        # Token positions of the forward in flight, written by a pre-hook on the model.
-        by_position = self.config.enable_position_interventions
-        rows = self.config.max_num_batched_tokens
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=state.device) if by_position else None
-
-    def table_shape(self, width: int) -> tuple[int, ...]:
-        return (width,) if self.positions is None else (_global_rows(self.config), width)
-
-    def row_index(self, _hook_index: int) -> torch.Tensor | None:
-        return self.positions
-
-    def engine_wide(self, table: torch.Tensor) -> torch.Tensor:
-        return table
-
-    def attach(self, model: torch.nn.Module, _runner: Any) -> None:
-        if self.positions is None:
-            return
-        positions = self.positions
-
-        def record_positions(_module, args, kwargs):
-            given = _model_positions(args, kwargs)
-            positions.narrow(0, 0, given.shape[0]).copy_(given)
-
-        self.state.handles.append(model.register_forward_pre_hook(record_positions, with_kwargs=True))
+    def __init__(self, state: _HookState, max_num_seqs: int):
+        self.state, self.config, self.max_num_seqs = state, state.config, max_num_seqs
 
     def forget_warm_up(self) -> None:
         pass
 
-    def read(self, num_rows: int) -> dict[str, torch.Tensor]:
+    def close(self) -> None:
+        pass
+
+    def _refuse(self, call: str) -> RuntimeError:
+        other = "batched" if self.name == "one-prompt" else "one-prompt"
+        return RuntimeError(
+            f"{call}: this engine has {self.name} hooks; configure(enable_batching={other == 'batched'}) "
+            f"gives {other} ones"
+        )
+
+    def read_forward(self, num_rows: int) -> dict[str, torch.Tensor]:
+        raise self._refuse("read_captures")
+
+    def read_requests(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
+        raise self._refuse("read_batched")
+
+    def flush_sink(self) -> dict[str, Any] | None:
+        raise self._refuse("flush_sink")
+
+    def reset_requests(self) -> None:
+        raise self._refuse("reset_batched")
+
+
+class _OnePrompt(_Flavour):
+    """``open_capture`` arms the hooks; the next forward's rows stay until the next open.
+    Edit tables are [width], or, with edits by position, [max_rows + 1, width] indexed by
+    token position (the last row serves every position past max_rows)."""
+
+    name = "one-prompt"
+
+    def __init__(self, state: _HookState, max_num_seqs: int):
+        super().__init__(state, max_num_seqs)
+        # Token positions of the forward in flight, written by a pre-hook on the model.
+        rows, by_position = self.config.max_num_batched_tokens, self.config.enable_position_interventions
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=state.device) if by_position else None
+        self.table_rows = _global_rows(self.config) if by_position else None
+
+    def row_index(self, _hook_index: int) -> torch.Tensor | None:
+        return self.positions
+
+    def attach(self, worker: Any) -> None:
+        if self.positions is None:
+            return
+        positions = self.positions
+
+        def record_positions(_module, args, kwargs):  # vLLM's model forward(input_ids, positions, ...)
+            given = kwargs["positions"] if "positions" in kwargs else args[1]
+            positions.narrow(0, 0, given.shape[0]).copy_(given)
+
+        model = worker.model_runner.get_model()
+        self.state.handles.append(model.register_forward_pre_hook(record_positions, with_kwargs=True))
+
+    def read_forward(self, num_rows: int) -> dict[str, torch.Tensor]:
         """{hook: [num_rows, *row shape]} of the armed forward, on the device."""
-        state = self.state
-        if not _is_positive_int(num_rows) or num_rows > self.config.max_num_batched_tokens:
+        state, limit = self.state, self.config.max_num_batched_tokens
+        if not _is_positive_int(num_rows) or num_rows > limit:
             raise ValueError(
-                f"read_captures: num_rows must be an int in [1, {self.config.max_num_batched_tokens}] "
-                f"(the capture buffer), got {num_rows!r}; a longer prompt is split by chunked "
-                "prefill and only its first chunk is kept"
+                f"read_captures: num_rows must be an int in [1, {limit}] (the capture buffer), got {num_rows!r}; "
+                "a longer prompt is split by chunked prefill and only its first chunk is kept"
             )
         still_open = [n for n, flag in zip(state.hook_names, state.capture_flags.tolist()) if flag == 0]
         if still_open:
             raise RuntimeError(f"read_captures: no forward ran since open_capture for hooks {still_open}")
-        return {
-            name: buffer[:num_rows].view(num_rows, *state.placed[name].row_shape)
-            for name, buffer in state.capture_buffers.items()
-        }
-
-
-_NO_LAST_POSITION = np.iinfo(np.int64).max
-_KEEP_ALL = (0, _NO_LAST_POSITION)  # kept_range of a request without options
-
-
-@dataclasses.dataclass
-class _RequestPlan:
-    """One request's options: which of its rows to keep, and its own edits.
-
-    capture: one of _CAPTURE_MODES, or a sorted int64 array of positions.
-    edits: hook -> (scale row, bias row, positions or None), rows [width] in
-    the model's dtype on the CPU.
-    prompt_token_ids: as the scheduler gave them (None for prompt embeddings).
-    kept_range: (first, last) position kept; first == -1 marks a list of positions.
-    """
-
-    prompt_len: int
-    capture: str | np.ndarray
-    edits: dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]]
-    prompt_token_ids: list[int] | None = None
-    kept_range: tuple[int, int] = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        last_prompt = self.prompt_len - 1
-        if isinstance(self.capture, np.ndarray):
-            self.kept_range = (-1, _NO_LAST_POSITION)
-        else:
-            self.kept_range = {
-                "all": _KEEP_ALL,
-                "prompt": (0, last_prompt),
-                "last_prompt_token": (last_prompt, last_prompt),
-                "none": (0, -1),
-            }[self.capture]
+        return {name: hook.buffer[:num_rows].view(num_rows, *hook.row_shape) for name, hook in state.placed.items()}
 
 
 class _RequestTable:
-    """What every step reads of each of its requests, as int64 arrays with one entry per
-    request from its first step to its end, so that a step reads and updates them for all
-    its requests in a few array operations rather than request by request.
-
-    kept_first, kept_last: the request's _RequestPlan.kept_range. next_position: the
-    position its next row must have (0 before its first step). has_edits: 1 if its plan
-    has edits.
-    """
+    """What every step reads of its requests, as int64 arrays with an entry per running request, so that a step
+    reads and updates them in a few array operations: kept_first and kept_last (_RequestOptions.kept_range),
+    next_position (that of its next row) and has_edits."""
 
     _COLUMNS = ("kept_first", "kept_last", "next_position", "has_edits")
 
@@ -2266,8 +1795,7 @@ class _RequestTable:
             if not self.free:
                 size = len(self.kept_first)
                 for column in self._COLUMNS:
-                    grown = np.concatenate([getattr(self, column), np.zeros(max(size, 64), np.int64)])
-                    setattr(self, column, grown)
+                    setattr(self, column, np.concatenate([getattr(self, column), np.zeros(max(size, 64), np.int64)]))
                 self.free = list(range(len(self.kept_first) - 1, size - 1, -1))
             entry = self.index[request_id] = self.free.pop()
             self.next_position[entry] = 0
@@ -2283,11 +1811,9 @@ class _RequestTable:
     def entries(self, request_ids: list[str]) -> np.ndarray:
         """int64 [len(request_ids)]: each request's entry. One never added (running since
         before the hooks' first step) gets one that keeps every row."""
-        entries = np.fromiter(
-            map(self.index.get, request_ids, itertools.repeat(-1)), dtype=np.int64, count=len(request_ids)
-        )
+        entries = np.fromiter(map(self.index.get, request_ids, itertools.repeat(-1)), np.int64, len(request_ids))
         for i in np.flatnonzero(entries < 0):
-            entries[i] = self.add(request_ids[i], _KEEP_ALL, False)
+            entries[i] = self.add(request_ids[i], _KEEP_ALL.kept_range(0), False)
         return entries
 
 
@@ -2309,23 +1835,19 @@ class _StepLayout:
         self.row_positions = np.repeat(offsets, self.counts) + np.arange(self.starts[-1])
 
 
-def _position_ranges(positions: np.ndarray) -> list[list[int]]:
-    """Sorted positions as [start, stop) ranges of consecutive ones."""
-    if not positions.size:
-        return []
-    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-    firsts, lasts = np.concatenate([[0], breaks]), np.concatenate([breaks, [positions.size]]) - 1
-    return [[int(positions[first]), int(positions[last]) + 1] for first, last in zip(firsts, lasts)]
+@dataclasses.dataclass(frozen=True)
+class _RunningRequest:
+    """A request from its first step to its end: its options and its prompt."""
+
+    options: _RequestOptions
+    prompt_len: int
+    prompt_token_ids: list[int] | None  # None for prompt embeddings
 
 
 @dataclasses.dataclass
 class _RequestRows:
-    """What was kept of one request so far: one chunk per step that kept rows.
-
-    A chunk is (that step's host rows by hook, first row, end row, the kept
-    rows' positions as int64): rows are sliced out only when read, so a step
-    costs each request one append, not one tensor per hook.
-    """
+    """What one request kept so far: per step that kept rows, (that step's host rows by hook,
+    first row, end row, their positions, int64), sliced only when read."""
 
     chunks: list[tuple[dict[str, torch.Tensor], int, int, np.ndarray]] = dataclasses.field(default_factory=list)
 
@@ -2333,64 +1855,53 @@ class _RequestRows:
         return [step_rows[name][start:end] for step_rows, start, end, _positions in self.chunks]
 
 
-class _Batched:
-    """Many requests per generate. Before each forward the host writes which edit-table
-    row each token row uses (``row_edit_index``); after it, the rows each request keeps
-    are gathered on the device and copied to host memory (on CUDA asynchronously, on a
-    side stream, so the next step's forward overlaps the copy), keyed by request id.
-
-    Edit tables: the engine-wide rows (as in the compiled flavour, always 2-D), then one
-    identity row, then ``max_num_seqs`` slots that requests with their own edits hold
-    while they run.
-    """
+class _Batched(_Flavour):
+    """Many requests per generate. Before each forward the host writes which edit-table row each token row uses
+    (``row_edit_index``); after it, the rows each request keeps are gathered on the device and copied to host memory
+    (on CUDA on a side stream, so the next forward overlaps the copy), per request. Edit tables: the engine-wide
+    rows (always 2-D), one identity row, then ``max_num_seqs`` slots that requests with edits hold."""
 
     name = "batched"
 
     def __init__(self, state: _HookState, max_num_seqs: int):
-        self.state = state
-        self.config = state.config
-        self.num_slots = max_num_seqs
-        num_rows = self.config.max_num_batched_tokens
+        super().__init__(state, max_num_seqs)
         # Row r of the forward in flight uses row row_edit_index[k, r] of hook k's tables.
-        self.row_edit_index = torch.zeros(len(state.placed), num_rows, dtype=torch.int64, device=state.device)
+        rows = self.config.max_num_batched_tokens
+        self.row_edit_index = torch.zeros(len(state.placed), rows, dtype=torch.int64, device=state.device)
         self.row_edit_index_dirty = False
+        self.table_rows = _global_rows(self.config) + 1 + max_num_seqs
         self.slots: dict[str, int] = {}  # request id -> slot holding its edits
-        self.plans: dict[str, _RequestPlan] = {}
+        self.running: dict[str, _RunningRequest] = {}
         self.request_table = _RequestTable()
         self.first_positions: dict[str, int] | None = None  # of the step being prepared
         self.step: _StepLayout | None = None  # of the step whose forward is in flight
         self.records: dict[str, _RequestRows] = {}
         self.incomplete: dict[str, str] = {}  # request id -> why its rows cannot be read
         self.copy_stream = torch.cuda.Stream(state.device) if state.device.type == "cuda" else None
-        # With a sink_dir, finished requests' rows go to disk; _install gives the
-        # ranks that write (and the hooks each writes) a _ShardWriter.
-        self.sink: Any = None  # tl_vllm_hooks_tools.ShardWriter
-        self.sink_hooks: list[str] = []
-        # Model Runner V2 warms up with requests of its own (_warmup_{i}_), which finish
-        # inside the warm-up: never written.
-        self.warmed_up = False
-
-    def table_shape(self, width: int) -> tuple[int, ...]:
-        return (_global_rows(self.config) + 1 + self.num_slots, width)
+        self.sink: Any = None  # with a sink_dir: tl_vllm_hooks_tools.RankSink
+        self.warmed_up = False  # Model Runner V2's warm-up requests (_warmup_{i}_) are never read
 
     def row_index(self, hook_index: int) -> torch.Tensor:
         return self.row_edit_index[hook_index]
 
-    def engine_wide(self, table: torch.Tensor) -> torch.Tensor:
-        return table[: _global_rows(self.config)]
-
-    def attach(self, _model: torch.nn.Module, runner: Any) -> None:
-        self.runner = runner
-        _wrap_steps(runner, self)
+    def attach(self, worker: Any) -> None:
+        self.runner = worker.model_runner
+        _wrap_steps(self.runner, self)
+        if self.config.sink_dir is not None:
+            self.sink = _tools().RankSink(self, worker)
 
     def forget_warm_up(self) -> None:
         self.warmed_up = True
-        self.plans.clear()
+        self.running.clear()
         self.request_table = _RequestTable()
         self.slots.clear()
-        self.clear()
+        self.reset_requests()
 
-    def clear(self) -> None:
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+
+    def reset_requests(self) -> None:
         self.records.clear()
         self.incomplete.clear()
 
@@ -2403,47 +1914,23 @@ class _Batched:
     def schedule(self, scheduler_output: Any) -> None:
         """Read the step's new requests' options and every request's first position."""
         finished, new, first_positions = _scheduled(scheduler_output)
-        if self.config.sink_dir is not None and finished:
-            self.write_to_sink(finished)
+        if self.sink is not None and finished:
+            self.sink.write(finished)
         for request_id in finished:
-            self.plans.pop(request_id, None)
+            self.running.pop(request_id, None)
             self.request_table.remove(request_id)
             self.slots.pop(request_id, None)
         for request_id, prompt_len, prompt_token_ids, extra_args, first_position in new:
-            plan = self._plan(request_id, prompt_len, extra_args)
-            plan.prompt_token_ids = prompt_token_ids
-            self.plans[request_id] = plan
-            self.request_table.add(request_id, plan.kept_range, bool(plan.edits))
-            if not (isinstance(plan.capture, str) and plan.capture == "none"):
+            options, problem = _worker_options(extra_args, self.state)
+            if problem is not None:
+                self.incomplete[request_id] = problem
+            self.running[request_id] = _RunningRequest(options, prompt_len, prompt_token_ids)
+            self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.edits))
+            if not (isinstance(options.capture, str) and options.capture == "none"):
                 self.records.setdefault(request_id, _RequestRows())  # read_batched knows it from now on
             first_positions[request_id] = first_position
         self.first_positions = first_positions
         self.state.capture_flags.zero_()  # this step's forward writes its rows
-
-    def _plan(self, request_id: str, prompt_len: int, extra_args: dict[str, Any]) -> _RequestPlan:
-        options = extra_args.get(_REQUEST_KEY)
-        if options is None:
-            # With prefix caching on, the request may be served from the cache, so its
-            # rows would not be whole: it runs as plain vLLM would run it.
-            return _RequestPlan(prompt_len, "none" if self.state.prefix_caching else "all", {})
-        if self.state.prefix_caching and _CACHE_MARK not in extra_args:
-            # Its edits would reach blocks that unedited requests read: it runs unedited.
-            self.incomplete[request_id] = (
-                "its options were not applied: vLLM's engine process did not load tl_vllm_hooks, which keeps "
-                "requests with options apart in the prefix cache; install the module (its entry point loads it "
-                "in every vLLM process) or build the engine with enable_prefix_caching=False"
-            )
-            return _RequestPlan(prompt_len, "none", {})
-        try:
-            capture, edits = _parse_request_options(options, self.config, self.state.edit_dtype)
-        except (ValueError, TypeError) as error:
-            # request_args checks this in the driver; a hand-written extra_args that
-            # fails here must not stop the engine: the request runs unedited and
-            # reading it raises this message.
-            self.incomplete[request_id] = f"its options were refused: {error}"
-            return _RequestPlan(prompt_len, "none", {})
-        edits = {name: edit for name, edit in edits.items() if name in self.state.capture_buffers}
-        return _RequestPlan(prompt_len, capture, edits)
 
     def prepared(self) -> None:
         """After the step is prepared, before its forward: route each row to its edit."""
@@ -2453,22 +1940,20 @@ class _Batched:
         if not request_ids:
             return
         first = np.fromiter(
-            map(self.first_positions.get, request_ids, itertools.repeat(-1)), dtype=np.int64, count=len(request_ids)
+            map(self.first_positions.get, request_ids, itertools.repeat(-1)), np.int64, len(request_ids)
         )
         if (first < 0).any():
-            # Every request of a step is in its scheduler output; if one is not,
-            # its rows cannot be placed: say so when read rather than guess.
+            # Every request of a step is in its scheduler output; if one is not, its rows cannot be placed: say so
+            # when read rather than guess.
             for i in np.flatnonzero(first < 0):
                 self.incomplete[request_ids[i]] = "a step ran it without its scheduler output entry"
             return
         starts = np.asarray(starts, dtype=np.int64)
         self.step = _StepLayout(starts, request_ids, first, self.request_table.entries(request_ids))
-        row_positions = self.step.row_positions
-        global_rows = _global_rows(self.config)
+        row_positions, global_rows = self.step.row_positions, _global_rows(self.config)
         edited = np.flatnonzero(self.request_table.has_edits[self.step.entries])
         if global_rows == 1 and not edited.size:
-            # Every row uses the engine-wide row 0: write the index only if a
-            # request's edit changed it since.
+            # Every row uses the engine-wide row 0: write the index only if a request's edit changed it since.
             if self.row_edit_index_dirty:
                 self.row_edit_index.zero_()
                 self.row_edit_index_dirty = False
@@ -2477,58 +1962,51 @@ class _Batched:
         hook_names = self.state.hook_names
         index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(hook_names), 0)
         for i in edited:
-            plan = self.plans[request_ids[i]]
-            slot_row = self._slot_row(request_ids[i], plan, request_ids)
+            edits = self.running[request_ids[i]].options.edits
+            slot_row = self._slot_row(request_ids[i], edits, request_ids)
             rows = slice(starts[i], starts[i + 1])
             for k, name in enumerate(hook_names):
-                if name not in plan.edits:
-                    continue
-                positions = plan.edits[name][2]
-                if positions is None:
+                if name in edits and edits[name][2] is None:
                     index[k, rows] = slot_row
-                else:
-                    hit = np.isin(row_positions[rows], positions)
+                elif name in edits:
+                    hit = np.isin(row_positions[rows], edits[name][2])
                     index[k, rows] = np.where(hit, slot_row, global_rows)  # identity row
         _copy_to_device(index, self.row_edit_index[:, : starts[-1]])
 
-    def _slot_row(self, request_id: str, plan: _RequestPlan, step_ids: list[str]) -> int:
+    def _slot_row(self, request_id: str, edits: dict, step_ids: list[str]) -> int:
         """The edit-table row of the slot holding this request's edits, written there on first use."""
         first_slot_row = _global_rows(self.config) + 1  # past the engine-wide rows and identity
         if request_id in self.slots:
             return first_slot_row + self.slots[request_id]
         taken = set(self.slots.values())
-        free = [slot for slot in range(self.num_slots) if slot not in taken]
+        free = [slot for slot in range(self.max_num_seqs) if slot not in taken]
         if not free:
-            # A step holds at most max_num_seqs = num_slots requests, so some slot
-            # belongs to a request outside this step (preempted or finished).
-            in_step = set(step_ids)
-            holder = next(r for r in self.slots if r not in in_step)
+            # A step holds at most max_num_seqs requests, so some slot belongs to a request outside this step
+            # (preempted or finished).
+            holder = next(r for r in self.slots if r not in set(step_ids))
             free = [self.slots.pop(holder)]
         self.slots[request_id] = free[0]
-        row = first_slot_row + free[0]
-        state = self.state
-        for name, (scale_row, bias_row, _positions) in plan.edits.items():
-            state.scales[name][row].copy_(state.local_columns(name, scale_row))
-            state.biases[name][row].copy_(state.local_columns(name, bias_row))
+        row, state = first_slot_row + free[0], self.state
+        for name, (scale_row, bias_row, _positions) in edits.items():
+            if name not in state.placed:  # on another pipeline stage
+                continue
+            hook = state.placed[name]
+            hook.scale[row].copy_(hook.local(scale_row))
+            hook.bias[row].copy_(hook.local(bias_row))
         return row
 
     def executed(self) -> None:
-        """After the forward: send the kept rows to host memory, per request.
-
-        Runs every step for every request in it: numpy over the step's rows and
-        requests, and Python work only for the requests that kept rows or whose
-        rows did not follow on from their last step's.
-        """
+        """After the forward: the kept rows to host memory, per request, with numpy over the
+        step's rows and Python only for requests that kept rows or did not follow on."""
         step = self.step
         if step is None:
             return
-        starts = step.starts
         kept = self._kept_rows(step)
         num_run = step.counts
         running = num_run > 0  # (reduceat would read one row for an empty segment)
         kept_per_request = np.zeros(len(num_run), dtype=np.int64)
         if running.any():
-            kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), starts[:-1][running])
+            kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), step.starts[:-1][running])
         kept_rows = np.flatnonzero(kept)
         host_rows = self._rows_to_host(kept_rows) if kept_rows.size else {}
         next_position = self.request_table.next_position
@@ -2552,17 +2030,14 @@ class _Batched:
         kept = (positions >= np.repeat(first, step.counts)) & (positions <= np.repeat(last, step.counts))
         for i in np.flatnonzero(first < 0):  # requests keeping a list of positions
             rows = slice(step.starts[i], step.starts[i + 1])
-            kept[rows] = np.isin(positions[rows], self.plans[step.request_ids[i]].capture)
+            kept[rows] = np.isin(positions[rows], self.running[step.request_ids[i]].options.capture)
         return kept
 
     def _rows_to_host(self, kept_rows: np.ndarray) -> dict[str, torch.Tensor]:
-        """{hook: [len(kept_rows), width]} on the host, gathered from the capture buffers.
-
-        On CUDA the gather runs on the compute stream (the next forward rewrites
-        the buffers) and the copy into pinned memory on a side stream: nothing
-        waits for it until read_batched reads the rows.
-        """
-        buffers, device = self.state.capture_buffers, self.state.device
+        """{hook: [len(kept_rows), width]} on the host, gathered from the capture buffers: on
+        CUDA on the compute stream (the next forward rewrites the buffers), then copied into
+        pinned memory on a side stream, which only a read waits for."""
+        buffers, device = {name: hook.buffer for name, hook in self.state.placed.items()}, self.state.device
         if kept_rows.size == kept_rows[-1] + 1:  # rows 0..n-1: a copy of the slice
             gathered = {name: buffer[: kept_rows.size].clone() for name, buffer in buffers.items()}
         else:
@@ -2580,14 +2055,12 @@ class _Batched:
                 rows.record_stream(self.copy_stream)
         return host_rows
 
-    def _accumulate(
-        self, request_id: str, expected: int, first_position: int, chunk: tuple[dict, int, int, np.ndarray]
-    ) -> None:
+    def _accumulate(self, request_id: str, expected: int, first_position: int, chunk: tuple) -> None:
         """Add one step's chunk of a request whose rows ran from first_position; expected
         is the position its rows should have started at, had they followed on."""
         if first_position < expected:
-            # Preempted and recomputed from first_position: drop what it kept past
-            # that point, so no row appears twice.
+            # Preempted and recomputed from first_position: drop what it kept past that point, so no row appears
+            # twice.
             record = self.records.get(request_id)
             if record is not None:
                 record.chunks = [
@@ -2595,32 +2068,29 @@ class _Batched:
                     for rows, start, _end, positions in record.chunks
                     if (keep := int(np.searchsorted(positions, first_position)))
                 ]
-        elif first_position > expected and self._keeps_any(request_id, expected, first_position):
-            self.incomplete[request_id] = (
-                f"rows for positions {expected}..{first_position - 1} never ran through the model "
-                "(prefix caching reused them); build the engine with enable_prefix_caching=False"
-            )
+        elif first_position > expected:
+            request = self.running.get(request_id)
+            if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
+                self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
         if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
             self.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
 
-    def _keeps_any(self, request_id: str, start: int, stop: int) -> bool:
-        """Whether the request keeps the row of some position in [start, stop)."""
-        plan = self.plans.get(request_id)
-        if plan is None:
-            return True
-        if isinstance(plan.capture, np.ndarray):
-            return bool(((plan.capture >= start) & (plan.capture < stop)).any())
-        first, last = plan.kept_range
-        return first <= last and first < stop and last >= start
-
-    def read(
-        self, request_ids: list[str], names: list[str], path: str | None
-    ) -> tuple[dict[str, dict[str, Any]], str | None]:
-        """({user id: {hook: message}}, the file written or None) for the given requests'
-        rows at the hooks ``names``, which are then forgotten (every hook's); every id must
-        match exactly one captured request, or nothing is read. Each message is the encoded
-        [rows, *row shape], or, with ``path`` and rows to write, its dtype, shape and byte
-        offset in that file, written here."""
+    def read_requests(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
+        """``{"shards", "shared", "file", "rows": {user id: {hook: message}}}``, the requests then forgotten (each
+        id must match one captured request, or nothing is read). For a driver on this host with /dev/shm
+        (``shared``) the rows are in ``file`` and each message is their dtype, shape and byte offset; else the
+        encoded rows. Replicated hooks come from the first tensor-parallel rank only."""
+        if self.config.sink_dir is not None:
+            raise RuntimeError(
+                f"read_batched: this engine writes captured rows to its sink_dir {self.config.sink_dir}: "
+                "call flush_sink(llm), which returns them as a CaptureDataset"
+            )
+        path, shards = _shared_file(driver_host), self.state.shards()
+        reply = {"shards": shards, "shared": path is not None, "file": None, "rows": {}}
+        if not self.state.hook_names:  # a pipeline rank that holds none of the hooks
+            return reply
+        first_rank = _parallel_ranks()[0] == 0
+        names = [name for name in self.state.hook_names if first_rank or name in shards]
         matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)))
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
@@ -2629,60 +2099,36 @@ class _Batched:
             self.copy_stream.synchronize()  # the copies to host still in flight
         records = {user_id: self.records.pop(worker_id) for user_id, worker_id in matches.items()}
         dtype, placed = self.config.dtype, self.state.placed
-        parts = []  # (user id, hook, chunks, rows)
-        for user_id, record in records.items():
-            for name in names:
-                chunks = record.rows(name)
-                parts.append((user_id, name, chunks, sum(chunk.shape[0] for chunk in chunks)))
-        item = torch.empty((), dtype=dtype).element_size()
-        total = item * sum(placed[name].width * num_rows for _u, name, _c, num_rows in parts)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600) if path and total else None
+        parts = [(user_id, name, record.rows(name)) for user_id, record in records.items() for name in names]
+        if not any(chunk.numel() for _user, _name, chunks in parts for chunk in chunks):
+            path = None  # nothing to write
         messages: dict[str, dict[str, Any]] = {user_id: {} for user_id in records}
         offset, in_file_order = 0, []
-        try:
-            for user_id, name, chunks, num_rows in parts:
-                shape = [num_rows, *placed[name].row_shape]
-                if fd is None:  # ordinary memory, not the pinned pages the chunks live in
-                    rows = torch.cat(chunks) if chunks else torch.empty(0, placed[name].width, dtype=dtype)
-                    messages[user_id][name] = encode_tensor(rows.view(shape))
-                else:
-                    messages[user_id][name] = {"dtype": _dtype_name(dtype), "shape": shape, "offset": offset}
-                    offset += num_rows * placed[name].width * item
-                    in_file_order += chunks
-            if fd is not None:
+        for user_id, name, chunks in parts:
+            shape = [sum(chunk.shape[0] for chunk in chunks), *placed[name].row_shape]
+            if path is None:  # ordinary memory, not the pinned pages the chunks live in
+                rows = torch.cat(chunks) if chunks else torch.empty(0, placed[name].width, dtype=dtype)
+                messages[user_id][name] = encode_tensor(rows.view(shape))
+            else:
+                messages[user_id][name] = {"dtype": _dtype_name(dtype), "shape": shape, "offset": offset}
+                offset += sum(chunk.numel() for chunk in chunks) * dtype.itemsize
+                in_file_order += chunks
+        if path is not None:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
                 _write_rows(fd, in_file_order)
-        except BaseException:
-            if fd is not None:
-                os.close(fd)
+            except BaseException:
                 os.unlink(path)
-            raise
-        if fd is not None:
-            os.close(fd)
-        return messages, None if fd is None else path
+                raise
+            finally:
+                os.close(fd)
+        reply.update(rows=messages, file=path)
+        return reply
 
-    def write_to_sink(self, request_ids: list[str]) -> None:
-        """Write these finished requests' kept rows (or why they have none) to the sink,
-        on the ranks that write, and forget them."""
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()  # the copies to host still in flight
-        placed = self.state.placed
-        for request_id in request_ids:
-            reason = self.incomplete.pop(request_id, None)
-            record = self.records.pop(request_id, None)
-            if self.sink is None or not self.warmed_up or (record is None and reason is None):
-                continue
-            plan = self.plans.get(request_id)
-            prompt = None if plan is None or plan.prompt_token_ids is None else list(plan.prompt_token_ids)
-            if reason is not None:
-                self.sink.write(request_id, {"prompt_token_ids": prompt, "positions": [], "error": reason}, [])
-                continue
-            positions = (
-                np.concatenate([chunk[3] for chunk in record.chunks]) if record.chunks else np.zeros(0, np.int64)
-            )
-            parts = [
-                (name, [int(positions.size), *placed[name].row_shape], record.rows(name)) for name in self.sink_hooks
-            ]
-            self.sink.write(request_id, {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}, parts)
+    def flush_sink(self) -> dict[str, Any] | None:
+        if self.sink is None:
+            raise RuntimeError("flush_sink: this engine has no sink: configure(..., sink_dir=directory)")
+        return self.sink.flush()
 
 
 _VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what vLLM adds to a user's request id
@@ -2707,161 +2153,110 @@ def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, 
     return matches
 
 
+def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
+    source = torch.from_numpy(array)
+    if target.device.type == "cuda":
+        source = source.pin_memory()  # the copy is queued; pinned memory outlives it
+    target.copy_(source, non_blocking=True)
+
+
 # ---------------------------------------------------------------------------
-# Worker calls. Mixed into vLLM's worker by worker_extension_cls and reached
-# through llm.collective_rpc; arguments and results are msgpack values.
+# Worker calls. Mixed into vLLM's worker by worker_extension_cls and reached through llm.collective_rpc; arguments
+# and results are msgpack values.
 # ---------------------------------------------------------------------------
 
 _USER_ERRORS = (ValueError, KeyError, RuntimeError)
 
 
 def _errors_as_data(method):
-    """Return a caller's mistake as data, so the driver raises it with its own type.
+    """A worker call given the worker's _HookState, returning a caller's mistake as data, so that the driver raises
+    it with its own type (raised here, it would reach the driver as vLLM's generic RuntimeError)."""
 
-    Raised inside a worker process, it would reach the driver as vLLM's generic
-    RuntimeError with the worker's traceback in the log.
-    """
-
+    @functools.wraps(method)
     def wrapper(self, *args):
         try:
-            return {"result": method(self, *args)}
+            if getattr(self, "_tl_hooks", None) is None:
+                raise RuntimeError(
+                    "tl_vllm_hooks: this engine has no hooks: build it with "
+                    "LLM(model, **tl_vllm_hooks.configure(...).llm_kwargs), and keep TL_VLLM_HOOKS_DISABLE unset"
+                )
+            return {"result": method(self._tl_hooks, *args)}
         except _USER_ERRORS as error:
             return {"error": [type(error).__name__, str(error.args[0]) if error.args else ""]}
 
-    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
     return wrapper
 
 
 class _WorkerExtension:
-    """``WorkerExtension``: methods vLLM mixes into each worker; call them with the driver
-    helpers. Each returns ``{"result": value}`` or ``{"error": [exception type, message]}``.
-    """
-
-    def _tl_state(self) -> _HookState:
-        state = getattr(self, "_tl_hooks", None)
-        if state is None:
-            raise RuntimeError(
-                "tl_vllm_hooks: this engine has no hooks: build it with "
-                "LLM(model, **tl_vllm_hooks.configure(...).llm_kwargs), and keep TL_VLLM_HOOKS_DISABLE unset"
-            )
-        return state
-
-    def _tl_flavour(self, flavour: type, call: str) -> Any:
-        current = self._tl_state().flavour
-        if not isinstance(current, flavour):
-            raise RuntimeError(
-                f"{call}: this engine has {current.name} hooks; configure(enable_batching="
-                f"{flavour is _Batched}) gives {flavour.name} ones"
-            )
-        return current
+    """``WorkerExtension``: what vLLM mixes into each worker, for the driver helpers. Each
+    returns ``{"result": value}`` or ``{"error": [exception type, message]}``."""
 
     @_errors_as_data
-    def tl_status(self) -> dict[str, Any]:
-        state = self._tl_state()
+    def tl_status(state: _HookState) -> dict[str, Any]:
+        sink = getattr(state.flavour, "sink", None)
         return {
             "version": __version__,
             "module": __file__,
-            "config": state.config.to_json(),
+            "config": state.payload,
             "hooks": list(state.hook_names),
             "absent": list(state.absent),
             "shards": state.shards(),
             "unread_requests": state.flavour.unread_requests,
-            "sink": sink.status() if (sink := getattr(state.flavour, "sink", None)) is not None else None,
+            "sink": None if sink is None else sink.status(),
         }
 
     @_errors_as_data
-    def tl_set_edits(self, edits: dict[str, Any]) -> None:
-        state = self._tl_state()
-        if edits and state.prefix_caching:
-            raise ValueError(
-                "set_edits: engine-wide edits change every request's keys and values, and vLLM's prefix "
-                "cache would go on serving blocks computed without them; on an engine with prefix caching, "
-                "edit per request: request_args(config, edits=...)"
-            )
+    def tl_set_edits(state: _HookState, edits: dict[str, Any]) -> None:
+        _refuse_prefix_caching(state.prefix_caching, state.config, edits)
         unknown = sorted(set(edits) - set(state.hook_names) - set(state.absent))
         if unknown:
             raise ValueError(f"edits: unknown hooks {unknown}; configured: {state.hook_names}")
-        tables = {  # every edit checked before any table changes
-            name: _engine_wide_tables(edits[name], name, state.config, state.edit_dtype)
-            for name in state.hook_names
-            if name in edits
+        tables = {
+            name: _engine_wide_tables(edit, name, state.config) for name, edit in edits.items() if name in state.placed
         }
-        for name in state.hook_names:
-            scale, bias = state.flavour.engine_wide(state.scales[name]), state.flavour.engine_wide(state.biases[name])
-            if name in tables:
-                scale.copy_(state.local_columns(name, tables[name][0]))
-                bias.copy_(state.local_columns(name, tables[name][1]))
-            else:
-                scale.fill_(1)
-                bias.zero_()
+        for name, hook in state.placed.items():  # every edit checked before any table changes
+            scale, bias = (t if t.dim() == 1 else t[: _global_rows(state.config)] for t in (hook.scale, hook.bias))
+            scale.copy_(hook.local(tables[name][0]) if name in tables else torch.ones(()))
+            bias.copy_(hook.local(tables[name][1]) if name in tables else torch.zeros(()))
 
     @_errors_as_data
-    def tl_open_capture(self) -> None:
-        self._tl_state().capture_flags.zero_()
+    def tl_open_capture(state: _HookState) -> None:
+        state.capture_flags.zero_()
 
     @_errors_as_data
-    def tl_read_captures(self, num_rows: int) -> dict[str, Any]:
-        rows = self._tl_flavour(_Compiled, "read_captures").read(num_rows)
-        return {"shards": self._tl_state().shards(), "rows": {n: encode_tensor(r) for n, r in rows.items()}}
+    def tl_read_captures(state: _HookState, num_rows: int) -> dict[str, Any]:
+        rows = state.flavour.read_forward(num_rows)
+        return {"shards": state.shards(), "rows": {name: encode_tensor(r) for name, r in rows.items()}}
 
     @_errors_as_data
-    def tl_read_fire_counts(self) -> dict[str, int]:
-        state = self._tl_state()
+    def tl_read_fire_counts(state: _HookState) -> dict[str, int]:
         return dict(zip(state.hook_names, state.fire_counts.tolist()))
 
     @_errors_as_data
-    def tl_reset_fire_counts(self) -> None:
-        self._tl_state().fire_counts.zero_()
+    def tl_reset_fire_counts(state: _HookState) -> None:
+        state.fire_counts.zero_()
 
     @_errors_as_data
-    def tl_read_batched(self, request_ids: list[str], driver_host: str = "") -> dict[str, Any]:
-        """``{"shards", "shared", "file", "rows": {request_id: {hook_name: message}}}``.
-
-        For a driver on this host (``driver_host``) with /dev/shm, ``shared`` is true and
-        the rows are in ``file`` (None when there are none), each message their dtype,
-        shape and byte offset; else each message is the encoded rows. Replicated hooks
-        come from the first tensor-parallel rank only.
-        """
-        flavour = self._tl_flavour(_Batched, "read_batched")
-        if flavour.config.sink_dir is not None:
-            raise RuntimeError(
-                f"read_batched: this engine writes captured rows to its sink_dir {flavour.config.sink_dir}: "
-                "call flush_sink(llm), which returns them as a CaptureDataset"
-            )
-        path = _shared_file(driver_host)
-        reply = {"shards": flavour.state.shards(), "shared": path is not None, "file": None, "rows": {}}
-        if not flavour.state.hook_names:  # a pipeline rank that holds none of the hooks
-            return reply
-        first_rank, shards = _tensor_parallel_rank() == 0, reply["shards"]
-        names = [name for name in flavour.state.hook_names if first_rank or name in shards]
-        reply["rows"], reply["file"] = flavour.read(request_ids, names, path)
-        return reply
+    def tl_read_batched(state: _HookState, request_ids: list[str], driver_host: str = "") -> dict[str, Any]:
+        return state.flavour.read_requests(request_ids, driver_host)
 
     @_errors_as_data
-    def tl_flush_sink(self) -> dict[str, Any] | None:
-        """Write every held request to the sink (the driver saw them all finish) and close
-        the open shard; this rank's writer's status, None where the rank writes nothing."""
-        flavour = self._tl_flavour(_Batched, "flush_sink")
-        if flavour.config.sink_dir is None:
-            raise RuntimeError("flush_sink: this engine has no sink: configure(..., sink_dir=directory)")
-        flavour.write_to_sink(sorted(set(flavour.records) | set(flavour.incomplete)))
-        if flavour.sink is not None:
-            flavour.sink.close()
-        return flavour.sink.status() if flavour.sink is not None else None
+    def tl_flush_sink(state: _HookState) -> dict[str, Any] | None:
+        return state.flavour.flush_sink()
 
     @_errors_as_data
-    def tl_reset_batched(self) -> None:
-        self._tl_flavour(_Batched, "reset_batched").clear()
+    def tl_reset_batched(state: _HookState) -> None:
+        state.flavour.reset_requests()
 
-    @_errors_as_data
-    def tl_remove_hooks(self) -> None:
+    def tl_remove_hooks(self) -> dict[str, Any]:
         _uninstall(self)
+        return {"result": None}
 
 
 def __getattr__(name: str) -> Any:
     if name == "WorkerExtension":
-        # How a vLLM worker loads its worker_extension_cls, before it loads the model.
-        # A copied-in file has no entry point to register it: it registers here.
+        # How a vLLM worker loads its worker_extension_cls, before it loads the model. A copied-in file has no entry
+        # point to register it: it registers here.
         register()
         return _WorkerExtension
     if name in ("CaptureDataset", "tiny_model", "main"):
@@ -2870,53 +2265,62 @@ def __getattr__(name: str) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# Driver helpers: a user's script calls these with its engine, an offline LLM
-# or an AsyncLLM (whose collective_rpc is a coroutine). Each is written once, as
-# a generator that yields (worker method, args) and is sent the workers'
-# results; _drive runs it at once on an LLM, or returns an awaitable that runs
-# it on an AsyncLLM. Results come back as torch tensors keyed by hook name.
+# Driver helpers: a user's script calls these with its engine, an offline LLM or an AsyncLLM (whose collective_rpc
+# is a coroutine). Each is written once, as a generator that yields (worker method, args) and is sent the workers'
+# results; @_driver_helper runs it at once on an LLM, or returns an awaitable that runs it on an AsyncLLM. Results
+# come back as torch tensors keyed by hook name.
 # ---------------------------------------------------------------------------
 
 
-def _drive(engine: Any, steps: Any) -> Any:
-    """Run a helper's steps on ``engine`` and return what it returns (on an AsyncLLM,
-    an awaitable of it). A worker's error is raised here with its own type."""
-    extension = _driver_vllm_config(engine).parallel_config.worker_extension_cls
-    if extension != WORKER_EXTENSION:
-        raise RuntimeError(
-            f"tl_vllm_hooks: the engine's worker_extension_cls is {extension!r}; build it with "
-            "LLM(model, **config.llm_kwargs)"
-        )
+def _driver_helper(steps: Any) -> Any:
+    """``helper(engine, *args)``: runs the generator ``steps(engine, *args)`` on the engine and returns what it
+    returns (on an AsyncLLM, an awaitable of it); a worker's error is raised with its own type."""
 
-    def results(replies: list[dict[str, Any]]) -> list[Any]:
-        for reply in replies:
-            if "error" in reply:
-                kind, message = reply["error"]
-                raise {e.__name__: e for e in _USER_ERRORS}[kind](message)
-        return [reply["result"] for reply in replies]
+    @functools.wraps(steps)
+    def helper(engine: Any, *args: Any) -> Any:
+        extension = getattr(engine, "llm_engine", engine).vllm_config.parallel_config.worker_extension_cls
+        if extension != WORKER_EXTENSION:
+            raise RuntimeError(
+                f"tl_vllm_hooks: the engine's worker_extension_cls is {extension!r}; build it with "
+                "LLM(model, **config.llm_kwargs)"
+            )
+        running = steps(engine, *args)
 
-    if inspect.iscoroutinefunction(engine.collective_rpc):
+        def advance(replies: list[dict[str, Any]] | None) -> tuple[str, tuple]:
+            for reply in replies or ():
+                if "error" in reply:
+                    kind, message = reply["error"]
+                    raise {e.__name__: e for e in _USER_ERRORS}[kind](message)
+            return running.send(None if replies is None else [reply["result"] for reply in replies])
 
-        async def run_async() -> Any:
-            sent = None
-            while True:
+        if inspect.iscoroutinefunction(engine.collective_rpc):
+
+            async def run_async() -> Any:
                 try:
-                    method, args = steps.send(sent)
+                    method, rpc_args = advance(None)
+                    while True:
+                        method, rpc_args = advance(await engine.collective_rpc(method, args=rpc_args))
                 except StopIteration as done:
                     return done.value
-                sent = results(await engine.collective_rpc(method, args=args))
 
-        return run_async()
-    sent = None
-    while True:
+            return run_async()
         try:
-            method, args = steps.send(sent)
+            method, rpc_args = advance(None)
+            while True:
+                method, rpc_args = advance(engine.collective_rpc(method, args=rpc_args))
         except StopIteration as done:
             return done.value
-        sent = results(engine.collective_rpc(method, args=args))
+
+    return helper
 
 
-def _status_steps():
+@_driver_helper
+def status(engine: Any) -> dict[str, Any]:
+    """The hooks as the engine's workers hold them (every helper here takes an ``LLM``, or an ``AsyncLLM`` and then
+    returns an awaitable): ``{"version", "module": the workers' copy, "config": CaptureConfig, "hooks": names
+    installed on some rank in forward order, "absent": names on no rank, "unread_requests": batched requests with
+    rows not yet read (the most of any rank), "ranks": workers, "sink": None, or per writing rank its
+    ``{"directory", "shards", "requests" (whole on disk), "lost", "error", "busy_seconds"}``}``."""
     ranks = yield "tl_status", ()
     hooks = list(dict.fromkeys(name for rank in ranks for name in rank["hooks"]))
     return {
@@ -2931,28 +2335,9 @@ def _status_steps():
     }
 
 
-def status(engine: Any) -> dict[str, Any]:
-    """The hooks as the engine's workers hold them (every helper here takes an ``LLM``,
-    or an ``AsyncLLM`` and then returns an awaitable).
-
-    ``{"version": str, "module": path of the workers' copy, "config": CaptureConfig,
-    "hooks": names installed on some rank in forward order, "absent": names whose module is
-    on no rank, "unread_requests": batched requests with rows not yet read (the most of any
-    rank), "ranks": number of workers, "sink": None, or per writing rank ``{"directory",
-    "shards" and "requests" whole on disk, "lost": requests not written since "error",
-    "busy_seconds": time its writer thread spent writing}``}``.
-    """
-    return _drive(engine, _status_steps())
-
-
 def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """One tensor per hook from each rank's (shards, {hook_name: rows}).
-
-    Tensor-parallel ranks hold a replicated activation whole, or, for the input
-    of a row-split projection (attn_z, mlp_post), each its part of the row's
-    first dimension: the parts are joined in order. Pipeline ranks hold
-    disjoint hooks.
-    """
+    """One tensor per hook from each rank's (shards, {hook_name: rows}): a replicated hook
+    whole, a split one (attn_z, mlp_post) joined in order along a row's first dimension."""
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for shards, rows in per_rank:
         for name, tensor in rows.items():
@@ -2963,125 +2348,97 @@ def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) 
     }
 
 
-def _one_call(method: str, *args: Any):
-    yield method, args
-
-
+@_driver_helper
 def open_capture(engine: Any) -> None:
-    """Arm the compiled hooks: the next forward's rows are kept until the next open."""
-    return _drive(engine, _one_call("tl_open_capture"))
+    """Arm the one-prompt hooks: the next forward's rows are kept until the next open."""
+    yield "tl_open_capture", ()
 
 
-def _read_captures_steps(num_rows: int):
-    replies = yield "tl_read_captures", (num_rows,)
-    return _join_ranks(
-        [(reply["shards"], {n: decode_tensor(m) for n, m in reply["rows"].items()}) for reply in replies]
-    )
-
-
+@_driver_helper
 def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
-    """``{hook_name: [num_rows, *row shape]}`` CPU tensors (config dtype) from the armed forward.
-
-    The row shape is ``[d_model]``, ``[n_heads, d_head]`` (attn_z) or ``[d_mlp]``
-    (mlp_post), whole also under tensor parallelism. num_rows is the prompt length
-    in tokens; the prompt must fit one forward (``<= max_num_batched_tokens``).
-    """
-    return _drive(engine, _read_captures_steps(num_rows))
+    """``{hook_name: [num_rows, *row shape]}`` CPU tensors (config dtype) of the armed forward,
+    rows as SITES says, whole under tensor parallelism. num_rows: the prompt's tokens; the
+    prompt must fit one forward (``<= max_num_batched_tokens``)."""
+    replies = yield "tl_read_captures", (num_rows,)
+    return _join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
 
 
-def _edits_to_wire(edits: Any, as_lists: bool = False) -> Any:
-    """Edits with tensor (and numpy) values as plain values: encoded tensors for
-    collective_rpc, or, ``as_lists``, nested lists of numbers for JSON (exact: every
-    float dtype's values are float64 values)."""
+def _edits_to_wire(edits: Any, as_lists: bool = False) -> dict[str, Any]:
+    """Edits with tensor (and numpy) values as encoded tensors for collective_rpc, or, with
+    ``as_lists``, lists of numbers for JSON (exact: every float dtype's values are float64's)."""
     if not isinstance(edits, dict):
-        return edits  # the checks name the problem
-    wire = {}
-    for name, edit in edits.items():
-        if isinstance(edit, dict):
-            edit = dict(edit)
-            value = edit.get("value")
-            if isinstance(value, torch.Tensor) and not as_lists:
-                edit["value"] = encode_tensor(value)
-            elif isinstance(value, (torch.Tensor, np.ndarray)):
-                edit["value"] = value.tolist()
-            if isinstance(edit.get("positions"), (torch.Tensor, np.ndarray)):
-                edit["positions"] = edit["positions"].tolist()
-        wire[name] = edit
-    return wire
+        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
+
+    def plain(value: Any, as_list: bool) -> Any:
+        if isinstance(value, torch.Tensor) and not as_list:
+            return encode_tensor(value)
+        return value.tolist() if isinstance(value, (torch.Tensor, np.ndarray)) else value
+
+    return {
+        name: (
+            {key: plain(v, as_lists or key == "positions") for key, v in edit.items()}
+            if isinstance(edit, dict)
+            else edit
+        )
+        for name, edit in edits.items()
+    }
 
 
-def _set_edits_steps(edits: Any):
+@_driver_helper
+def set_edits(engine: Any, edits: dict[str, dict[str, Any]]) -> None:
+    """Replace every engine-wide edit (hooks not named go back to identity) from the next forward on: ``{hook_name:
+    {"op": op, "value": v, "positions": [p, ...]}}``, op one of ``suppress`` (no value), ``scale``, ``add``,
+    ``set``; v a finite number or a float tensor of the row's shape (or flat); positions (optional) need
+    ``enable_position_interventions=True``. ValueError before any rank changes; refused with prefix caching on (edit
+    per request there)."""
     wire = _edits_to_wire(edits)
-    if not isinstance(wire, dict):
-        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r}")
-    config = (yield from _status_steps())["config"]
+    config = (yield from status.__wrapped__(engine))["config"]
     for name, edit in wire.items():
         _check_hook_name(name, config)
-        _engine_wide_tables(edit, name, config, torch.float32)
+        _engine_wide_tables(edit, name, config)
     yield "tl_set_edits", (wire,)
 
 
-def set_edits(engine: Any, edits: dict[str, dict[str, Any]]) -> None:
-    """Replace every engine-wide edit: hooks not named go back to identity.
-
-    edits: ``{hook_name: {"op": op, "value": v, "positions": [p, ...]}}`` with op
-    one of ``suppress`` (no value), ``scale``, ``add`` or ``set``; v a finite
-    number or a float tensor of the row's shape (or flat); positions (optional)
-    token positions, needing ``enable_position_interventions=True``. Checked here
-    (ValueError) before any rank changes; applies from the next forward on.
-    Refused on an engine with prefix caching (edit per request there).
-    """
-    return _drive(engine, _set_edits_steps(edits))
-
-
+@_driver_helper
 def reset_edits(engine: Any) -> None:
     """Every hook back to identity."""
-    return _drive(engine, _one_call("tl_set_edits", {}))
+    yield "tl_set_edits", ({},)
 
 
 def request_args(
-    config: CaptureConfig,
-    capture: str | list[int] = "all",
-    edits: dict[str, dict[str, Any]] | None = None,
+    config: CaptureConfig, capture: str | list[int] = "all", edits: dict[str, dict[str, Any]] | None = None
 ) -> dict[str, str]:
-    """One request's options in the batched flavour, as ``{"tl_vllm_hooks": JSON text}``:
-    ``SamplingParams(extra_args=request_args(...))``, or to a server (``vllm serve``)
-    ``extra_body={"vllm_xargs": request_args(...)}``.
+    """One request's options in the batched flavour, ``{"tl_vllm_hooks": JSON text}``, for
+    ``SamplingParams(extra_args=...)`` (merged with any of your own) or a server's ``extra_body={"vllm_xargs":
+    ...}``.
 
     config: the engine's config (what ``configure`` returned).
-    capture: which of the request's rows ``read_batched`` (or the sink) gets:
-        ``"all"`` (prompt and generated tokens), ``"prompt"``,
-        ``"last_prompt_token"``, ``"none"``, or a list of token positions. Rows
-        not kept never leave the device. A request without options keeps all
-        its rows, or none on an engine with prefix caching on (it may then be
-        served from the cache, as plain vLLM would serve it).
-    edits: as in ``set_edits``, for this request's rows only; a hook edited
-        here ignores the engine-wide edit on that hook for this request.
-        Positions may be any token position.
+    capture: the request's rows ``read_batched`` (or the sink) gets: ``"all"`` (prompt and generated tokens, as
+        without options), ``"prompt"``, ``"last_prompt_token"``, ``"none"``, or a list of token positions. Rows not
+        kept never leave the device.
+    edits: as in ``set_edits``, at any positions, for this request's rows only; a hook edited here ignores the
+        engine-wide edit on that hook for this request.
 
-    With prefix caching on, a request that keeps prompt rows before its last
-    skips reading the cache, and one with edits shares cached blocks only with
-    requests making the same edits (vLLM's cache salt).
-
-    Validated here (ValueError naming the problem) before anything is sent, and
-    again where vLLM takes the request (a server answers HTTP 400 with the same
-    message). Tensor values travel as lists of numbers. Merge the result into any
-    extra_args of your own.
+    Checked here (ValueError naming the problem) and again where vLLM takes the request (a server answers HTTP 400
+    with the same message). Where prefix caching was turned on (``llm_kwargs`` and ``serve_args`` turn it off), a
+    request without options keeps no rows and may be served from the cache; one keeping prompt rows before its last
+    skips reading it, and one with edits shares blocks only with requests making the same edits.
     """
     if not isinstance(config, CaptureConfig):
         raise ValueError(f"request_args: config must be the CaptureConfig of the engine, got {config!r:.100}")
-    if not config.enable_batching:
-        raise ValueError(
-            "request_args: per-request options need the batched flavour: configure(..., enable_batching=True)"
-        )
     options: dict[str, Any] = {"capture": list(capture) if isinstance(capture, tuple) else capture}
     if edits:
         options["edits"] = _edits_to_wire(edits, as_lists=True)
-    _parse_request_options(options, config, torch.float32)
+    _parse_options(options, config)
     return {_REQUEST_KEY: json.dumps(options)}
 
 
-def _read_batched_steps(request_ids: list[str]):
+@_driver_helper
+def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """``{request_id: {hook_name: [rows, *row shape]}}`` CPU tensors (config dtype) of the
+    requests (``RequestOutput.request_id``), then freed. Rows, in position order, are those
+    ``request_args(capture=...)`` kept: by default every token that ran through the model
+    for it, its prompt then each generated token but the last; shaped as in read_captures."""
     if isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids):
         raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")
     per_rank = []
@@ -3090,7 +2447,7 @@ def _read_batched_steps(request_ids: list[str]):
             warnings.warn(
                 "read_batched: rows come through vLLM's RPC, which is slow: a worker runs on another host "
                 "than this driver, or its host has no /dev/shm",
-                stacklevel=4,
+                stacklevel=3,
             )
         mapped = _mapped_rows(reply["file"]) if reply["file"] else None
         rows = {
@@ -3105,19 +2462,14 @@ def _read_batched_steps(request_ids: list[str]):
     }
 
 
-def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """Batched captures: ``{request_id: {hook_name: [rows, *row shape]}}``, then freed.
-
-    request_ids: the ids the user sees (``RequestOutput.request_id``). Rows, in
-    position order, are those the request's ``request_args(capture=...)`` kept;
-    by default every token that ran through the model for it: its prompt, then
-    each generated token but the last. Tensors are CPU, in the config's dtype,
-    rows shaped as in ``read_captures``; a request that kept no row gets zero rows.
-    """
-    return _drive(engine, _read_batched_steps(request_ids))
-
-
-def _flush_sink_steps():
+@_driver_helper
+def flush_sink(engine: Any) -> Any:
+    """Write every request that ran to the engine's ``sink_dir``, close the open shards, and return the directory's
+    ``CaptureDataset``. Call it once ``generate`` has returned (vLLM tells its workers that a request finished only
+    at their next step). RuntimeError if a write failed (disk full, directory removed), naming the file and the
+    requests not written; the shards the manifests list stay whole and readable."""
+    if getattr(engine, "llm_engine", engine).output_processor.has_unfinished_requests():
+        raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
     writers = [reply for reply in (yield "tl_flush_sink", ()) if reply is not None]
     failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
     if failures:
@@ -3125,27 +2477,15 @@ def _flush_sink_steps():
     return _tools().CaptureDataset(writers[0]["directory"])
 
 
-def flush_sink(engine: Any) -> Any:
-    """Write every request that ran to the engine's ``sink_dir``, close the open shards,
-    and return the directory's ``CaptureDataset``.
-
-    Call it once ``generate`` has returned: vLLM tells its workers that a request
-    finished only at their next step, so the last requests of a generate wait on
-    disk for this call (or for the next generate). RuntimeError if a write failed
-    (disk full, directory removed): it names the file and the requests not written;
-    the shards the manifests list stay whole and readable.
-    """
-    if _has_unfinished_requests(engine):
-        raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
-    return _drive(engine, _flush_sink_steps())
-
-
+@_driver_helper
 def reset_batched(engine: Any) -> None:
     """Drop every batched row not yet read."""
-    return _drive(engine, _one_call("tl_reset_batched"))
+    yield "tl_reset_batched", ()
 
 
-def _read_fire_counts_steps():
+@_driver_helper
+def read_fire_counts(engine: Any) -> dict[str, int]:
+    """How often each hook ran since the last reset (the first rank holding it)."""
     counts: dict[str, int] = {}
     for rank in (yield "tl_read_fire_counts", ()):
         for name, count in rank.items():
@@ -3153,22 +2493,19 @@ def _read_fire_counts_steps():
     return counts
 
 
-def read_fire_counts(engine: Any) -> dict[str, int]:
-    """How often each hook ran since the last reset (the first rank holding it)."""
-    return _drive(engine, _read_fire_counts_steps())
-
-
+@_driver_helper
 def reset_fire_counts(engine: Any) -> None:
     """Zero every hook's fire count."""
-    return _drive(engine, _one_call("tl_reset_fire_counts"))
+    yield "tl_reset_fire_counts", ()
 
 
+@_driver_helper
 def remove_hooks(engine: Any) -> None:
     """Remove every hook from every worker (a compiled graph keeps what it traced)."""
-    return _drive(engine, _one_call("tl_remove_hooks"))
+    yield "tl_remove_hooks", ()
 
 
 if __name__ == "__main__":
-    # The command line is the companion's; it imports this file as tl_vllm_hooks, whose
-    # WORKER_EXTENSION and registration state are the ones vLLM's workers see.
+    # The command line is the companion's; it imports this file as tl_vllm_hooks, whose WORKER_EXTENSION and
+    # registration state are the ones vLLM's workers see.
     sys.exit(_tools().main())

@@ -13,6 +13,7 @@ when asked for one of these (both ship in the package; copy both to use them):
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import contextlib
 import glob
@@ -41,6 +42,7 @@ from tl_vllm_hooks import (
     __version__,
     _dtype_name,
     _join_ranks,
+    _parallel_ranks,
     _write_rows,
     capture_specs,
     configure,
@@ -52,7 +54,7 @@ from tl_vllm_hooks import (
     set_edits,
 )
 
-__all__ = ["CaptureDataset", "ShardWriter", "check_sink_dir", "main", "sink_header", "tiny_model"]
+__all__ = ["CaptureDataset", "RankSink", "ShardWriter", "check_sink_dir", "main", "sink_header", "tiny_model"]
 
 logger = logging.getLogger("tl_vllm_hooks")
 
@@ -131,6 +133,78 @@ def check_sink_dir(config: CaptureConfig) -> None:
                 f"({header.get('dtype')}, {sorted(header.get('hooks', {}))}); give an empty directory, "
                 "or the config that wrote it to go on with it"
             )
+
+
+class RankSink:
+    """A batched worker's part of the sink: the first tensor-parallel rank of each pipeline
+    stage writes its stage's hooks, the other ranks only their parts of split ones, each
+    through a ShardWriter of its own (none where a rank writes nothing)."""
+
+    def __init__(self, flavour: Any, worker: Any):
+        self.flavour, state = flavour, flavour.state
+        tensor_rank, _size, stage = _parallel_ranks()
+        shards = state.shards()
+        self.hooks = [name for name in state.hook_names if tensor_rank == 0 or name in shards]
+        self.writer: ShardWriter | None = None
+        if self.hooks:
+            import vllm
+
+            writer, config = f"pp{stage}-tp{tensor_rank}", state.config
+            header = {
+                **sink_header(config),
+                "writer": writer,
+                "model": worker.vllm_config.model_config.model,
+                "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "tl_vllm_hooks": __version__},
+                "writes": self.hooks,
+                "shards": {name: shards[name] for name in self.hooks if name in shards},
+            }
+            self.writer = ShardWriter(config.sink_dir, writer, header, config.shard_bytes, config.shard_seconds)
+            atexit.register(self.writer.close)  # what was written stays readable if the engine is not flushed
+
+    def status(self) -> dict[str, Any] | None:
+        return None if self.writer is None else self.writer.status()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def write(self, request_ids: list[str]) -> None:
+        """Write these finished requests' kept rows (or why they have none) and forget them."""
+        flavour = self.flavour
+        if flavour.copy_stream is not None:
+            flavour.copy_stream.synchronize()  # the copies to host still in flight
+        for request_id in request_ids:
+            reason = flavour.incomplete.pop(request_id, None)
+            record = flavour.records.pop(request_id, None)
+            if self.writer is None or not flavour.warmed_up or (record is None and reason is None):
+                continue
+            request = flavour.running.get(request_id)
+            prompt = None if request is None or request.prompt_token_ids is None else list(request.prompt_token_ids)
+            if reason is not None:
+                self.writer.write(request_id, {"prompt_token_ids": prompt, "positions": [], "error": reason}, [])
+                continue
+            positions = (
+                np.concatenate([chunk[3] for chunk in record.chunks]) if record.chunks else np.zeros(0, np.int64)
+            )
+            row_shapes = {name: flavour.state.placed[name].row_shape for name in self.hooks}
+            parts = [(name, [positions.size, *row_shapes[name]], record.rows(name)) for name in self.hooks]
+            self.writer.write(request_id, {"prompt_token_ids": prompt, "positions": position_ranges(positions)}, parts)
+
+    def flush(self) -> dict[str, Any] | None:
+        """Write every request held (the driver saw them all finish) and close the open
+        shard; this rank's writer's status, None where the rank writes nothing."""
+        self.write(sorted(set(self.flavour.records) | set(self.flavour.incomplete)))
+        self.close()
+        return self.status()
+
+
+def position_ranges(positions: np.ndarray) -> list[list[int]]:
+    """Sorted positions as [start, stop) ranges of consecutive ones (a manifest's positions)."""
+    if not positions.size:
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    firsts, lasts = np.concatenate([[0], breaks]), np.concatenate([breaks, [positions.size]]) - 1
+    return [[int(positions[first]), int(positions[last]) + 1] for first, last in zip(firsts, lasts)]
 
 
 class ShardWriter:

@@ -9,7 +9,7 @@ same weights. `capture` runs each in bf16 under CUDA graphs (vLLM's default
 FULL_AND_PIECEWISE; Model Runner V2 unless VLLM_USE_V2_MODEL_RUNNER=0), both flavours,
 every site of every layer: the batched flavour serves one generate of a 9-, a 300-
 (chunked, 128 tokens a forward) and a 57-token prompt unedited and one request per site of layer 1 with an edit
-there; the compiled flavour captures one prompt unedited and under each edit alone. It
+there; the one-prompt flavour captures one prompt unedited and under each edit alone. It
 writes every request's rows and token ids to OUT (safetensors, JSON). `compare` runs
 TransformerLens 4.3's bridge in fp32 on the weights rounded to bf16, as vLLM loads them,
 with the same edits, and prints the worst relative L2 error per family and flavour; it
@@ -78,6 +78,7 @@ def make_models(directory, families):
 def capture(directory, out, eager):
     from safetensors.torch import save_file
     from transformers import AutoConfig
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -89,7 +90,7 @@ def capture(directory, out, eager):
         specs = every_placed_site(hf_config)
         edits = site_edits(specs)
         records = []
-        for flavour in ("batched", "compiled"):
+        for flavour in ("batched", "one-prompt"):
             config = tlh.configure(specs, 128, torch.bfloat16, enable_batching=flavour == "batched",
                                    enable_position_interventions=True)
             llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True,
@@ -118,9 +119,9 @@ def capture(directory, out, eager):
                     llm.generate(TokensPrompt(prompt_token_ids=PROMPT), SamplingParams(max_tokens=1, temperature=0.0,
                                  detokenize=False), use_tqdm=False)
                     read = tlh.read_captures(llm, len(PROMPT))
-                    records.append({"file": "compiled", "key": k, "tokens": PROMPT,
+                    records.append({"file": "one-prompt", "key": k, "tokens": PROMPT,
                                     "edits": {hook: edit_to_json(edit)} if hook else {}})
-                    rows.setdefault("compiled", {}).update({f"{k}/{name}": t.contiguous() for name, t in read.items()})
+                    rows.setdefault("one-prompt", {}).update({f"{k}/{name}": t.contiguous() for name, t in read.items()})
                 tlh.reset_edits(llm)
             for part, tensors in rows.items():
                 save_file(tensors, os.path.join(out, f"{family}-{part}.safetensors"))
@@ -128,7 +129,7 @@ def capture(directory, out, eager):
             del llm
             print(f"{family} {flavour}: {sum(map(len, rows.values()))} tensors", flush=True)
         with open(os.path.join(out, f"{family}.json"), "w") as file:
-            json.dump({"records": records, "versions": tlh._versions(), "device": torch.cuda.get_device_name()}, file)
+            json.dump({"records": records, "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "tl_vllm_hooks": tlh.__version__}, "device": torch.cuda.get_device_name()}, file)
 
 
 def compare(directory, out, tolerance):

@@ -4,10 +4,10 @@
 
 For every family of the tiny model table: a random fp32 model, TransformerLens
 4.3's TransformerBridge on the same weights, and two vLLM engines in separate
-processes (the compiled flavour in a compiled engine, the batched flavour in an
+processes (the one-prompt flavour in a compiled engine, the batched flavour in an
 eager one). Each captures every hook of the family on all layers, unedited and
 under an edit at each site of layer 1 (a vector added; one forward per edit in
-the compiled flavour, one request per edit in the batched one), and is compared
+the one-prompt flavour, one request per edit in the batched one), and is compared
 with run_with_hooks under the same edit. Prints the worst relative L2 error per
 site (over layers, edits and flavours) and the table as markdown. Needs
 transformer-lens (the test extra).
