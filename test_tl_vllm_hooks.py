@@ -1288,15 +1288,16 @@ def check_sink_requests(llm, model, requests, max_tokens=3, tolerance=TOLERANCE,
 
 
 class TestSink:
-    """Rows written to disk as requests finish: Llama, eager, separate processes, into a
-    24 MiB filesystem that the last test fills."""
+    """Rows written to disk as requests finish: Llama, eager, in this process (the sink in
+    separate processes: TestTensorParallel's and TestServe's), into a 24 MiB filesystem
+    that the last test fills."""
 
     @pytest.fixture(scope="class")
     def llm(self, models, tmp_path_factory):
         with small_filesystem(tmp_path_factory.mktemp("sink") / "disk", "24m") as disk:
             sink_dir = disk / "dataset"
             with engine(
-                models["llama"], in_process=False, eager=True, batching=True, sink_dir=str(sink_dir),
+                models["llama"], in_process=True, eager=True, batching=True, sink_dir=str(sink_dir),
                 shard_bytes=256 << 10,
             ) as llm:
                 llm.model, llm.sink_dir = models["llama"], sink_dir
@@ -1457,7 +1458,9 @@ def test_configure_refuses_a_sink_dir_it_cannot_write(tmp_path):
 
 
 class TestEngineChecks:
-    """Engines of their own: the engine a request is checked against, hooks removed, no config, the compile cache."""
+    """Engines of their own: the engine a request is checked against, hooks removed, no config, the compile cache.
+    Those that need no second process run in this one (each separate engine spawns two
+    processes that import vLLM again: ~35 s)."""
 
     def test_requests_are_checked_against_the_engine_they_go_to(self, models):
         """With a compiled and a batched engine in one process, built in either order, a request
@@ -1485,7 +1488,7 @@ class TestEngineChecks:
                     check(compiled_after, batched, params)
 
     def test_remove_hooks_takes_edits_out_of_an_eager_engine(self, models):
-        with engine(models["llama"], sites=("final_norm",), in_process=False, eager=True, batching=True) as llm:
+        with engine(models["llama"], sites=("final_norm",), in_process=True, eager=True, batching=True) as llm:
             (plain,) = generate(llm, BATCH[:1], max_tokens=4)
             tlh.set_edits(llm, {"ln_final.hook_normalized": {"op": "suppress"}})
             (suppressed,) = generate(llm, BATCH[:1], max_tokens=4)
@@ -1514,7 +1517,7 @@ class TestEngineChecks:
         from vllm import LLM
 
         config = tlh.configure({"layer0": ("model.layers.0", 128)}, MAX_TOKENS_PER_FORWARD)
-        with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING="1"):
+        with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
             llm = LLM(str(models["qwen2"].path), **engine_arguments(), enforce_eager=True,
                       worker_extension_cls=config.llm_kwargs["worker_extension_cls"])
             try:
@@ -1522,7 +1525,7 @@ class TestEngineChecks:
                 with pytest.raises(RuntimeError, match=re.escape("this engine has no hooks: build it with LLM(model, **")):
                     tlh.read_fire_counts(llm)
             finally:
-                shutdown(llm, in_process=False)
+                shutdown(llm, in_process=True)
 
     def test_compile_cache_never_serves_a_graph_traced_for_other_hooks(self, models, tmp_path, monkeypatch):
         """vLLM keys its on-disk compile cache by its config, which knows no hooks.
@@ -1530,12 +1533,21 @@ class TestEngineChecks:
         Three compiled engines share one cache directory: hooks on one site, on
         another, then the first again. Each must run exactly its own hooks, and
         the two configs must get two cache entries (one, without the module's key).
+
+        On the CPU the three run in this process (no six worker processes to start).
+        vLLM 0.32's CPU build cannot load its own entry, in this process or in a fresh
+        one ("'function' object has no attribute 'finalize_loading'"): the third compiles
+        again, so there the entries on disk and each engine's own hooks are what is
+        checked, as they were with separate processes. On GPUs the engines stay in
+        separate processes, where a loadable entry serves the third.
         """
         cache = tmp_path / "vllm-cache"
         monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache))
+        # vLLM points inductor's cache into the entry it compiles for, in os.environ: put it back after.
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         model = models["llama"]
         for sites in [("resid_post",), ("mlp_out",), ("resid_post",)]:
-            with engine(model, sites=sites, in_process=False, eager=False) as llm:
+            with engine(model, sites=sites, in_process=not torch.cuda.is_available(), eager=False) as llm:
                 tlh.reset_fire_counts(llm)
                 captured = capture(llm, PROMPT)
                 assert set(tlh.read_fire_counts(llm).values()) == {1}, tlh.read_fire_counts(llm)
@@ -2106,7 +2118,7 @@ class TestTensorParallel:
         growing by 40 tokens each: vLLM preempts requests and recomputes them."""
         model = models["llama"]
         prompts = [[(17 * i + 29 * r + 1) % 512 for i in range(100)] for r in range(4)]
-        with engine(model, sites=("resid_post",), in_process=False, eager=True, batching=True,
+        with engine(model, sites=("resid_post",), in_process=True, eager=True, batching=True,
                     num_gpu_blocks_override=10, block_size=32, max_model_len=256, disable_log_stats=False) as llm:
             check_batched(llm, model, max_tokens=40, prompts=prompts)
             preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
