@@ -882,14 +882,16 @@ def check_every_site_edit_per_request(llm, model: Model, reference=None, toleran
 
 
 class TestCompiled:
-    """Compiled engines (torch.compile/inductor): Llama with the engine core in this process,
-    Qwen2 in vLLM's default separate processes."""
+    """The compiled flavour: Llama torch.compiled (inductor) with the engine core in this
+    process, Qwen2 eager in vLLM's default separate processes (a compile in a spawned
+    worker costs ~60 s; the compiled flavour is compiled in spawned workers by
+    test_parallel_layout_matches_one_device[tp2-compiled] and examples/steer.py and parity.py)."""
 
-    @pytest.fixture(scope="class", params=[("llama", True), ("qwen2", False)],
+    @pytest.fixture(scope="class", params=[("llama", True, False), ("qwen2", False, True)],
                     ids=lambda p: f"{p[0]}-{'in-process' if p[1] else 'separate'}")
     def llm(self, request, models):
-        family, in_process = request.param
-        with engine(models[family], in_process=in_process, eager=False) as llm:
+        family, in_process, eager = request.param
+        with engine(models[family], in_process=in_process, eager=eager) as llm:
             llm.model = models[family]
             yield llm
 
