@@ -875,14 +875,16 @@ def check_every_site_edit_per_request(llm, model: Model, reference=None, toleran
 
 
 class TestOnePrompt:
-    """Compiled engines (torch.compile/inductor): Llama with the engine core in this process,
-    Qwen2 in vLLM's default separate processes."""
+    """The one-prompt flavour: Llama torch.compiled (inductor) with the engine core in this
+    process, Qwen2 eager in vLLM's default separate processes (a compile in a spawned
+    worker costs ~60 s; the one-prompt flavour is compiled in spawned workers by
+    test_parallel_layout_matches_one_device[tp2-one-prompt] and examples/steer.py and parity.py)."""
 
-    @pytest.fixture(scope="class", params=[("llama", True), ("qwen2", False)],
+    @pytest.fixture(scope="class", params=[("llama", True, False), ("qwen2", False, True)],
                     ids=lambda p: f"{p[0]}-{'in-process' if p[1] else 'separate'}")
     def llm(self, request, models):
-        family, in_process = request.param
-        with engine(models[family], in_process=in_process, eager=False) as llm:
+        family, in_process, eager = request.param
+        with engine(models[family], in_process=in_process, eager=eager) as llm:
             llm.model = models[family]
             yield llm
 
@@ -1031,6 +1033,13 @@ def kept_rows(capture, prompt_len: int, num_rows: int) -> list[int]:
     return sorted({p for p in capture if p < num_rows})
 
 
+def take_rows(tensors: dict, rows: list[int]) -> dict:
+    """{name: tensor[rows]}, the index made a tensor once: a list index is parsed again
+    for every tensor, which cost seconds over a family's hooks and requests."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return {name: tensor[index] for name, tensor in tensors.items()}
+
+
 def check_per_request(
     llm, model, requests, engine_edits=None, max_tokens=3, tolerance=TOLERANCE, row_tolerance=None
 ):
@@ -1063,7 +1072,7 @@ def check_per_request(
         sequence = list(prompt) + list(output.outputs[0].token_ids)[:-1]
         expected = model.reference(sequence, llm.hook_names, {**(engine_edits or {}), **(edits or {})})
         rows = kept_rows(capture or "all", len(prompt), len(sequence))
-        expected = {name: tensor[rows] for name, tensor in expected.items()}
+        expected = take_rows(expected, rows)
         one_row = row_tolerance is not None and len(next(iter(expected.values()))) == 1
         error = assert_matches(
             captured[output.request_id],
@@ -1259,7 +1268,7 @@ def check_sink_requests(llm, model, requests, max_tokens=3, tolerance=TOLERANCE,
             continue
         sequence = list(prompt) + list(output.outputs[0].token_ids)[:-1]
         rows = kept_rows(capture or "all", len(prompt), len(sequence))
-        expected = {n: t[rows] for n, t in model.reference(sequence, llm.hook_names, edits).items()}
+        expected = take_rows(model.reference(sequence, llm.hook_names, edits), rows)
         within = row_tolerance if row_tolerance is not None and len(rows) == 1 else tolerance
         entry = dataset.entry(output.request_id)
         assert entry["prompt_token_ids"] == list(prompt)
@@ -1274,15 +1283,16 @@ def check_sink_requests(llm, model, requests, max_tokens=3, tolerance=TOLERANCE,
 
 
 class TestSink:
-    """Rows written to disk as requests finish: Llama, eager, separate processes, into a
-    24 MiB filesystem that the last test fills."""
+    """Rows written to disk as requests finish: Llama, eager, in this process (the sink in
+    separate processes: TestTensorParallel's and TestServe's), into a 24 MiB filesystem
+    that the last test fills."""
 
     @pytest.fixture(scope="class")
     def llm(self, models, tmp_path_factory):
         with small_filesystem(tmp_path_factory.mktemp("sink") / "disk", "24m") as disk:
             sink_dir = disk / "dataset"
             with engine(
-                models["llama"], in_process=False, eager=True, batching=True, sink_dir=str(sink_dir),
+                models["llama"], in_process=True, eager=True, batching=True, sink_dir=str(sink_dir),
                 shard_bytes=256 << 10,
             ) as llm:
                 llm.model, llm.sink_dir = models["llama"], sink_dir
@@ -1443,7 +1453,9 @@ def test_configure_refuses_a_sink_dir_it_cannot_write(tmp_path):
 
 
 class TestEngineChecks:
-    """Engines of their own: the engine a request is checked against, hooks removed, no config, the compile cache."""
+    """Engines of their own: the engine a request is checked against, hooks removed, no config, the compile cache.
+    Those that need no second process run in this one (each separate engine spawns two
+    processes that import vLLM again: ~35 s)."""
 
     def test_requests_are_checked_against_the_engine_they_go_to(self, models):
         """With a one-prompt and a batched engine in one process, built in either order, a request
@@ -1471,7 +1483,7 @@ class TestEngineChecks:
                     check(one_prompt_after, batched, params)
 
     def test_remove_hooks_takes_edits_out_of_an_eager_engine(self, models):
-        with engine(models["llama"], sites=("final_norm",), in_process=False, eager=True, batching=True) as llm:
+        with engine(models["llama"], sites=("final_norm",), in_process=True, eager=True, batching=True) as llm:
             (plain,) = generate(llm, BATCH[:1], max_tokens=4)
             tlh.set_edits(llm, {"ln_final.hook_normalized": {"op": "suppress"}})
             (suppressed,) = generate(llm, BATCH[:1], max_tokens=4)
@@ -1500,7 +1512,7 @@ class TestEngineChecks:
         from vllm import LLM
 
         config = tlh.configure({"layer0": ("model.layers.0", 128)}, MAX_TOKENS_PER_FORWARD)
-        with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING="1"):
+        with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
             llm = LLM(str(models["qwen2"].path), **engine_arguments(), enforce_eager=True,
                       worker_extension_cls=config.llm_kwargs["worker_extension_cls"])
             try:
@@ -1508,7 +1520,7 @@ class TestEngineChecks:
                 with pytest.raises(RuntimeError, match=re.escape("this engine has no hooks: build it with LLM(model, **")):
                     tlh.read_fire_counts(llm)
             finally:
-                shutdown(llm, in_process=False)
+                shutdown(llm, in_process=True)
 
     def test_compile_cache_never_serves_a_graph_traced_for_other_hooks(self, models, tmp_path, monkeypatch):
         """vLLM keys its on-disk compile cache by its config, which knows no hooks.
@@ -1516,12 +1528,21 @@ class TestEngineChecks:
         Three compiled engines share one cache directory: hooks on one site, on
         another, then the first again. Each must run exactly its own hooks, and
         the two configs must get two cache entries (one, without the module's key).
+
+        On the CPU the three run in this process (no six worker processes to start).
+        vLLM 0.32's CPU build cannot load its own entry, in this process or in a fresh
+        one ("'function' object has no attribute 'finalize_loading'"): the third compiles
+        again, so there the entries on disk and each engine's own hooks are what is
+        checked, as they were with separate processes. On GPUs the engines stay in
+        separate processes, where a loadable entry serves the third.
         """
         cache = tmp_path / "vllm-cache"
         monkeypatch.setenv("VLLM_CACHE_ROOT", str(cache))
+        # vLLM points inductor's cache into the entry it compiles for, in os.environ: put it back after.
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         model = models["llama"]
         for sites in [("resid_post",), ("mlp_out",), ("resid_post",)]:
-            with engine(model, sites=sites, in_process=False, eager=False) as llm:
+            with engine(model, sites=sites, in_process=not torch.cuda.is_available(), eager=False) as llm:
                 tlh.reset_fire_counts(llm)
                 captured = capture(llm, PROMPT)
                 assert set(tlh.read_fire_counts(llm).values()) == {1}, tlh.read_fire_counts(llm)
@@ -1984,10 +2005,13 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
     )
     reference_model = bf16_reference(models["llama"]) if TWO_GPUS else models["llama"]
     one_gpu = request.getfixturevalue("one_gpu_rows") if TWO_GPUS else None
+    # Graphs on, except the batched flavour on the CPU: there the one-prompt flavour is the
+    # check of hooks traced under tensor parallelism (a compile costs ~70 s a worker), and
+    # TestBatched compiles the batched flavour on one device.
     with engine(
         models["llama"],
         in_process=False,
-        eager=False,
+        eager=flavour == "batched" and not TWO_GPUS,
         batching=flavour == "batched",
         dtype=dtype,
         environment=environment,
@@ -2092,7 +2116,7 @@ class TestTensorParallel:
         growing by 40 tokens each: vLLM preempts requests and recomputes them."""
         model = models["llama"]
         prompts = [[(17 * i + 29 * r + 1) % 512 for i in range(100)] for r in range(4)]
-        with engine(model, sites=("resid_post",), in_process=False, eager=True, batching=True,
+        with engine(model, sites=("resid_post",), in_process=True, eager=True, batching=True,
                     num_gpu_blocks_override=10, block_size=32, max_model_len=256, disable_log_stats=False) as llm:
             check_batched(llm, model, max_tokens=40, prompts=prompts)
             preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
@@ -2319,7 +2343,7 @@ class TestAsyncLLM:
             sequence = list(prompt) + list(output.outputs[0].token_ids)[:-1]
             expected = engine.model.reference(sequence, names, edits)
             rows = kept_rows(capture or "all", len(prompt), len(sequence))
-            assert_matches(captured[request_id], {n: t[rows] for n, t in expected.items()}, request_id)
+            assert_matches(captured[request_id], take_rows(expected, rows), request_id)
 
     def test_engine_wide_edits_are_refused_with_prefix_caching_on(self, async_engine):
         with pytest.raises(ValueError, match="engine-wide edits change every request's keys and values"):
