@@ -1467,7 +1467,10 @@ class TestEngineChecks:
     def test_requests_are_checked_against_the_engine_they_go_to(self, models):
         """With a compiled and a batched engine in one process, built in either order, a request
         with per-request options is taken by the batched engine and refused by the compiled one;
-        its SamplingParams, made while only the compiled engine exists, are not refused."""
+        its SamplingParams, made while only the compiled engine exists, are not refused.
+        The check is the driver's (each engine's InputProcessor, against its own config): the
+        three engines run wholly in this process, where the engine cores and workers of all
+        three meet too."""
         from vllm import SamplingParams
 
         model, prompt, sites = models["llama"], {"prompt_token_ids": PROMPT}, ("resid_post",)
@@ -1482,11 +1485,11 @@ class TestEngineChecks:
             rows = tlh.read_batched(batched, [output.request_id])[output.request_id]
             assert_matches(rows, model.reference(PROMPT, list(rows)))
 
-        with engine(model, sites=sites, in_process=False, eager=True) as compiled_first:
+        with engine(model, sites=sites, in_process=True, eager=True) as compiled_first:
             params = SamplingParams(max_tokens=1, detokenize=False, extra_args=tlh.request_args(batched_config, "prompt"))
-            with engine(model, sites=sites, in_process=False, eager=True, batching=True) as batched:
+            with engine(model, sites=sites, in_process=True, eager=True, batching=True) as batched:
                 check(compiled_first, batched, params)
-                with engine(model, sites=sites, in_process=False, eager=True) as compiled_after:
+                with engine(model, sites=sites, in_process=True, eager=True) as compiled_after:
                     check(compiled_after, batched, params)
 
     def test_remove_hooks_takes_edits_out_of_an_eager_engine(self, models):
