@@ -2516,13 +2516,15 @@ def test_command_line_errors_are_one_line(tmp_path, models, arguments, message, 
 class TestExamples:
     """The examples, each as a user runs it."""
 
+    # The compiled ones first, the eager capture_batch.py last: pytest-xdist gives a worker
+    # its next class when two tests of this one are left, and those should be the short ones.
     @pytest.mark.parametrize(
         "example, expected",
         [
-            ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
-            ("steer.py", "after reset:"),
             ("parity.py", "worst "),
+            ("steer.py", "after reset:"),
             ("per_request.py", "last-token row matches the unedited request's row 29: True"),
+            ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
         ],
     )
     def test_example_runs_on_the_built_in_model(self, tmp_path, example, expected):
