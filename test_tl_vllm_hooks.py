@@ -1460,7 +1460,10 @@ class TestEngineChecks:
     def test_requests_are_checked_against_the_engine_they_go_to(self, models):
         """With a one-prompt and a batched engine in one process, built in either order, a request
         with per-request options is taken by the batched engine and refused by the one-prompt one;
-        its SamplingParams, made while only the one-prompt engine exists, are not refused."""
+        its SamplingParams, made while only the one-prompt engine exists, are not refused.
+        The check is the driver's (each engine's InputProcessor, against its own config): the
+        three engines run wholly in this process, where the engine cores and workers of all
+        three meet too."""
         from vllm import SamplingParams
 
         model, prompt, sites = models["llama"], {"prompt_token_ids": PROMPT}, ("resid_post",)
@@ -1475,11 +1478,11 @@ class TestEngineChecks:
             rows = tlh.read_batched(batched, [output.request_id])[output.request_id]
             assert_matches(rows, model.reference(PROMPT, list(rows)))
 
-        with engine(model, sites=sites, in_process=False, eager=True) as one_prompt_first:
+        with engine(model, sites=sites, in_process=True, eager=True) as one_prompt_first:
             params = SamplingParams(max_tokens=1, detokenize=False, extra_args=tlh.request_args(batched_config, "prompt"))
-            with engine(model, sites=sites, in_process=False, eager=True, batching=True) as batched:
+            with engine(model, sites=sites, in_process=True, eager=True, batching=True) as batched:
                 check(one_prompt_first, batched, params)
-                with engine(model, sites=sites, in_process=False, eager=True) as one_prompt_after:
+                with engine(model, sites=sites, in_process=True, eager=True) as one_prompt_after:
                     check(one_prompt_after, batched, params)
 
     def test_remove_hooks_takes_edits_out_of_an_eager_engine(self, models):
@@ -2506,13 +2509,15 @@ def test_command_line_errors_are_one_line(tmp_path, models, arguments, message, 
 class TestExamples:
     """The examples, each as a user runs it."""
 
+    # The compiled ones first, the eager capture_batch.py last: pytest-xdist gives a worker
+    # its next class when two tests of this one are left, and those should be the short ones.
     @pytest.mark.parametrize(
         "example, expected",
         [
-            ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
-            ("steer.py", "after reset:"),
             ("parity.py", "worst "),
+            ("steer.py", "after reset:"),
             ("per_request.py", "last-token row matches the unedited request's row 29: True"),
+            ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
         ],
     )
     def test_example_runs_on_the_built_in_model(self, tmp_path, example, expected):
