@@ -1396,12 +1396,18 @@ def _sweep_shared_files(own: bool = False) -> None:
     """Unlink the row files of processes that are gone (and, with ``own``, this one's)."""
     for path in glob.glob(os.path.join(_SHARED_DIR, _SHARED_PREFIX + "*")):
         pid = os.path.basename(path)[len(_SHARED_PREFIX) :].partition("-")[0]
-        with contextlib.suppress(FileNotFoundError, PermissionError, ValueError):  # another user's: alive
-            if not (own and int(pid) == os.getpid()):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), 0)
-                    continue  # alive
-            os.unlink(path)
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            gone = own and int(pid) == os.getpid()
+        except ProcessLookupError:
+            gone = True
+        except PermissionError:  # another user's, alive
+            gone = False
+        if gone:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _mapped_rows(path: str) -> torch.Tensor:
@@ -2447,7 +2453,7 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
             warnings.warn(
                 "read_batched: rows come through vLLM's RPC, which is slow: a worker runs on another host "
                 "than this driver, or its host has no /dev/shm",
-                stacklevel=3,
+                stacklevel=4,  # the user's call: this generator, advance, helper, the caller
             )
         mapped = _mapped_rows(reply["file"]) if reply["file"] else None
         rows = {

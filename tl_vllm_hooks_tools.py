@@ -54,7 +54,16 @@ from tl_vllm_hooks import (
     set_edits,
 )
 
-__all__ = ["CaptureDataset", "RankSink", "ShardWriter", "check_sink_dir", "main", "sink_header", "tiny_model"]
+__all__ = [
+    "CaptureDataset",
+    "RankSink",
+    "ShardWriter",
+    "check_sink_dir",
+    "main",
+    "sink_header",
+    "tiny_model",
+    "versions",
+]
 
 logger = logging.getLogger("tl_vllm_hooks")
 
@@ -145,16 +154,15 @@ class RankSink:
         tensor_rank, _size, stage = _parallel_ranks()
         shards = state.shards()
         self.hooks = [name for name in state.hook_names if tensor_rank == 0 or name in shards]
+        self.row_shapes = {name: state.placed[name].row_shape for name in self.hooks}
         self.writer: ShardWriter | None = None
         if self.hooks:
-            import vllm
-
             writer, config = f"pp{stage}-tp{tensor_rank}", state.config
             header = {
                 **sink_header(config),
                 "writer": writer,
                 "model": worker.vllm_config.model_config.model,
-                "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "tl_vllm_hooks": __version__},
+                "versions": versions(),
                 "writes": self.hooks,
                 "shards": {name: shards[name] for name in self.hooks if name in shards},
             }
@@ -186,9 +194,8 @@ class RankSink:
             positions = (
                 np.concatenate([chunk[3] for chunk in record.chunks]) if record.chunks else np.zeros(0, np.int64)
             )
-            row_shapes = {name: flavour.state.placed[name].row_shape for name in self.hooks}
-            parts = [(name, [positions.size, *row_shapes[name]], record.rows(name)) for name in self.hooks]
-            self.writer.write(request_id, {"prompt_token_ids": prompt, "positions": position_ranges(positions)}, parts)
+            parts = [(name, [positions.size, *self.row_shapes[name]], record.rows(name)) for name in self.hooks]
+            self.writer.write(request_id, {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}, parts)
 
     def flush(self) -> dict[str, Any] | None:
         """Write every request held (the driver saw them all finish) and close the open
@@ -198,7 +205,14 @@ class RankSink:
         return self.status()
 
 
-def position_ranges(positions: np.ndarray) -> list[list[int]]:
+def versions() -> dict[str, str]:
+    """The versions a capture was written with: vLLM, torch and tl_vllm_hooks."""
+    import vllm
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "tl_vllm_hooks": __version__}
+
+
+def _position_ranges(positions: np.ndarray) -> list[list[int]]:
     """Sorted positions as [start, stop) ranges of consecutive ones (a manifest's positions)."""
     if not positions.size:
         return []

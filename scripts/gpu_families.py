@@ -27,6 +27,7 @@ import torch
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import tl_vllm_hooks as tlh  # noqa: E402
+import tl_vllm_hooks_tools as tools  # noqa: E402
 from hook_errors import placed  # noqa: E402  (this folder is on sys.path when run as a script)
 
 BATCH = [
@@ -78,7 +79,6 @@ def make_models(directory, families):
 def capture(directory, out, eager):
     from safetensors.torch import save_file
     from transformers import AutoConfig
-    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -129,7 +129,7 @@ def capture(directory, out, eager):
             del llm
             print(f"{family} {flavour}: {sum(map(len, rows.values()))} tensors", flush=True)
         with open(os.path.join(out, f"{family}.json"), "w") as file:
-            json.dump({"records": records, "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "tl_vllm_hooks": tlh.__version__}, "device": torch.cuda.get_device_name()}, file)
+            json.dump({"records": records, "versions": tools.versions(), "device": torch.cuda.get_device_name()}, file)
 
 
 def compare(directory, out, tolerance):
