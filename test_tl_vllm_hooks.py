@@ -728,8 +728,16 @@ def test_step_collection_keeps_each_requests_rows():
 
     buffer = torch.zeros(32, 2)
     config = tlh.CaptureConfig({"h": ("model.layers.0", 2)}, 32, enable_batching=True)
-    hooks = types.SimpleNamespace(config=config, placed={"h": types.SimpleNamespace(buffer=buffer)}, device=torch.device("cpu"))
-    state = tlh._Batched(hooks, max_num_seqs=8)
+    model = torch.nn.Linear(1, 1)
+    worker = types.SimpleNamespace(
+        model_runner=types.SimpleNamespace(get_model=lambda: model),
+        vllm_config=types.SimpleNamespace(
+            model_config=types.SimpleNamespace(hf_config=None),
+            cache_config=types.SimpleNamespace(enable_prefix_caching=False),
+            scheduler_config=types.SimpleNamespace(max_num_seqs=8),
+        ),
+    )
+    state = tlh._Batched(config, worker, {"h": types.SimpleNamespace(buffer=buffer)}, [])
     def plan(prompt_len, capture):
         return tlh._RunningRequest(tlh._RequestOptions(capture), prompt_len, None)
 
@@ -1173,7 +1181,7 @@ class TestBatched:
 
     def test_rows_reach_the_driver_through_shared_memory(self, llm):
         (output,) = generate(llm, [BATCH[0]])
-        (reply,) = llm.collective_rpc("tl_read_batched", args=([output.request_id], socket.gethostname()))
+        (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], socket.gethostname()))
         reply = reply["result"]
         assert reply["shared"] and reply["file"].startswith("/dev/shm/tl_vllm_hooks-"), reply["file"]
         mapped = tlh._mapped_rows(reply["file"])
@@ -1183,7 +1191,7 @@ class TestBatched:
 
     def test_rows_for_a_driver_on_another_host_come_through_the_rpc(self, llm):
         (output,) = generate(llm, [BATCH[0]])
-        (reply,) = llm.collective_rpc("tl_read_batched", args=([output.request_id], "another-host"))
+        (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], "another-host"))
         reply = reply["result"]
         assert not reply["shared"] and reply["file"] is None
         rows = {name: tlh.decode_tensor(message) for name, message in reply["rows"][output.request_id].items()}
@@ -1201,7 +1209,7 @@ class TestBatched:
     def test_reads_leave_no_row_files_behind(self, llm):
         # The worker's row files are named after its pid (other tests' engines may run beside).
         (output,) = generate(llm, [BATCH[0]])
-        (reply,) = llm.collective_rpc("tl_read_batched", args=([output.request_id], socket.gethostname()))
+        (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], socket.gethostname()))
         worker = reply["result"]["file"].rsplit("-", 1)[0]
         tlh._mapped_rows(reply["result"]["file"])
         outputs = generate(llm, BATCH)
@@ -2020,7 +2028,7 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
         environment=environment,
         **LAYOUTS[layout],
     ) as llm:
-        statuses = [reply["result"] for reply in llm.collective_rpc("tl_status")]  # per rank
+        statuses = [reply["result"] for reply in llm.collective_rpc("tl_call", args=("status",))]  # per rank
         hooks = [set(status["hooks"]) for status in statuses]
         assert len(statuses) == 2 and tlh.status(llm)["absent"] == []
         if layout == "tp2":
@@ -2046,7 +2054,7 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
                 worst = assert_matches(rows, one_gpu[key], f"{context} vs one GPU", tolerance)
                 message += f", vs one GPU {worst:.2e}"
             if layout == "tp2" and flavour == "one-prompt":  # each rank's part of what was read
-                replies = [reply["result"] for reply in llm.collective_rpc("tl_read_captures", args=(len(PROMPT),))]
+                replies = [reply["result"] for reply in llm.collective_rpc("tl_call", args=("read_captures", len(PROMPT)))]
                 for name in llm.hook_names:
                     parts = [tlh.decode_tensor(reply["rows"][name]) for reply in replies]
                     whole = torch.cat(parts, dim=1) if name in split else parts[0]
@@ -2058,7 +2066,7 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
         generate(llm, [PROMPT], max_tokens=4)
         if flavour == "batched":
             tlh.reset_batched(llm)
-        for status, reply in zip(statuses, llm.collective_rpc("tl_read_fire_counts")):
+        for status, reply in zip(statuses, llm.collective_rpc("tl_call", args=("read_fire_counts",))):
             counts = reply["result"]
             assert set(counts) == set(status["hooks"]) and set(counts.values()) == {4}, counts
 
@@ -2105,7 +2113,7 @@ class TestTensorParallel:
             model, sites=model.sites, in_process=False, eager=True, batching=True,
             environment=(("VLLM_CPU_OMP_THREADS_BIND", "0|1"),), tensor_parallel_size=2,
         ) as llm:
-            shards = [reply["result"]["shards"] for reply in llm.collective_rpc("tl_status")]
+            shards = [reply["result"]["shards"] for reply in llm.collective_rpc("tl_call", args=("status",))]
             split = {"attn.hook_q": 1, "attn.hook_k": 1, "attn.hook_v": 1, "attn.hook_z": 1, "mlp.hook_pre": 128,
                      "mlp.hook_post": 128}
             assert shards[1] == {

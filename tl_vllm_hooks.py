@@ -1,29 +1,24 @@
 """Read and edit a model's activations while vLLM serves it, under TransformerLens hook names.
 
-One self-contained module. It installs PyTorch forward hooks inside vLLM's workers after
-the weights load and before the first (traced) forward, so the hooks become part of the
-graph that torch.compile and CUDA graphs run::
+One self-contained module. It installs PyTorch forward hooks inside vLLM's workers after the weights load and before
+the first (traced) forward, so the hooks become part of the graph that torch.compile and CUDA graphs run::
 
     config = configure(capture_specs(hf_config, sites=("resid_post",)))
     llm = LLM(model, **config.llm_kwargs)
 
-Each hook name means the tensor TransformerLens 4.3's TransformerBridge means by it; a
-table per architecture says where vLLM's module tree holds it (others are refused). Every
-hook writes its rows into a buffer made at install time and applies ``out * scale + bias``
-from tables the host rewrites between forwards. Two flavours:
+Each hook name means the tensor TransformerLens 4.3's TransformerBridge means by it; a table per architecture says
+where vLLM's module tree holds it (others are refused). Every hook writes its rows into a buffer made at install time
+and applies ``out * scale + bias`` from tables the host rewrites between forwards. Two flavours:
 
-* one-prompt (default): ``open_capture`` arms the hooks and the next forward's rows are
-  kept (a multi-token generate keeps its prompt's).
-* batched (``enable_batching=True``): many requests per generate, each with its own rows
-  to keep and its own edits (``request_args``, also what the OpenAI server's
-  ``vllm_xargs`` takes), whole across chunked prefill, preemption and decode steps; with a
-  ``sink_dir``, finished requests' rows go to safetensors shards on disk, written and read
-  (``CaptureDataset``) by the companion module tl_vllm_hooks_tools, imported only for it.
+* one-prompt (default): ``open_capture`` arms the hooks and the next forward's rows are kept.
+* batched (``enable_batching=True``): many requests per generate, each with its own rows to keep and its own edits
+  (``request_args``, also the OpenAI server's ``vllm_xargs``), whole across chunked prefill, preemption and decode;
+  with a ``sink_dir``, finished requests' rows go to safetensors shards on disk, written and read (``CaptureDataset``)
+  by the companion module tl_vllm_hooks_tools, imported only for it.
 
-The driver helpers take an ``LLM``, or an ``AsyncLLM`` and then return awaitables.
-Installed with pip, the ``vllm.general_plugins`` entry point calls ``register()`` in every
-vLLM process; copied in, the file registers itself when a vLLM worker loads
-``WorkerExtension`` from it. ``TL_VLLM_HOOKS_DISABLE=1`` switches it off. Nothing crosses a
+The driver helpers take an ``LLM``, or an ``AsyncLLM`` and then return awaitables. Installed with pip, the
+``vllm.general_plugins`` entry point calls ``register()`` in every vLLM process; copied in, the file registers itself
+when a vLLM worker loads ``WorkerExtension`` from it. ``TL_VLLM_HOOKS_DISABLE=1`` switches it off. Nothing crosses a
 process boundary as pickle: the config is JSON, tensors travel as dtype, shape and bytes.
 """
 
@@ -113,9 +108,7 @@ read-only). ln1, ln2 and final_norm are a norm's input normalized, before weight
 
 _READ_ONLY_SITES = ("expert_weights", "expert_indices")  # vLLM's fused MoE routes inside its kernel
 
-_HOOK_NAME = {
-    re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$"): site for site, template in SITES.items()
-}
+_HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
 
 def _parse_hook_name(name: str) -> tuple[str, int | None] | None:
@@ -431,27 +424,24 @@ def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     if _num_experts(hf_config):  # TransformerLens's mlp hooks are the block's input and output
         d_mlp = d_model
         shapes.update(expert_weights=(_num_experts(hf_config),), expert_indices=(hf_config.num_experts_per_tok,))
-    q, kv = (n_heads, d_head), (n_kv_heads or n_heads, d_head)
-    shapes.update(
-        attn_q=q, attn_rot_q=q, attn_z=q, attn_k=kv, attn_v=kv, attn_rot_k=kv, mlp_pre=(d_mlp,), mlp_post=(d_mlp,)
-    )
+    q, kv, mlp = (n_heads, d_head), (n_kv_heads or n_heads, d_head), (d_mlp,)
+    shapes.update(attn_q=q, attn_rot_q=q, attn_z=q, attn_k=kv, attn_v=kv, attn_rot_k=kv, mlp_pre=mlp, mlp_post=mlp)
     return shapes
 
 
 def capture_specs(
     hf_config: Any, sites: tuple[str, ...] = ("resid_post",), layers: list[int] | None = None
 ) -> dict[str, tuple[int, ...]]:
-    """``{hook_name: row shape}`` for the model, in the order a forward reaches them.
-    hf_config: its transformers config (``AutoConfig.from_pretrained(path)``), of an
-    architecture the tables place (else ValueError naming the supported ones). sites: keys
-    of ``SITES`` the architecture has; layer sites expand over ``layers`` (default all)."""
+    """``{hook_name: row shape}`` for the model, in the order a forward reaches them. hf_config: its transformers
+    config (``AutoConfig.from_pretrained(path)``), of an architecture the tables place (else ValueError naming the
+    supported ones). sites: keys of ``SITES`` the architecture has; layer sites expand over ``layers`` (default all)."""
     unknown = [s for s in sites if s not in SITES]
     if unknown:
         raise ValueError(f"capture_specs: unknown sites {unknown}; valid: {list(SITES)}")
     _taps(hf_config, sites)
     num_layers = hf_config.num_hidden_layers
     layers = list(range(num_layers)) if layers is None else list(layers)
-    bad = [i for i in layers if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
+    bad = [i for i in layers if not _int_at_least(i, 0) or i >= num_layers]
     if bad:
         raise ValueError(f"capture_specs: layers {bad} outside [0, {num_layers})")
     shapes = _site_shapes(hf_config)
@@ -519,7 +509,7 @@ class CaptureConfig:
             )
         object.__setattr__(self, "capture_specs", {n: _checked_spec(n, s) for n, s in specs.items()})
         for field in ("max_num_batched_tokens", "shard_bytes"):
-            if not _is_positive_int(getattr(self, field)):
+            if not _int_at_least(getattr(self, field), 1):
                 raise ValueError(f"{field}: must be a positive int, got {getattr(self, field)!r}")
         if not isinstance(self.dtype, torch.dtype) or _dtype_name(self.dtype) not in _FLOAT_DTYPES:
             raise ValueError(f"dtype: expected one of torch.{', torch.'.join(_FLOAT_DTYPES)}, got {self.dtype!r}")
@@ -609,14 +599,14 @@ def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
     if "hook_" not in name:
         if not (isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], str) and spec[0]):
             spec = None
-        if spec is None or not _is_positive_int(spec[1]):
+        if spec is None or not _int_at_least(spec[1], 1):
             raise ValueError(
                 f"capture_specs[{name!r}]: expected (module_path: str, width: positive int) for a "
                 f"module of your choosing, got {spec!r}"
             )
         return (spec[0], spec[1])
-    shape = (spec,) if _is_positive_int(spec) else spec
-    if not isinstance(shape, (tuple, list)) or not shape or not all(map(_is_positive_int, shape)):
+    shape = (spec,) if _int_at_least(spec, 1) else spec
+    if not isinstance(shape, (tuple, list)) or not shape or not all(_int_at_least(size, 1) for size in shape):
         raise ValueError(
             f"capture_specs[{name!r}]: a TransformerLens hook takes the shape of one row (an int, or a tuple such as "
             f"(n_heads, d_head)); the architecture table places it, so it takes no module path; got {spec!r}. Write "
@@ -637,17 +627,13 @@ def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
     return tuple(shape)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_positive_int(value: Any) -> bool:
-    return _is_int(value) and value > 0
+def _int_at_least(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _is_position_list(value: Any) -> bool:
     """A non-empty list (or tuple) of token positions: ints >= 0."""
-    return isinstance(value, (list, tuple)) and bool(value) and all(_is_int(p) and p >= 0 for p in value)
+    return isinstance(value, (list, tuple)) and bool(value) and all(_int_at_least(p, 0) for p in value)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -753,8 +739,7 @@ def register() -> None:
 
 
 def unregister() -> None:
-    """Undo ``register()``: vLLM's patched attributes get their originals back. Hooks
-    already installed stay; engines built afterwards get none."""
+    """Undo ``register()``: vLLM's patched attributes get their originals back (installed hooks stay)."""
     _restore([owner for owner in _originals if isinstance(owner, type)])
 
 
@@ -847,10 +832,9 @@ def _scheduled(scheduler_output: Any) -> tuple[Any, list[tuple[str, int, list[in
 
 
 def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
-    """``(starts, request_ids)`` of the forward in flight: request ``request_ids[i]`` owns
-    rows ``starts[i]:starts[i + 1]`` of every ``[num_tokens, width]`` activation; rows past
-    ``starts[-1]`` are padding. Ids are the worker's (the user's id plus a random suffix
-    unless vLLM was told not to add one). RuntimeError for a runner this module does not know."""
+    """``(starts, request_ids)`` of the forward in flight: request ``request_ids[i]`` owns rows ``starts[i]:starts[i +
+    1]`` of every ``[num_tokens, width]`` activation; rows past ``starts[-1]`` are padding. Ids are the worker's (the
+    user's id plus a random suffix unless vLLM was told not to add one). RuntimeError for a runner it does not know."""
     input_batch = getattr(model_runner, "input_batch", None)
     query_start_loc = getattr(model_runner, "query_start_loc", None)
     if input_batch is not None and query_start_loc is not None:  # V1 runner
@@ -945,38 +929,78 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
 
 
 class _HookState:
-    """What one worker's hooks share: their flags and fire counts, handles, and the flavour;
-    each _Hook holds its capture buffer and edit tables."""
+    """One worker's hooks: their flags, fire counts and handles (each _Hook holds its capture buffer and edit tables),
+    subclassed by the two flavours. ``table_rows``: rows of each edit table (None: one, [width]); ``row_index(hook
+    index)``: the buffer that picks each forward row's row of them (None: one); ``attach(worker)`` once the hooks are
+    in. The reads are each flavour's own (read_captures, or read_batched, flush_sink, reset_batched)."""
+
+    name = ""
+    unread_requests = 0
+    table_rows: int | None = None
+    sink: Any = None  # the batched flavour's, with a sink_dir: tl_vllm_hooks_tools.RankSink
 
     def __init__(self, config: CaptureConfig, worker: Any, placed: dict[str, _Hook], absent: list[str]):
         vllm_config = worker.vllm_config
         self.config, self.placed, self.hook_names, self.absent = config, placed, list(placed), absent
-        self.hf_config = vllm_config.model_config.hf_config
+        self.hf_config, self.payload = vllm_config.model_config.hf_config, config.to_json()  # options checked against
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        self.payload = config.to_json()  # what requests' options are checked against
-        self.handles: list[Any] = []
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         parameter = next(worker.model_runner.get_model().parameters())
         self.device, self.edit_dtype = parameter.device, parameter.dtype
+        self.handles: list[Any] = []
         self.fire_counts = torch.zeros(len(placed), dtype=torch.int64, device=self.device)
         # One int64 per hook: 0 = open (the next forward writes its rows), 1 = closed.
         self.capture_flags = torch.zeros(len(placed), dtype=torch.int64, device=self.device)
-        flavour = _Batched if config.enable_batching else _OnePrompt
-        self.flavour = flavour(self, vllm_config.scheduler_config.max_num_seqs)
 
     def forget_warm_up(self) -> None:
         """Drop what vLLM's own warm-up and graph-capture forwards left behind."""
         self.fire_counts.zero_()
         self.capture_flags.fill_(1)
-        self.flavour.forget_warm_up()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     def shards(self) -> dict[str, int]:
-        """For each hook this rank holds a tensor-parallel part of: where its part starts
-        along the first dimension of a row (a head, or an MLP unit)."""
+        """Where this rank's part of each hook split by tensor parallelism starts in a row's first dimension."""
         return {
             name: hook.columns[0] // math.prod(hook.row_shape[1:])
             for name, hook in self.placed.items()
             if hook.width != self.config.width(name)
         }
+
+    # The worker calls (_WORKER_CALLS), each named after the driver helper that makes it.
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "module": __file__,
+            "config": self.payload,
+            "hooks": list(self.hook_names),
+            "absent": list(self.absent),
+            "shards": self.shards(),
+            "unread_requests": self.unread_requests,
+            "sink": None if self.sink is None else self.sink.status(),
+        }
+
+    def set_edits(self, edits: dict[str, Any]) -> None:
+        _refuse_prefix_caching(self.prefix_caching, self.config, edits)
+        for name in edits:
+            _check_hook_name(name, self.config)
+        tables = {name: _engine_wide_tables(edit, name, self.config) for name, edit in edits.items()}
+        for name, hook in self.placed.items():  # every edit checked (on every rank) before any table changes
+            scale, bias = (t if t.dim() == 1 else t[: _global_rows(self.config)] for t in (hook.scale, hook.bias))
+            scale.copy_(hook.local(tables[name][0]) if name in tables else torch.ones(()))
+            bias.copy_(hook.local(tables[name][1]) if name in tables else torch.zeros(()))
+
+    def open_capture(self) -> None:
+        self.capture_flags.zero_()
+
+    def read_fire_counts(self) -> dict[str, int]:
+        return dict(zip(self.hook_names, self.fire_counts.tolist()))
+
+    def reset_fire_counts(self) -> None:
+        self.fire_counts.zero_()
 
 
 def _install(worker: Any, config: CaptureConfig) -> None:
@@ -993,32 +1017,28 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     atexit.unregister(_sweep_shared_files)  # once per process, however many installs
     atexit.register(_sweep_shared_files, own=True)
     model = worker.model_runner.get_model()
-    state = _HookState(config, worker, *_place_hooks(model, worker.vllm_config.model_config.hf_config, config))
+    placed, absent = _place_hooks(model, worker.vllm_config.model_config.hf_config, config)
+    state = (_Batched if config.enable_batching else _OnePrompt)(config, worker, placed, absent)
     for index, hook in enumerate(state.placed.values()):  # the hooks that read and edit each
         hook.bind(state, index)
         _HOOK_BUILDERS[hook.tap.kind](hook)
-    state.flavour.attach(worker)
+    state.attach(worker)
     _after_warm_up(worker, state.forget_warm_up)
     worker._tl_hooks = state
     _key_compile_cache(worker.vllm_config, config)
-    logger.info(
-        "tl_vllm_hooks: %d %s hooks, %d absent on this rank", len(state.placed), state.flavour.name, len(state.absent)
-    )
+    logger.info("tl_vllm_hooks: %d %s hooks, %d absent on this rank", len(state.placed), state.name, len(state.absent))
 
 
 def _uninstall(worker: Any) -> None:
     state = getattr(worker, "_tl_hooks", None)
     if state is not None:
-        state.flavour.close()
-        for handle in state.handles:
-            handle.remove()
+        state.close()
         _restore([worker, worker.model_runner])
         worker._tl_hooks = None
 
 
 def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) -> tuple[dict[str, _Hook], list[str]]:
-    """Each configured hook on this rank, in forward order (hooks on one module run in that
-    order), and apart those whose module pipeline parallelism put on another rank."""
+    """This rank's hooks in forward order (the order hooks on one module run in), and those on other pipeline ranks."""
     modules = dict(model.named_modules())
     sites = {_parse_hook_name(name)[0] for name in config.capture_specs if "hook_" in name}
     if sites:
@@ -1143,11 +1163,9 @@ class _Hook:
         self.flag = state.capture_flags.narrow(0, index, 1)
         self.fire_count = state.fire_counts.narrow(0, index, 1)
         # Edit tables, out = out * scale + bias, of the flavour's rows.
-        self.scale = torch.ones(
-            *filter(None, (state.flavour.table_rows, self.width)), dtype=state.edit_dtype, device=device
-        )
+        self.scale = torch.ones(*filter(None, (state.table_rows, self.width)), dtype=state.edit_dtype, device=device)
         self.bias = torch.zeros_like(self.scale)
-        self.row_index = state.flavour.row_index(index)
+        self.row_index = state.row_index(index)
         if self.tap.norm:  # the edited rows (fp32) a norm's pre-hook leaves its hook, and which changed
             self.norm_rows = torch.zeros(rows, self.width, dtype=torch.float32, device=device)
             self.norm_changed = torch.zeros(rows, 1, dtype=torch.bool, device=device)
@@ -1202,12 +1220,11 @@ class _Hook:
         return found[0], found[1] if len(found) > 1 else None
 
     def add(self, hook=None, pre_hook=None) -> None:
+        handles, module = self.state.handles, self.module
         if pre_hook is not None:
-            self.state.handles.append(
-                self.module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True)
-            )
+            handles.append(module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True))
         if hook is not None:
-            self.state.handles.append(self.module.register_forward_hook(torch.no_grad()(hook)))
+            handles.append(module.register_forward_hook(torch.no_grad()(hook)))
 
 
 def _router_hooks(site: _Hook) -> None:
@@ -1328,15 +1345,12 @@ def _norm_hooks(site: _Hook) -> None:
     site.add(hook, pre_hook)
 
 
-_HOOK_BUILDERS = {
-    _OUTPUT: _output_hooks,
-    _OUTPUT_PAIR: _output_pair_hooks,
-    _INPUT: _input_hooks,
-    _INPUT_PAIR: _input_hooks,
-    _NORM_INPUT: _norm_hooks,
-    _NORMALIZED: _norm_hooks,
-    _ROUTER: _router_hooks,
+# fmt: off
+_HOOK_BUILDERS = {  # tap kind -> the builder of its hooks
+    _OUTPUT: _output_hooks, _OUTPUT_PAIR: _output_pair_hooks, _INPUT: _input_hooks, _INPUT_PAIR: _input_hooks,
+    _NORM_INPUT: _norm_hooks, _NORMALIZED: _norm_hooks, _ROUTER: _router_hooks,
 }
+# fmt: on
 
 
 # ---------------------------------------------------------------------------
@@ -1350,11 +1364,8 @@ _WIRE_DTYPES = _FLOAT_DTYPES + ("int64", "int32", "bool")
 def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
     """``{"dtype": str, "shape": list[int], "data": bytes}``, exact for every dtype."""
     tensor = tensor.detach().to("cpu").contiguous()
-    return {
-        "dtype": _dtype_name(tensor.dtype),
-        "shape": list(tensor.shape),
-        "data": tensor.reshape(-1).view(torch.uint8).numpy().tobytes(),
-    }
+    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape), "data": data}
 
 
 def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
@@ -1363,11 +1374,8 @@ def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
         raise ValueError(f"decode_tensor: expected keys dtype, shape, data; got {message!r:.200}")
     if message["dtype"] not in _WIRE_DTYPES:
         raise ValueError(f"decode_tensor: dtype {message['dtype']!r} is not one of {_WIRE_DTYPES}")
-    dtype, shape, data = (
-        getattr(torch, message["dtype"]),
-        [int(size) for size in message["shape"]],
-        bytes(message["data"]),
-    )
+    dtype, shape = getattr(torch, message["dtype"]), [int(size) for size in message["shape"]]
+    data = bytes(message["data"])
     if len(data) != math.prod(shape) * dtype.itemsize:
         raise ValueError(f"decode_tensor: {len(data)} bytes for a {message['dtype']} tensor of shape {shape}")
     if not data:
@@ -1411,8 +1419,7 @@ def _sweep_shared_files(own: bool = False) -> None:
 
 
 def _mapped_rows(path: str) -> torch.Tensor:
-    """The worker's row file as uint8, mapped copy-on-write and unlinked at once: the mapping
-    lives as long as the tensors made from it."""
+    """The worker's row file as uint8, mapped copy-on-write and unlinked at once (it lives as long as its tensors)."""
     mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
     os.unlink(path)
     return mapped
@@ -1466,20 +1473,20 @@ def _parse_edit(
         raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if _EDIT_OPS[op] else 'takes no'} 'value'")
     width = math.prod(row_shape)
     shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
-    valid = f"a finite number or a finite float tensor of shape {' or '.join(map(str, map(list, shapes)))}"
+    valid = f"a finite number, or finite numbers of shape {' or '.join(map(str, map(list, shapes)))}"
     value = torch.zeros(width, dtype=torch.float64)
     if _EDIT_OPS[op]:
         raw = edit["value"]
         try:
-            if isinstance(raw, bool) or (isinstance(raw, (list, tuple)) and any(isinstance(v, bool) for v in raw)):
+            if _holds_bool(raw):
                 raise TypeError("a bool is not a number")
-            vector = decode_tensor(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64)
+            vector = torch.tensor(raw, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError):
             raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
         if vector.dim() == 0:
             vector = vector.expand(width)
-        if tuple(vector.shape) not in shapes or not vector.is_floating_point():
-            raise ValueError(f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)} ({vector.dtype})")
+        if tuple(vector.shape) not in shapes:
+            raise ValueError(f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)}")
         value = vector.reshape(width).to(torch.float64)
         if not torch.isfinite(value).all():
             raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
@@ -1488,10 +1495,12 @@ def _parse_edit(
     bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
     positions = edit.get("positions")
     if positions is not None and not _is_position_list(positions):
-        raise ValueError(
-            f"edits[{name!r}]: positions must be a non-empty list of token positions (ints >= 0), got {positions!r}"
-        )
+        raise ValueError(f"edits[{name!r}]: positions must be a non-empty list of ints >= 0, got {positions!r}")
     return scale_row, bias_row, None if positions is None else list(positions)
+
+
+def _holds_bool(value: Any) -> bool:
+    return isinstance(value, bool) or isinstance(value, (list, tuple)) and any(map(_holds_bool, value))
 
 
 def _global_rows(config: CaptureConfig) -> int:
@@ -1505,9 +1514,7 @@ def _engine_wide_tables(edit: dict[str, Any], name: str, config: CaptureConfig) 
     per_request = "; request_args(edits=...) takes any position" if config.enable_batching else ""
     if not config.enable_position_interventions:
         if positions is not None:
-            raise ValueError(
-                f"edits[{name!r}]: positions need configure(enable_position_interventions=True){per_request}"
-            )
+            raise ValueError(f"edits[{name!r}]: positions need enable_position_interventions=True{per_request}")
         return scale_row, bias_row
     shape = (_global_rows(config), config.width(name))
     if positions is None:  # every row, the last (every position past the table) included
@@ -1590,9 +1597,7 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
             raise ValueError(f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}")
         capture = np.unique(np.asarray(capture, dtype=np.int64))
     elif capture not in _CAPTURE_MODES:
-        raise ValueError(
-            f"capture: expected one of {list(_CAPTURE_MODES)} or a list of token positions, got {capture!r}"
-        )
+        raise ValueError(f"capture: expected one of {list(_CAPTURE_MODES)} or a list of positions, got {capture!r}")
     edits = options.get("edits") or {}
     if not isinstance(edits, dict):
         raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
@@ -1601,9 +1606,7 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
         _check_hook_name(name, config)
         scale_row, bias_row, positions = _parse_edit(edit, name, config.row_shape(name))
         parsed[name] = (scale_row, bias_row, None if positions is None else np.unique(np.asarray(positions, np.int64)))
-    digest = (
-        hashlib.sha256(json.dumps(edits, sort_keys=True, default=bytes.hex).encode()).hexdigest()[:32] if edits else ""
-    )
+    digest = hashlib.sha256(json.dumps(edits, sort_keys=True).encode()).hexdigest()[:32] if edits else ""
     return _RequestOptions(capture, parsed, digest)
 
 
@@ -1693,63 +1696,24 @@ def _skipped_rows_problem(expected: int, first_position: int) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Flavours: what differs between the one-prompt and the batched hooks, behind one interface (_Flavour). The hooks
+# Flavours: what differs between the one-prompt and the batched hooks, behind _HookState's interface. The hooks
 # above run in every forward; what depends on which requests are in a step happens on the host, outside any graph,
 # so both flavours run under torch.compile and CUDA graphs as they run eagerly.
 # ---------------------------------------------------------------------------
 
 
-class _Flavour:
-    """``table_rows``: rows of each edit table (None: one, [width]); ``row_index(hook_index)``:
-    the buffer that picks each forward row's row of them (None: one); ``attach(worker)`` once
-    the hooks are in, ``forget_warm_up()`` after vLLM's warm-up, ``close()`` at uninstall.
-    Each read is one flavour's; the other refuses it, naming the setting that gives it."""
-
-    name = ""
-    unread_requests = 0
-    table_rows: int | None = None
-
-    def __init__(self, state: _HookState, max_num_seqs: int):
-        self.state, self.config, self.max_num_seqs = state, state.config, max_num_seqs
-
-    def forget_warm_up(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def _refuse(self, call: str) -> RuntimeError:
-        other = "batched" if self.name == "one-prompt" else "one-prompt"
-        return RuntimeError(
-            f"{call}: this engine has {self.name} hooks; configure(enable_batching={other == 'batched'}) "
-            f"gives {other} ones"
-        )
-
-    def read_forward(self, num_rows: int) -> dict[str, torch.Tensor]:
-        raise self._refuse("read_captures")
-
-    def read_requests(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
-        raise self._refuse("read_batched")
-
-    def flush_sink(self) -> dict[str, Any] | None:
-        raise self._refuse("flush_sink")
-
-    def reset_requests(self) -> None:
-        raise self._refuse("reset_batched")
-
-
-class _OnePrompt(_Flavour):
+class _OnePrompt(_HookState):
     """``open_capture`` arms the hooks; the next forward's rows stay until the next open.
     Edit tables are [width], or, with edits by position, [max_rows + 1, width] indexed by
     token position (the last row serves every position past max_rows)."""
 
     name = "one-prompt"
 
-    def __init__(self, state: _HookState, max_num_seqs: int):
-        super().__init__(state, max_num_seqs)
+    def __init__(self, *args: Any):
+        super().__init__(*args)
         # Token positions of the forward in flight, written by a pre-hook on the model.
         rows, by_position = self.config.max_num_batched_tokens, self.config.enable_position_interventions
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=state.device) if by_position else None
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=self.device) if by_position else None
         self.table_rows = _global_rows(self.config) if by_position else None
 
     def row_index(self, _hook_index: int) -> torch.Tensor | None:
@@ -1765,20 +1729,21 @@ class _OnePrompt(_Flavour):
             positions.narrow(0, 0, given.shape[0]).copy_(given)
 
         model = worker.model_runner.get_model()
-        self.state.handles.append(model.register_forward_pre_hook(record_positions, with_kwargs=True))
+        self.handles.append(model.register_forward_pre_hook(record_positions, with_kwargs=True))
 
-    def read_forward(self, num_rows: int) -> dict[str, torch.Tensor]:
-        """{hook: [num_rows, *row shape]} of the armed forward, on the device."""
-        state, limit = self.state, self.config.max_num_batched_tokens
-        if not _is_positive_int(num_rows) or num_rows > limit:
+    def read_captures(self, num_rows: int) -> dict[str, Any]:
+        """``{"shards", "rows": {hook: encoded [num_rows, *row shape]}}`` of the armed forward."""
+        limit = self.config.max_num_batched_tokens
+        if not _int_at_least(num_rows, 1) or num_rows > limit:
             raise ValueError(
                 f"read_captures: num_rows must be an int in [1, {limit}] (the capture buffer), got {num_rows!r}; "
                 "a longer prompt is split by chunked prefill and only its first chunk is kept"
             )
-        still_open = [n for n, flag in zip(state.hook_names, state.capture_flags.tolist()) if flag == 0]
+        still_open = [n for n, flag in zip(self.hook_names, self.capture_flags.tolist()) if flag == 0]
         if still_open:
             raise RuntimeError(f"read_captures: no forward ran since open_capture for hooks {still_open}")
-        return {name: hook.buffer[:num_rows].view(num_rows, *hook.row_shape) for name, hook in state.placed.items()}
+        rows = {name: hook.buffer[:num_rows].view(num_rows, *hook.row_shape) for name, hook in self.placed.items()}
+        return {"shards": self.shards(), "rows": {name: encode_tensor(r) for name, r in rows.items()}}
 
 
 class _RequestTable:
@@ -1861,7 +1826,7 @@ class _RequestRows:
         return [step_rows[name][start:end] for step_rows, start, end, _positions in self.chunks]
 
 
-class _Batched(_Flavour):
+class _Batched(_HookState):
     """Many requests per generate. Before each forward the host writes which edit-table row each token row uses
     (``row_edit_index``); after it, the rows each request keeps are gathered on the device and copied to host memory
     (on CUDA on a side stream, so the next forward overlaps the copy), per request. Edit tables: the engine-wide
@@ -1869,13 +1834,13 @@ class _Batched(_Flavour):
 
     name = "batched"
 
-    def __init__(self, state: _HookState, max_num_seqs: int):
-        super().__init__(state, max_num_seqs)
+    def __init__(self, *args: Any):
+        super().__init__(*args)
         # Row r of the forward in flight uses row row_edit_index[k, r] of hook k's tables.
         rows = self.config.max_num_batched_tokens
-        self.row_edit_index = torch.zeros(len(state.placed), rows, dtype=torch.int64, device=state.device)
+        self.row_edit_index = torch.zeros(len(self.placed), rows, dtype=torch.int64, device=self.device)
         self.row_edit_index_dirty = False
-        self.table_rows = _global_rows(self.config) + 1 + max_num_seqs
+        self.table_rows = _global_rows(self.config) + 1 + self.max_num_seqs
         self.slots: dict[str, int] = {}  # request id -> slot holding its edits
         self.running: dict[str, _RunningRequest] = {}
         self.request_table = _RequestTable()
@@ -1883,8 +1848,7 @@ class _Batched(_Flavour):
         self.step: _StepLayout | None = None  # of the step whose forward is in flight
         self.records: dict[str, _RequestRows] = {}
         self.incomplete: dict[str, str] = {}  # request id -> why its rows cannot be read
-        self.copy_stream = torch.cuda.Stream(state.device) if state.device.type == "cuda" else None
-        self.sink: Any = None  # with a sink_dir: tl_vllm_hooks_tools.RankSink
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.warmed_up = False  # Model Runner V2's warm-up requests (_warmup_{i}_) are never read
 
     def row_index(self, hook_index: int) -> torch.Tensor:
@@ -1897,17 +1861,19 @@ class _Batched(_Flavour):
             self.sink = _tools().RankSink(self, worker)
 
     def forget_warm_up(self) -> None:
+        super().forget_warm_up()
         self.warmed_up = True
         self.running.clear()
         self.request_table = _RequestTable()
         self.slots.clear()
-        self.reset_requests()
+        self.reset_batched()
 
     def close(self) -> None:
+        super().close()
         if self.sink is not None:
             self.sink.close()
 
-    def reset_requests(self) -> None:
+    def reset_batched(self) -> None:
         self.records.clear()
         self.incomplete.clear()
 
@@ -1927,7 +1893,7 @@ class _Batched(_Flavour):
             self.request_table.remove(request_id)
             self.slots.pop(request_id, None)
         for request_id, prompt_len, prompt_token_ids, extra_args, first_position in new:
-            options, problem = _worker_options(extra_args, self.state)
+            options, problem = _worker_options(extra_args, self)
             if problem is not None:
                 self.incomplete[request_id] = problem
             self.running[request_id] = _RunningRequest(options, prompt_len, prompt_token_ids)
@@ -1936,7 +1902,7 @@ class _Batched(_Flavour):
                 self.records.setdefault(request_id, _RequestRows())  # read_batched knows it from now on
             first_positions[request_id] = first_position
         self.first_positions = first_positions
-        self.state.capture_flags.zero_()  # this step's forward writes its rows
+        self.capture_flags.zero_()  # this step's forward writes its rows
 
     def prepared(self) -> None:
         """After the step is prepared, before its forward: route each row to its edit."""
@@ -1965,7 +1931,7 @@ class _Batched(_Flavour):
                 self.row_edit_index_dirty = False
             return
         self.row_edit_index_dirty = True
-        hook_names = self.state.hook_names
+        hook_names = self.hook_names
         index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(hook_names), 0)
         for i in edited:
             edits = self.running[request_ids[i]].options.edits
@@ -1992,11 +1958,11 @@ class _Batched(_Flavour):
             holder = next(r for r in self.slots if r not in set(step_ids))
             free = [self.slots.pop(holder)]
         self.slots[request_id] = free[0]
-        row, state = first_slot_row + free[0], self.state
+        row = first_slot_row + free[0]
         for name, (scale_row, bias_row, _positions) in edits.items():
-            if name not in state.placed:  # on another pipeline stage
+            if name not in self.placed:  # on another pipeline stage
                 continue
-            hook = state.placed[name]
+            hook = self.placed[name]
             hook.scale[row].copy_(hook.local(scale_row))
             hook.bias[row].copy_(hook.local(bias_row))
         return row
@@ -2043,7 +2009,7 @@ class _Batched(_Flavour):
         """{hook: [len(kept_rows), width]} on the host, gathered from the capture buffers: on
         CUDA on the compute stream (the next forward rewrites the buffers), then copied into
         pinned memory on a side stream, which only a read waits for."""
-        buffers, device = {name: hook.buffer for name, hook in self.state.placed.items()}, self.state.device
+        buffers, device = {name: hook.buffer for name, hook in self.placed.items()}, self.device
         if kept_rows.size == kept_rows[-1] + 1:  # rows 0..n-1: a copy of the slice
             gathered = {name: buffer[: kept_rows.size].clone() for name, buffer in buffers.items()}
         else:
@@ -2081,22 +2047,22 @@ class _Batched(_Flavour):
         if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
             self.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
 
-    def read_requests(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
-        """``{"shards", "shared", "file", "rows": {user id: {hook: message}}}``, the requests then forgotten (each
-        id must match one captured request, or nothing is read). For a driver on this host with /dev/shm
-        (``shared``) the rows are in ``file`` and each message is their dtype, shape and byte offset; else the
-        encoded rows. Replicated hooks come from the first tensor-parallel rank only."""
+    def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
+        """``{"shards", "shared", "file", "rows": {user id: {hook: message}}}``, the requests then forgotten (each id
+        must match one captured request, or nothing is read). For a driver on this host with /dev/shm (``shared``) the
+        rows are in ``file``, each message their dtype, shape and byte offset; else encoded. Replicated hooks come from
+        the first tensor-parallel rank only."""
         if self.config.sink_dir is not None:
             raise RuntimeError(
                 f"read_batched: this engine writes captured rows to its sink_dir {self.config.sink_dir}: "
                 "call flush_sink(llm), which returns them as a CaptureDataset"
             )
-        path, shards = _shared_file(driver_host), self.state.shards()
+        path, shards = _shared_file(driver_host), self.shards()
         reply = {"shards": shards, "shared": path is not None, "file": None, "rows": {}}
-        if not self.state.hook_names:  # a pipeline rank that holds none of the hooks
+        if not self.hook_names:  # a pipeline rank that holds none of the hooks
             return reply
         first_rank = _parallel_ranks()[0] == 0
-        names = [name for name in self.state.hook_names if first_rank or name in shards]
+        names = [name for name in self.hook_names if first_rank or name in shards]
         matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)))
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
@@ -2104,7 +2070,7 @@ class _Batched(_Flavour):
         if self.copy_stream is not None:
             self.copy_stream.synchronize()  # the copies to host still in flight
         records = {user_id: self.records.pop(worker_id) for user_id, worker_id in matches.items()}
-        dtype, placed = self.config.dtype, self.state.placed
+        dtype, placed = self.config.dtype, self.placed
         parts = [(user_id, name, record.rows(name)) for user_id, record in records.items() for name in names]
         if not any(chunk.numel() for _user, _name, chunks in parts for chunk in chunks):
             path = None  # nothing to write
@@ -2152,9 +2118,7 @@ def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, 
         found = by_user_id.get(user_id, [])
         if len(found) != 1:
             problem = "no captured request" if not found else f"several captured requests {found}"
-            raise KeyError(
-                f"read_batched: request id {user_id!r} matches {problem}; captured ids: {sorted(worker_ids)[:10]}"
-            )
+            raise KeyError(f"read_batched: id {user_id!r} matches {problem}; captured: {sorted(worker_ids)[:10]}")
         matches[user_id] = found[0]
     return matches
 
@@ -2167,96 +2131,46 @@ def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Worker calls. Mixed into vLLM's worker by worker_extension_cls and reached through llm.collective_rpc; arguments
-# and results are msgpack values.
+# Worker calls. Mixed into vLLM's worker by worker_extension_cls and reached through llm.collective_rpc("tl_call");
+# arguments and results are msgpack values.
 # ---------------------------------------------------------------------------
 
 _USER_ERRORS = (ValueError, KeyError, RuntimeError)
+# fmt: off
+_WORKER_CALLS = (  # _HookState's methods the driver helpers call, each by its helper's name
+    "status", "set_edits", "open_capture", "read_captures", "read_fire_counts", "reset_fire_counts", "read_batched",
+    "flush_sink", "reset_batched",
+)
+# fmt: on
 
 
-def _errors_as_data(method):
-    """A worker call given the worker's _HookState, returning a caller's mistake as data, so that the driver raises
-    it with its own type (raised here, it would reach the driver as vLLM's generic RuntimeError)."""
+class _WorkerExtension:
+    """``WorkerExtension``: what vLLM mixes into each worker, for the driver helpers."""
 
-    @functools.wraps(method)
-    def wrapper(self, *args):
+    def tl_call(self, method: str, *args: Any) -> dict[str, Any]:
+        """Run ``method`` (one of _WORKER_CALLS, or ``remove_hooks``) on this worker's hooks: ``{"result": value}``,
+        or ``{"error": [exception type, message]}`` for a caller's mistake, so that the driver raises it with its
+        own type (raised here, it would reach the driver as vLLM's generic RuntimeError)."""
+        state = getattr(self, "_tl_hooks", None)
         try:
-            if getattr(self, "_tl_hooks", None) is None:
+            if method == "remove_hooks":
+                return {"result": _uninstall(self)}
+            if state is None:
                 raise RuntimeError(
                     "tl_vllm_hooks: this engine has no hooks: build it with "
                     "LLM(model, **tl_vllm_hooks.configure(...).llm_kwargs), and keep TL_VLLM_HOOKS_DISABLE unset"
                 )
-            return {"result": method(self._tl_hooks, *args)}
+            if method not in _WORKER_CALLS:
+                raise ValueError(f"tl_call: {method!r} is not one of {list(_WORKER_CALLS)} or 'remove_hooks'")
+            if not hasattr(state, method):  # the other flavour's read
+                other = "batched" if state.name == "one-prompt" else "one-prompt"
+                raise RuntimeError(
+                    f"{method}: this engine has {state.name} hooks; configure(enable_batching={other == 'batched'}) "
+                    f"gives {other} ones"
+                )
+            return {"result": getattr(state, method)(*args)}
         except _USER_ERRORS as error:
             return {"error": [type(error).__name__, str(error.args[0]) if error.args else ""]}
-
-    return wrapper
-
-
-class _WorkerExtension:
-    """``WorkerExtension``: what vLLM mixes into each worker, for the driver helpers. Each
-    returns ``{"result": value}`` or ``{"error": [exception type, message]}``."""
-
-    @_errors_as_data
-    def tl_status(state: _HookState) -> dict[str, Any]:
-        sink = getattr(state.flavour, "sink", None)
-        return {
-            "version": __version__,
-            "module": __file__,
-            "config": state.payload,
-            "hooks": list(state.hook_names),
-            "absent": list(state.absent),
-            "shards": state.shards(),
-            "unread_requests": state.flavour.unread_requests,
-            "sink": None if sink is None else sink.status(),
-        }
-
-    @_errors_as_data
-    def tl_set_edits(state: _HookState, edits: dict[str, Any]) -> None:
-        _refuse_prefix_caching(state.prefix_caching, state.config, edits)
-        unknown = sorted(set(edits) - set(state.hook_names) - set(state.absent))
-        if unknown:
-            raise ValueError(f"edits: unknown hooks {unknown}; configured: {state.hook_names}")
-        tables = {
-            name: _engine_wide_tables(edit, name, state.config) for name, edit in edits.items() if name in state.placed
-        }
-        for name, hook in state.placed.items():  # every edit checked before any table changes
-            scale, bias = (t if t.dim() == 1 else t[: _global_rows(state.config)] for t in (hook.scale, hook.bias))
-            scale.copy_(hook.local(tables[name][0]) if name in tables else torch.ones(()))
-            bias.copy_(hook.local(tables[name][1]) if name in tables else torch.zeros(()))
-
-    @_errors_as_data
-    def tl_open_capture(state: _HookState) -> None:
-        state.capture_flags.zero_()
-
-    @_errors_as_data
-    def tl_read_captures(state: _HookState, num_rows: int) -> dict[str, Any]:
-        rows = state.flavour.read_forward(num_rows)
-        return {"shards": state.shards(), "rows": {name: encode_tensor(r) for name, r in rows.items()}}
-
-    @_errors_as_data
-    def tl_read_fire_counts(state: _HookState) -> dict[str, int]:
-        return dict(zip(state.hook_names, state.fire_counts.tolist()))
-
-    @_errors_as_data
-    def tl_reset_fire_counts(state: _HookState) -> None:
-        state.fire_counts.zero_()
-
-    @_errors_as_data
-    def tl_read_batched(state: _HookState, request_ids: list[str], driver_host: str = "") -> dict[str, Any]:
-        return state.flavour.read_requests(request_ids, driver_host)
-
-    @_errors_as_data
-    def tl_flush_sink(state: _HookState) -> dict[str, Any] | None:
-        return state.flavour.flush_sink()
-
-    @_errors_as_data
-    def tl_reset_batched(state: _HookState) -> None:
-        state.flavour.reset_requests()
-
-    def tl_remove_hooks(self) -> dict[str, Any]:
-        _uninstall(self)
-        return {"result": None}
 
 
 def __getattr__(name: str) -> Any:
@@ -2265,7 +2179,7 @@ def __getattr__(name: str) -> Any:
         # point to register it: it registers here.
         register()
         return _WorkerExtension
-    if name in ("CaptureDataset", "tiny_model", "main"):
+    if name in ("CaptureDataset", "flush_sink", "tiny_model", "main"):
         return getattr(_tools(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -2305,7 +2219,7 @@ def _driver_helper(steps: Any) -> Any:
                 try:
                     method, rpc_args = advance(None)
                     while True:
-                        method, rpc_args = advance(await engine.collective_rpc(method, args=rpc_args))
+                        method, rpc_args = advance(await engine.collective_rpc("tl_call", args=(method, *rpc_args)))
                 except StopIteration as done:
                     return done.value
 
@@ -2313,7 +2227,7 @@ def _driver_helper(steps: Any) -> Any:
         try:
             method, rpc_args = advance(None)
             while True:
-                method, rpc_args = advance(engine.collective_rpc(method, args=rpc_args))
+                method, rpc_args = advance(engine.collective_rpc("tl_call", args=(method, *rpc_args)))
         except StopIteration as done:
             return done.value
 
@@ -2327,7 +2241,7 @@ def status(engine: Any) -> dict[str, Any]:
     installed on some rank in forward order, "absent": names on no rank, "unread_requests": batched requests with
     rows not yet read (the most of any rank), "ranks": workers, "sink": None, or per writing rank its
     ``{"directory", "shards", "requests" (whole on disk), "lost", "error", "busy_seconds"}``}``."""
-    ranks = yield "tl_status", ()
+    ranks = yield "status", ()
     hooks = list(dict.fromkeys(name for rank in ranks for name in rank["hooks"]))
     return {
         "version": ranks[0]["version"],
@@ -2357,7 +2271,7 @@ def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) 
 @_driver_helper
 def open_capture(engine: Any) -> None:
     """Arm the one-prompt hooks: the next forward's rows are kept until the next open."""
-    yield "tl_open_capture", ()
+    yield "open_capture", ()
 
 
 @_driver_helper
@@ -2365,29 +2279,20 @@ def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
     """``{hook_name: [num_rows, *row shape]}`` CPU tensors (config dtype) of the armed forward,
     rows as SITES says, whole under tensor parallelism. num_rows: the prompt's tokens; the
     prompt must fit one forward (``<= max_num_batched_tokens``)."""
-    replies = yield "tl_read_captures", (num_rows,)
+    replies = yield "read_captures", (num_rows,)
     return _join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
 
 
-def _edits_to_wire(edits: Any, as_lists: bool = False) -> dict[str, Any]:
-    """Edits with tensor (and numpy) values as encoded tensors for collective_rpc, or, with
-    ``as_lists``, lists of numbers for JSON (exact: every float dtype's values are float64's)."""
+def _edits_to_wire(edits: Any) -> dict[str, Any]:
+    """Edits with tensor and numpy values as (nested) lists of numbers, for JSON and collective_rpc alike (exact:
+    every float dtype's values are float64's)."""
     if not isinstance(edits, dict):
         raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
 
-    def plain(value: Any, as_list: bool) -> Any:
-        if isinstance(value, torch.Tensor) and not as_list:
-            return encode_tensor(value)
+    def plain(value: Any) -> Any:
         return value.tolist() if isinstance(value, (torch.Tensor, np.ndarray)) else value
 
-    return {
-        name: (
-            {key: plain(v, as_lists or key == "positions") for key, v in edit.items()}
-            if isinstance(edit, dict)
-            else edit
-        )
-        for name, edit in edits.items()
-    }
+    return {name: {k: plain(v) for k, v in e.items()} if isinstance(e, dict) else e for name, e in edits.items()}
 
 
 @_driver_helper
@@ -2397,18 +2302,13 @@ def set_edits(engine: Any, edits: dict[str, dict[str, Any]]) -> None:
     ``set``; v a finite number or a float tensor of the row's shape (or flat); positions (optional) need
     ``enable_position_interventions=True``. ValueError before any rank changes; refused with prefix caching on (edit
     per request there)."""
-    wire = _edits_to_wire(edits)
-    config = (yield from status.__wrapped__(engine))["config"]
-    for name, edit in wire.items():
-        _check_hook_name(name, config)
-        _engine_wide_tables(edit, name, config)
-    yield "tl_set_edits", (wire,)
+    yield "set_edits", (_edits_to_wire(edits),)
 
 
 @_driver_helper
 def reset_edits(engine: Any) -> None:
     """Every hook back to identity."""
-    yield "tl_set_edits", ({},)
+    yield "set_edits", ({},)
 
 
 def request_args(
@@ -2434,7 +2334,7 @@ def request_args(
         raise ValueError(f"request_args: config must be the CaptureConfig of the engine, got {config!r:.100}")
     options: dict[str, Any] = {"capture": list(capture) if isinstance(capture, tuple) else capture}
     if edits:
-        options["edits"] = _edits_to_wire(edits, as_lists=True)
+        options["edits"] = _edits_to_wire(edits)
     _parse_options(options, config)
     return {_REQUEST_KEY: json.dumps(options)}
 
@@ -2448,7 +2348,7 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
     if isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids):
         raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")
     per_rank = []
-    for reply in (yield "tl_read_batched", (list(request_ids), socket.gethostname())):
+    for reply in (yield "read_batched", (list(request_ids), socket.gethostname())):
         if not reply["shared"] and any(reply["rows"].values()):
             warnings.warn(
                 "read_batched: rows come through vLLM's RPC, which is slow: a worker runs on another host "
@@ -2462,38 +2362,20 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
         }
         per_rank.append((reply["shards"], rows))
     read = {request_id for _shards, rows in per_rank for request_id in rows}
-    return {
-        request_id: _join_ranks([(shards, rows.get(request_id, {})) for shards, rows in per_rank])
-        for request_id in read
-    }
-
-
-@_driver_helper
-def flush_sink(engine: Any) -> Any:
-    """Write every request that ran to the engine's ``sink_dir``, close the open shards, and return the directory's
-    ``CaptureDataset``. Call it once ``generate`` has returned (vLLM tells its workers that a request finished only
-    at their next step). RuntimeError if a write failed (disk full, directory removed), naming the file and the
-    requests not written; the shards the manifests list stay whole and readable."""
-    if getattr(engine, "llm_engine", engine).output_processor.has_unfinished_requests():
-        raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
-    writers = [reply for reply in (yield "tl_flush_sink", ()) if reply is not None]
-    failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
-    if failures:
-        raise RuntimeError("flush_sink: " + " | ".join(failures))
-    return _tools().CaptureDataset(writers[0]["directory"])
+    return {r: _join_ranks([(shards, rows.get(r, {})) for shards, rows in per_rank]) for r in read}
 
 
 @_driver_helper
 def reset_batched(engine: Any) -> None:
     """Drop every batched row not yet read."""
-    yield "tl_reset_batched", ()
+    yield "reset_batched", ()
 
 
 @_driver_helper
 def read_fire_counts(engine: Any) -> dict[str, int]:
     """How often each hook ran since the last reset (the first rank holding it)."""
     counts: dict[str, int] = {}
-    for rank in (yield "tl_read_fire_counts", ()):
+    for rank in (yield "read_fire_counts", ()):
         for name, count in rank.items():
             counts.setdefault(name, count)
     return counts
@@ -2502,13 +2384,13 @@ def read_fire_counts(engine: Any) -> dict[str, int]:
 @_driver_helper
 def reset_fire_counts(engine: Any) -> None:
     """Zero every hook's fire count."""
-    yield "tl_reset_fire_counts", ()
+    yield "reset_fire_counts", ()
 
 
 @_driver_helper
 def remove_hooks(engine: Any) -> None:
     """Remove every hook from every worker (a compiled graph keeps what it traced)."""
-    yield "tl_remove_hooks", ()
+    yield "remove_hooks", ()
 
 
 if __name__ == "__main__":

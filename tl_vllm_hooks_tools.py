@@ -4,8 +4,8 @@ The hook engine is ``tl_vllm_hooks.py`` and works alone; this file is what it lo
 when asked for one of these (both ship in the package; copy both to use them):
 
 * the dataset sink: ``configure(..., sink_dir=directory)`` has each vLLM worker write
-  finished requests' rows to safetensors shards there (``ShardWriter``), and
-  ``CaptureDataset`` reads them in any process, without vLLM;
+  finished requests' rows to safetensors shards there (``ShardWriter``), ``flush_sink``
+  writes what is held, and ``CaptureDataset`` reads them in any process, without vLLM;
 * ``tiny_model``, a small random model of any supported family, made on the spot;
 * ``python3 -m tl_vllm_hooks`` (``demo``, ``capture``, ``compare``).
 """
@@ -40,13 +40,13 @@ from tl_vllm_hooks import (
     SITES,
     CaptureConfig,
     __version__,
+    _driver_helper,
     _dtype_name,
     _join_ranks,
     _parallel_ranks,
     _write_rows,
     capture_specs,
     configure,
-    flush_sink,
     open_capture,
     read_captures,
     request_args,
@@ -56,6 +56,7 @@ from tl_vllm_hooks import (
 
 __all__ = [
     "CaptureDataset",
+    "flush_sink",
     "RankSink",
     "ShardWriter",
     "check_sink_dir",
@@ -149,8 +150,8 @@ class RankSink:
     stage writes its stage's hooks, the other ranks only their parts of split ones, each
     through a ShardWriter of its own (none where a rank writes nothing)."""
 
-    def __init__(self, flavour: Any, worker: Any):
-        self.flavour, state = flavour, flavour.state
+    def __init__(self, state: Any, worker: Any):
+        self.state = state
         tensor_rank, _size, stage = _parallel_ranks()
         shards = state.shards()
         self.hooks = [name for name in state.hook_names if tensor_rank == 0 or name in shards]
@@ -178,15 +179,15 @@ class RankSink:
 
     def write(self, request_ids: list[str]) -> None:
         """Write these finished requests' kept rows (or why they have none) and forget them."""
-        flavour = self.flavour
-        if flavour.copy_stream is not None:
-            flavour.copy_stream.synchronize()  # the copies to host still in flight
+        state = self.state
+        if state.copy_stream is not None:
+            state.copy_stream.synchronize()  # the copies to host still in flight
         for request_id in request_ids:
-            reason = flavour.incomplete.pop(request_id, None)
-            record = flavour.records.pop(request_id, None)
-            if self.writer is None or not flavour.warmed_up or (record is None and reason is None):
+            reason = state.incomplete.pop(request_id, None)
+            record = state.records.pop(request_id, None)
+            if self.writer is None or not state.warmed_up or (record is None and reason is None):
                 continue
-            request = flavour.running.get(request_id)
+            request = state.running.get(request_id)
             prompt = None if request is None or request.prompt_token_ids is None else list(request.prompt_token_ids)
             if reason is not None:
                 self.writer.write(request_id, {"prompt_token_ids": prompt, "positions": [], "error": reason}, [])
@@ -200,7 +201,7 @@ class RankSink:
     def flush(self) -> dict[str, Any] | None:
         """Write every request held (the driver saw them all finish) and close the open
         shard; this rank's writer's status, None where the rank writes nothing."""
-        self.write(sorted(set(self.flavour.records) | set(self.flavour.incomplete)))
+        self.write(sorted(set(self.state.records) | set(self.state.incomplete)))
         self.close()
         return self.status()
 
@@ -565,6 +566,21 @@ class CaptureDataset:
                     raise ValueError(f"{shard}: tensor {key!r} ({tensor}) does not fit the shard or its {code} dtype")
             self._shard_headers[shard] = {**header, "__data_start__": 8 + length}
         return self._shard_headers[shard]
+
+
+@_driver_helper
+def flush_sink(engine: Any) -> Any:
+    """Write every request that ran to the engine's ``sink_dir``, close the open shards, and return the directory's
+    ``CaptureDataset``. Call it once ``generate`` has returned (vLLM tells its workers that a request finished only
+    at their next step). RuntimeError if a write failed (disk full, directory removed), naming the file and the
+    requests not written; the shards the manifests list stay whole and readable."""
+    if getattr(engine, "llm_engine", engine).output_processor.has_unfinished_requests():
+        raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
+    writers = [reply for reply in (yield "flush_sink", ()) if reply is not None]
+    failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
+    if failures:
+        raise RuntimeError("flush_sink: " + " | ".join(failures))
+    return CaptureDataset(writers[0]["directory"])
 
 
 # ---------------------------------------------------------------------------
