@@ -237,10 +237,13 @@ class _Engine:
             captured = tl.read_batched(llm, [o.request_id for o in outputs])  # also frees the rows
             read_s = time.perf_counter() - start
             rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
+            captured_shape, captured_hooks = list(captured), len(captured[outputs[0].request_id])
             read_bytes = sum(t.numel() * t.element_size() for hooks in captured.values() for t in hooks.values())
-            check = (f"{len(captured)} requests x {len(captured[outputs[0].request_id])} hooks, rows {rows}, "
-                     f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s")
             del captured
+            (files,) = tl.status(llm)["row_files"] or [None]  # given back at the next read
+            check = (f"{len(captured_shape)} requests x {captured_hooks} hooks, rows {rows}, "
+                     f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s; row files "
+                     f"{files}")
         elif self.sites:
             captured = tl.read_captures(llm, args.prompt_len)
             read_s = time.perf_counter() - start

@@ -737,7 +737,7 @@ def test_step_collection_keeps_each_requests_rows():
             scheduler_config=types.SimpleNamespace(max_num_seqs=8),
         ),
     )
-    state = tlh._Batched(config, worker, {"h": types.SimpleNamespace(buffer=buffer)}, [])
+    state = tlh._Batched(config, worker, {"h": types.SimpleNamespace(buffer=buffer, width=2)}, [])
     def plan(prompt_len, capture):
         return tlh._RunningRequest(tlh._RequestOptions(capture), prompt_len, None)
 
@@ -783,6 +783,10 @@ def test_step_collection_keeps_each_requests_rows():
     assert set(state.incomplete) == {"F", "G"} and "prefix caching" in state.incomplete["G"]
     next_positions = {r: int(state.request_table.next_position[e]) for r, e in state.request_table.index.items()}
     assert next_positions == {"A": 7, "B": 5, "C": 6, "D": 5, "E": 0, "F": 4, "G": 5, "N": 2, "H": 6}
+    files = list(state.shared.files)
+    assert files and all(os.path.exists(path) for path in files), "the rows sit in the worker's row files"
+    state.close()
+    assert not any(os.path.exists(path) for path in files), "and go with the hooks"
 
 
 @NO_ENGINE
@@ -877,6 +881,242 @@ def check_every_site_edit_per_request(llm, model: Model, reference=None, toleran
     requests.append((BATCH[1], "all", dict([list(edits.items())[-1]])))
     _outputs, worst = check_per_request(llm, reference or model, requests, tolerance=tolerance)
     return worst
+
+
+# --- the other families ------------------------------------------------------------------
+# Llama and Qwen2 run every check above; Gemma 2, GPT-2 and GPT-NeoX run these in
+# each flavour. GPT-NeoX runs only in separate processes: vLLM serves it through its
+# Transformers backend, which rewires transformers' GPT-NeoX classes in the process
+# that loads the model, and TransformerLens's bridge in the test process uses them.
+
+
+# TestFamilies' engines run eager in this process (a CPU compile costs ~70 s an engine),
+# except: torch.compiled (inductor) for Qwen3, whose graph carries every tap kind the new
+# sites brought beside Llama's (which TestOnePrompt and TestBatched compile): heads of a
+# fused qkv projection, Attention's inputs, ln2 after hook_resid_mid on one norm; and in
+# vLLM's separate processes, the default layout, for OLMo 2 (vLLM's Transformers backend).
+COMPILED_FAMILIES = ("qwen3",)
+SEPARATE_FAMILIES = ("olmo2",)
+
+
+@pytest.fixture(scope="class", params=FAMILIES)
+def family_llm(request, models):
+    family = request.param
+    model = models[family]
+    in_process, eager = family not in SEPARATE_FAMILIES, family not in COMPILED_FAMILIES
+    with engine(model, sites=model.sites, in_process=in_process, eager=eager, batching=True) as llm:
+        llm.model = model
+        llm.tolerance = FAMILY_TOLERANCE.get(family, TOLERANCE)
+        yield llm
+
+
+class TestFamilies:
+    """Every family, batched flavour, every site TransformerLens's bridge runs on it (on
+    every layer): each request's rows equal its own TransformerLens run, unedited (a
+    300-token prompt chunked over three steps among them) and under an edit at each site,
+    one request per site."""
+
+    def test_every_hook_matches_transformer_lens(self, family_llm, request):
+        llm = family_llm
+        worst = check_batched(llm, llm.model, tolerance=llm.tolerance)
+        print(f"\n{request.node.name}: {len(llm.hook_names)} hooks, worst relative error {worst:.2e}")
+
+    def test_an_edit_at_each_site_matches_transformer_lens(self, family_llm, request):
+        llm = family_llm
+        worst = check_every_site_edit_per_request(llm, llm.model, tolerance=llm.tolerance)
+        print(f"\n{request.node.name}: worst relative error under an edit at each site {worst:.2e}")
+
+    def test_edits_of_one_layers_sites_compose_as_in_transformer_lens(self, family_llm):
+        """One request editing every editable site of layer 1 at once: each edit sees the
+        ones before it (hook_resid_mid and ln2.hook_normalized share one norm)."""
+        llm = family_llm
+        edits = {
+            name: {"op": "add", "value": 0.25 * torch.ones(shape)} if n % 2 else {"op": "scale", "value": 1.5}
+            for n, (name, shape) in enumerate(hook_shapes(llm).items())
+            if name.startswith("blocks.1.") and not name.endswith(READ_ONLY)
+        }
+        check_per_request(llm, llm.model, [(BATCH[2], "all", edits)], tolerance=llm.tolerance)
+
+
+@pytest.fixture(scope="class", params=FAMILIES)
+def one_prompt_flavour_llm(request, models):
+    model = models[request.param]
+    with engine(model, sites=model.sites, in_process=True, eager=True) as llm:
+        llm.model = model
+        llm.tolerance = FAMILY_TOLERANCE.get(request.param, TOLERANCE)
+        yield llm
+
+
+class TestFamiliesOnePromptFlavour:
+    """Every family in the one-prompt flavour (one prompt's rows per capture, edit tables of
+    one row per hook), every site TransformerLens runs on it: unedited, then an edit at
+    each site alone, whose own rows must move."""
+
+    def test_every_site_unedited_and_edited_matches_transformer_lens(self, one_prompt_flavour_llm):
+        llm = one_prompt_flavour_llm
+        baseline = capture(llm, PROMPT)
+        assert_matches(baseline, llm.model.reference(PROMPT, llm.hook_names), llm.model.family, llm.tolerance)
+        check_every_site_edit(llm, llm.model, baseline, tolerance=llm.tolerance)
+
+
+@NO_ENGINE
+def test_each_family_places_every_site_transformer_lens_runs(models):
+    """No engine: capture_specs places every site the bridge runs on each family, with
+    TransformerLens's row shapes, and refuses by name every other site (those of
+    NOT_PLACED, and those the bridge does not run there)."""
+    for family in FAMILIES:
+        model = models[family]
+        specs = tlh.capture_specs(model.hf.config, sites=model.sites, layers=[0])
+        with torch.no_grad():
+            _logits, cache = model.bridge.run_with_cache(torch.tensor([PROMPT[:8]]))
+        for name, shape in specs.items():
+            assert tuple(cache[name].shape[-len(shape):]) == shape, f"{family} {name}"
+        for name in specs:
+            if name.endswith(READ_ONLY):
+                with pytest.raises(ValueError, match="read-only"):
+                    tlh.request_args(tlh.configure(specs, 64, enable_batching=True), "all", {name: {"op": "suppress"}})
+        for site in tlh.SITES:
+            if site not in model.sites:  # not run by TransformerLens here, or in NOT_PLACED
+                with pytest.raises(ValueError, match=re.escape(tlh.SITES[site])):
+                    tlh.capture_specs(model.hf.config, sites=(site,))
+
+
+@NO_ENGINE
+@pytest.mark.parametrize("family", tuple(TRANSFORMERS_TAPS))
+def test_transformers_taps_read_what_transformer_lens_reads(models, family):
+    """The GPU classes' reference (transformers' modules at TRANSFORMERS_TAPS) gives
+    TransformerLens's tensors, unedited and under an edit at each site."""
+    model = models[family]
+    specs = tlh.capture_specs(model.hf.config, sites=tuple(TRANSFORMERS_TAPS[family]))
+    names = list(specs)
+    transformers_reference = TransformersReference(family, model.hf)
+    for hook, edit in [(None, None), *site_edits(specs).items()]:
+        edits = {hook: edit} if hook else {}
+        expected = model.reference(PROMPT, names, edits)
+        assert_matches(transformers_reference.reference(PROMPT, names, edits), expected, f"{family} {hook} {edit}")
+
+
+# --- command line and examples -----------------------------------------------------------
+
+
+def run_command(arguments, cwd, timeout=300, **env):
+    environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    environment.update(PYTHONPATH=str(HERE), **env)
+    return subprocess.run(
+        [sys.executable, *arguments], cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout
+    )
+
+
+CAPTURE_PROMPTS = [[(13 * i + 7 * r) % 500 + 1 for i in range(5 + r % 60)] for r in range(300)]
+
+
+@pytest.fixture(scope="module")
+def capture_run(tmp_path_factory, models):
+    """The capture command on Gemma 2's tiny model over a file of 300 prompts, killed (its
+    engine too) once two shards are on disk, its last shard then cut short, and run again.
+    Returns (the second run, the directory, what the first run had listed)."""
+    directory = tmp_path_factory.mktemp("capture")
+    (directory / "prompts.txt").write_text("".join(" ".join(map(str, p)) + "\n\n" for p in CAPTURE_PROMPTS))
+    out = directory / "dataset"
+    arguments = [
+        "-m", "tl_vllm_hooks", "capture", str(models["gemma2"].path), "--token-ids-file", "prompts.txt",
+        "--sites", "resid_mid,attn_z", "--layers", "0,2", "--max-in-flight", "4", "--shard-mb", "0.25",
+        "--out", str(out),
+    ]
+    environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    first = subprocess.Popen(
+        [sys.executable, *arguments], cwd=directory, env={**environment, "PYTHONPATH": str(HERE)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    manifest = out / "manifest-pp0-tp0.jsonl"
+    deadline = time.monotonic() + 300
+    while first.poll() is None and time.monotonic() < deadline:
+        if manifest.exists() and manifest.read_text().count("\n") >= 3:  # the header and two shards
+            break
+        time.sleep(0.01)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    listed = manifest_lines(out)
+    shard = out / listed[-1]["shard"]
+    os.truncate(shard, shard.stat().st_size - 100)
+    with pytest.raises(ValueError, match="cut short"):
+        tlh.CaptureDataset(out)
+    return run_command(arguments, directory), out, listed
+
+
+class TestCaptureCommand:
+    """The capture and compare commands on one capture run."""
+
+    def test_an_interrupted_capture_goes_on_where_it_stopped(self, capture_run):
+        done, out, listed = capture_run
+        requests_before = [r for line in listed[1:] for r in line["requests"]]
+        assert 0 < len(requests_before) < len(CAPTURE_PROMPTS), "the first run must be killed midway"
+        whole_before = len(requests_before) - len(listed[-1]["requests"])  # the last shard was cut short
+        assert done.returncode == 0 and done.stderr == "", done.stdout[-2000:] + done.stderr[-2000:]
+        assert done.stdout.splitlines() == [
+            f"wrote {out}: 300 requests ({whole_before} from an earlier run) x 4 hooks (float32); "
+            "read them with tl_vllm_hooks.CaptureDataset"
+        ]
+        dataset = tlh.CaptureDataset(out)
+        lines = {f"line-{2 * r + 1}": prompt for r, prompt in enumerate(CAPTURE_PROMPTS)}
+        user_ids = [re.sub(r"-[0-9a-f]{8}$", "", request_id) for request_id in dataset]
+        assert sorted(user_ids) == sorted(lines), "each prompt once"
+        assert all(dataset.entry(request_id)["prompt_token_ids"] == lines[request_id] for request_id in user_ids)
+        assert not list(out.glob("*.partial")), "the killed run's open shard is removed"
+
+    def test_capture_command_writes_what_compare_confirms(self, tmp_path, models, capture_run):
+        _done, out, _listed = capture_run
+        dataset = tlh.CaptureDataset(out)
+        rows = dataset["line-3"]
+        assert set(rows) == {f"blocks.{i}.{h}" for i in (0, 2) for h in ("hook_resid_mid", "attn.hook_z")}
+        assert rows["blocks.2.attn.hook_z"].shape == (len(CAPTURE_PROMPTS[1]), 2, 64)
+        expected = models["gemma2"].reference(CAPTURE_PROMPTS[1], list(rows))
+        assert_matches(rows, expected, "line-3")
+        compared = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-5"], tmp_path)
+        assert compared.returncode == 0, compared.stdout + compared.stderr[-2000:]
+        assert "300 requests" in compared.stdout and "over tolerance" not in compared.stdout
+        strict = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-12"], tmp_path)
+        assert strict.returncode == 1 and "over tolerance" in strict.stdout
+
+
+@NO_ENGINE
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["capture", "MODEL", "--token-ids", "1 two 3", "--out", "x.safetensors"], "--token-ids: expected integers"),
+        (["capture", "MODEL", "--out", "x"], "give one of --token-ids"),
+        (["capture", "MODEL", "--token-ids", "1", "--sites", "resid", "--out", "x"], "unknown sites"),
+        (["capture", "MODEL", "--token-ids", "1", "--sites", "pos_embed", "--out", "x"], "LlamaForCausalLM has no"),
+        (["compare", "missing"], "no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory"),
+    ],
+)
+def test_command_line_errors_are_one_line(tmp_path, models, arguments, message, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert tools.main([str(models["llama"].path) if a == "MODEL" else a for a in arguments]) == 2
+    errors = capfd.readouterr().err
+    assert message in errors and len(errors.strip().splitlines()) == 1, errors[-2000:]
+
+
+class TestExamples:
+    """The examples, each as a user runs it. On the CPU, vLLM's VLLM_CPU_CI_ENV=1 has Dynamo
+    trace the compiled ones (the hooks in the traced graph, as compiled) and run the graph
+    without inductor's C++ code generation, which costs ~100 s an example here; inductor's
+    code runs in TestOnePrompt, TestBatched and TestFamilies (Qwen3)."""
+
+    # The compiled ones first, the eager capture_batch.py last: pytest-xdist gives a worker
+    # its next class when two tests of this one are left, and those should be the short ones.
+    @pytest.mark.parametrize(
+        "example, expected",
+        [
+            ("parity.py", "worst "),
+            ("steer.py", "after reset:"),
+            ("per_request.py", "last-token row matches the unedited request's row 29: True"),
+            ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
+        ],
+    )
+    def test_example_runs_on_the_built_in_model(self, tmp_path, example, expected):
+        done = run_command([str(HERE / "examples" / example)], tmp_path, VLLM_CPU_CI_ENV="1")
+        assert done.returncode == 0 and expected in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
 
 
 # --- one-prompt flavour --------------------------------------------------------
@@ -1179,21 +1419,25 @@ class TestBatched:
         assert tlh.status(llm)["unread_requests"] == 0, "the refused request never ran"
         check_batched(llm, llm.model, prompts=BATCH[:1])
 
-    def test_rows_reach_the_driver_through_shared_memory(self, llm):
+    def test_rows_reach_the_driver_as_places_in_shared_memory(self, llm):
         (output,) = generate(llm, [BATCH[0]])
         (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], socket.gethostname()))
         reply = reply["result"]
-        assert reply["shared"] and reply["file"].startswith("/dev/shm/tl_vllm_hooks-"), reply["file"]
-        mapped = tlh._mapped_rows(reply["file"])
-        assert not os.path.exists(reply["file"]), "the driver unlinks the file once it is mapped"
-        rows = {name: tlh._tensor_at(mapped, message) for name, message in reply["rows"][output.request_id].items()}
+        assert reply["files"] and all(t.startswith("/dev/shm/tl_vllm_hooks-") for t in reply["files"]), reply["files"]
+        messages = reply["rows"][output.request_id]
+        assert all("data" not in message for message in messages.values()), "offsets, not bytes"
+        mapped = [tlh._map_row_file(token) for token in reply["files"]]
+        rows = {name: tlh._rows_in(mapped, message) for name, message in messages.items()}
         assert_matches(rows, llm.model.reference(BATCH[0], llm.hook_names), "through /dev/shm")
+        del mapped, rows
+        gc.collect()  # the mappings go, and with them the driver's hold on the files
+        assert all(os.path.exists(token) for token in reply["files"]), "the driver says so, one file a token"
 
     def test_rows_for_a_driver_on_another_host_come_through_the_rpc(self, llm):
         (output,) = generate(llm, [BATCH[0]])
         (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], "another-host"))
         reply = reply["result"]
-        assert not reply["shared"] and reply["file"] is None
+        assert reply["files"] == []
         rows = {name: tlh.decode_tensor(message) for name, message in reply["rows"][output.request_id].items()}
         assert_matches(rows, llm.model.reference(BATCH[0], llm.hook_names), "through the RPC")
 
@@ -1206,15 +1450,25 @@ class TestBatched:
             rows = tlh.read_batched(llm, [output.request_id])[output.request_id]
         assert_matches(rows, llm.model.reference(BATCH[0], llm.hook_names), "through the RPC")
 
-    def test_reads_leave_no_row_files_behind(self, llm):
-        # The worker's row files are named after its pid (other tests' engines may run beside).
+    def test_row_files_are_filled_again_once_the_driver_lets_go_and_removed_on_reset(self, llm):
         (output,) = generate(llm, [BATCH[0]])
         (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], socket.gethostname()))
-        worker = reply["result"]["file"].rsplit("-", 1)[0]
-        tlh._mapped_rows(reply["result"]["file"])
-        outputs = generate(llm, BATCH)
-        tlh.read_batched(llm, [output.request_id for output in outputs])
-        assert glob.glob(f"{worker}-*") == []
+        tokens = reply["result"]["files"]
+        worker = tokens[0].rpartition("#")[0].rpartition("-")[0]  # /dev/shm/tl_vllm_hooks-{the worker's pid}
+        for token in tokens:  # as a driver that mapped them and let go
+            tlh._give_back_row_file(token.rpartition("#")[0], token)
+        def row_files():  # (beside them, the driver's tokens of files it let go)
+            return {path for path in glob.glob(f"{worker}-*") if "#" not in path}
+
+        files = row_files()
+        for _round in range(3):  # each round's rows dropped before the next read: no new file
+            outputs = generate(llm, BATCH)
+            rows = tlh.read_batched(llm, [output.request_id for output in outputs])
+            assert len(rows) == len(BATCH) and row_files() == files
+            del rows
+            gc.collect()
+        tlh.reset_batched(llm)
+        assert glob.glob(f"{worker}-*") == [], "reset_batched removes the row files nothing maps, and their tokens"
 
     def test_a_dead_workers_row_files_are_removed_when_hooks_install(self, llm):
         assert not llm.stale_file.exists()
@@ -1562,119 +1816,6 @@ class TestEngineChecks:
         assert len(entries) == 2, f"expected one compile-cache entry per hook config, got {entries}"
 
 
-# --- the other families ------------------------------------------------------------------
-# Llama and Qwen2 run every check above; Gemma 2, GPT-2 and GPT-NeoX run these in
-# each flavour. GPT-NeoX runs only in separate processes: vLLM serves it through its
-# Transformers backend, which rewires transformers' GPT-NeoX classes in the process
-# that loads the model, and TransformerLens's bridge in the test process uses them.
-
-
-# TestFamilies' engines run eager in this process (a CPU compile costs ~70 s an engine),
-# except: torch.compiled (inductor) for Qwen3, whose graph carries every tap kind the new
-# sites brought beside Llama's (which TestOnePrompt and TestBatched compile): heads of a
-# fused qkv projection, Attention's inputs, ln2 after hook_resid_mid on one norm; and in
-# vLLM's separate processes, the default layout, for OLMo 2 (vLLM's Transformers backend).
-COMPILED_FAMILIES = ("qwen3",)
-SEPARATE_FAMILIES = ("olmo2",)
-
-
-@pytest.fixture(scope="class", params=FAMILIES)
-def family_llm(request, models):
-    family = request.param
-    model = models[family]
-    in_process, eager = family not in SEPARATE_FAMILIES, family not in COMPILED_FAMILIES
-    with engine(model, sites=model.sites, in_process=in_process, eager=eager, batching=True) as llm:
-        llm.model = model
-        llm.tolerance = FAMILY_TOLERANCE.get(family, TOLERANCE)
-        yield llm
-
-
-class TestFamilies:
-    """Every family, batched flavour, every site TransformerLens's bridge runs on it (on
-    every layer): each request's rows equal its own TransformerLens run, unedited (a
-    300-token prompt chunked over three steps among them) and under an edit at each site,
-    one request per site."""
-
-    def test_every_hook_matches_transformer_lens(self, family_llm, request):
-        llm = family_llm
-        worst = check_batched(llm, llm.model, tolerance=llm.tolerance)
-        print(f"\n{request.node.name}: {len(llm.hook_names)} hooks, worst relative error {worst:.2e}")
-
-    def test_an_edit_at_each_site_matches_transformer_lens(self, family_llm, request):
-        llm = family_llm
-        worst = check_every_site_edit_per_request(llm, llm.model, tolerance=llm.tolerance)
-        print(f"\n{request.node.name}: worst relative error under an edit at each site {worst:.2e}")
-
-    def test_edits_of_one_layers_sites_compose_as_in_transformer_lens(self, family_llm):
-        """One request editing every editable site of layer 1 at once: each edit sees the
-        ones before it (hook_resid_mid and ln2.hook_normalized share one norm)."""
-        llm = family_llm
-        edits = {
-            name: {"op": "add", "value": 0.25 * torch.ones(shape)} if n % 2 else {"op": "scale", "value": 1.5}
-            for n, (name, shape) in enumerate(hook_shapes(llm).items())
-            if name.startswith("blocks.1.") and not name.endswith(READ_ONLY)
-        }
-        check_per_request(llm, llm.model, [(BATCH[2], "all", edits)], tolerance=llm.tolerance)
-
-
-@pytest.fixture(scope="class", params=FAMILIES)
-def one_prompt_flavour_llm(request, models):
-    model = models[request.param]
-    with engine(model, sites=model.sites, in_process=True, eager=True) as llm:
-        llm.model = model
-        llm.tolerance = FAMILY_TOLERANCE.get(request.param, TOLERANCE)
-        yield llm
-
-
-class TestFamiliesOnePromptFlavour:
-    """Every family in the one-prompt flavour (one prompt's rows per capture, edit tables of
-    one row per hook), every site TransformerLens runs on it: unedited, then an edit at
-    each site alone, whose own rows must move."""
-
-    def test_every_site_unedited_and_edited_matches_transformer_lens(self, one_prompt_flavour_llm):
-        llm = one_prompt_flavour_llm
-        baseline = capture(llm, PROMPT)
-        assert_matches(baseline, llm.model.reference(PROMPT, llm.hook_names), llm.model.family, llm.tolerance)
-        check_every_site_edit(llm, llm.model, baseline, tolerance=llm.tolerance)
-
-
-@NO_ENGINE
-def test_each_family_places_every_site_transformer_lens_runs(models):
-    """No engine: capture_specs places every site the bridge runs on each family, with
-    TransformerLens's row shapes, and refuses by name every other site (those of
-    NOT_PLACED, and those the bridge does not run there)."""
-    for family in FAMILIES:
-        model = models[family]
-        specs = tlh.capture_specs(model.hf.config, sites=model.sites, layers=[0])
-        with torch.no_grad():
-            _logits, cache = model.bridge.run_with_cache(torch.tensor([PROMPT[:8]]))
-        for name, shape in specs.items():
-            assert tuple(cache[name].shape[-len(shape):]) == shape, f"{family} {name}"
-        for name in specs:
-            if name.endswith(READ_ONLY):
-                with pytest.raises(ValueError, match="read-only"):
-                    tlh.request_args(tlh.configure(specs, 64, enable_batching=True), "all", {name: {"op": "suppress"}})
-        for site in tlh.SITES:
-            if site not in model.sites:  # not run by TransformerLens here, or in NOT_PLACED
-                with pytest.raises(ValueError, match=re.escape(tlh.SITES[site])):
-                    tlh.capture_specs(model.hf.config, sites=(site,))
-
-
-@NO_ENGINE
-@pytest.mark.parametrize("family", tuple(TRANSFORMERS_TAPS))
-def test_transformers_taps_read_what_transformer_lens_reads(models, family):
-    """The GPU classes' reference (transformers' modules at TRANSFORMERS_TAPS) gives
-    TransformerLens's tensors, unedited and under an edit at each site."""
-    model = models[family]
-    specs = tlh.capture_specs(model.hf.config, sites=tuple(TRANSFORMERS_TAPS[family]))
-    names = list(specs)
-    transformers_reference = TransformersReference(family, model.hf)
-    for hook, edit in [(None, None), *site_edits(specs).items()]:
-        edits = {hook: edit} if hook else {}
-        expected = model.reference(PROMPT, names, edits)
-        assert_matches(transformers_reference.reference(PROMPT, names, edits), expected, f"{family} {hook} {edit}")
-
-
 # --- loading in spawned workers ------------------------------------------------------
 
 PROBE = textwrap.dedent(
@@ -1760,6 +1901,31 @@ class TestLoading:
         code, _result, log = run_probe(tmp_path, models["llama"].path, {"probe": ["model.layers.0.mlpp", 128]}, "plain")
         assert code != 0, "the engine started although its hook path does not exist"
         assert "'model.layers.0.mlpp' does not exist" in log and "model.layers.0.mlp" in log, log[-3000:]
+
+    def test_a_killed_job_leaves_no_row_files_once_the_next_engine_installs(self, tmp_path, models):
+        """A driver killed with its engine (its process group, as a shell or scheduler kills a job)
+        while it holds rows: the row files its worker made are removed by the next install."""
+        script = tmp_path / "driver.py"
+        script.write_text(KILLED_DRIVER)
+        environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        driver = subprocess.Popen(
+            [sys.executable, str(script), str(models["llama"].path)], cwd=tmp_path, env=environment,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        )
+        try:
+            line = next((line for line in driver.stdout if line.startswith("HOLDING ")), None)
+            assert line is not None, "the driver died before it held rows"
+            worker_pid, files = json.loads(line[len("HOLDING "):])
+            assert files and all(os.path.exists(path) for path in files)
+        finally:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{worker_pid}"):
+            time.sleep(0.2)
+        assert glob.glob(f"/dev/shm/tl_vllm_hooks-{worker_pid}-*"), "a killed worker cannot remove its files"
+        tlh._sweep_shared_files()  # what the next engine's install runs
+        assert glob.glob(f"/dev/shm/tl_vllm_hooks-{worker_pid}-*") == []
 
     def test_bad_engine_configs_are_refused_at_startup(self, tmp_path, models):
         script = tmp_path / "bad_engines.py"
@@ -2009,16 +2175,18 @@ def test_parallel_layout_matches_one_device(layout, flavour, models, request):
         pytest.skip("pipeline parallelism fails in vLLM's CPU backend itself; runs on two GPUs")
     if not TWO_GPUS and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("two CPU workers need two cores")
-    # On the CPU each worker's OpenMP threads get one core of their own.
+    # On the CPU each worker's OpenMP threads get one core of their own, and the one-prompt
+    # flavour's graph is traced by Dynamo and run without inductor's C++ code (VLLM_CPU_CI_ENV:
+    # ~100 s less a run; inductor's code runs in TestOnePrompt and TestBatched).
     dtype, tolerance, environment = (
         ("bfloat16", BF16_TOLERANCE, ()) if TWO_GPUS
-        else ("float32", TOLERANCE, (("VLLM_CPU_OMP_THREADS_BIND", "0|1"),))
+        else ("float32", TOLERANCE, (("VLLM_CPU_OMP_THREADS_BIND", "0|1"), ("VLLM_CPU_CI_ENV", "1")))
     )
     reference_model = bf16_reference(models["llama"]) if TWO_GPUS else models["llama"]
     one_gpu = request.getfixturevalue("one_gpu_rows") if TWO_GPUS else None
     # Graphs on, except the batched flavour on the CPU: there the one-prompt flavour is the
-    # check of hooks traced under tensor parallelism (a compile costs ~70 s a worker), and
-    # TestBatched compiles the batched flavour on one device.
+    # check of hooks traced under tensor parallelism, and TestBatched compiles the batched
+    # flavour on one device.
     with engine(
         models["llama"],
         in_process=False,
@@ -2132,6 +2300,27 @@ class TestTensorParallel:
             check_batched(llm, model, max_tokens=40, prompts=prompts)
             preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
             assert preemptions > 0, "the test needs vLLM to preempt; it did not"
+
+
+KILLED_DRIVER = textwrap.dedent(
+    """
+    # A driver that holds rows mapped from its worker's row files, then waits to be killed.
+    import glob, json, socket, sys, time
+    import tl_vllm_hooks as tlh
+    from vllm import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        config = tlh.configure({"blocks.0.hook_resid_post": 128}, 128, enable_batching=True)
+        llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
+                  gpu_memory_utilization=0.05, **config.llm_kwargs)
+        outputs = llm.generate([{"prompt_token_ids": list(range(1, 30))}], SamplingParams(max_tokens=2), use_tqdm=False)
+        (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [outputs[0].request_id], socket.gethostname()))
+        held = [tlh._map_row_file(token) for token in reply["result"]["files"]]  # as read_batched does
+        worker = reply["result"]["files"][0].rpartition("#")[0].split("-")[-2]
+        print("HOLDING " + json.dumps([int(worker), glob.glob(f"/dev/shm/tl_vllm_hooks-{worker}-*")]), flush=True)
+        time.sleep(600)
+    """
+)
 
 
 BAD_ENGINES = textwrap.dedent(
@@ -2411,123 +2600,3 @@ class TestAsyncLLM:
         assert alone["C"].num_cached_tokens == 64 and alone["B"].num_cached_tokens == 0
         plain_s = engine.run(run_request(engine, shared_with_b + [4, 5, 6], "S-plain", max_tokens=6))
         assert plain_s.outputs[0].token_ids != steered["S"].outputs[0].token_ids, "the steering must change S"
-
-
-# --- command line and examples -----------------------------------------------------------
-
-
-def run_command(arguments, cwd, timeout=300):
-    environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    environment["PYTHONPATH"] = str(HERE)
-    return subprocess.run(
-        [sys.executable, *arguments], cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout
-    )
-
-
-CAPTURE_PROMPTS = [[(13 * i + 7 * r) % 500 + 1 for i in range(5 + r % 60)] for r in range(300)]
-
-
-@pytest.fixture(scope="module")
-def capture_run(tmp_path_factory, models):
-    """The capture command on Gemma 2's tiny model over a file of 300 prompts, killed (its
-    engine too) once two shards are on disk, its last shard then cut short, and run again.
-    Returns (the second run, the directory, what the first run had listed)."""
-    directory = tmp_path_factory.mktemp("capture")
-    (directory / "prompts.txt").write_text("".join(" ".join(map(str, p)) + "\n\n" for p in CAPTURE_PROMPTS))
-    out = directory / "dataset"
-    arguments = [
-        "-m", "tl_vllm_hooks", "capture", str(models["gemma2"].path), "--token-ids-file", "prompts.txt",
-        "--sites", "resid_mid,attn_z", "--layers", "0,2", "--max-in-flight", "4", "--shard-mb", "0.25",
-        "--out", str(out),
-    ]
-    environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    first = subprocess.Popen(
-        [sys.executable, *arguments], cwd=directory, env={**environment, "PYTHONPATH": str(HERE)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    manifest = out / "manifest-pp0-tp0.jsonl"
-    deadline = time.monotonic() + 300
-    while first.poll() is None and time.monotonic() < deadline:
-        if manifest.exists() and manifest.read_text().count("\n") >= 3:  # the header and two shards
-            break
-        time.sleep(0.01)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
-    listed = manifest_lines(out)
-    shard = out / listed[-1]["shard"]
-    os.truncate(shard, shard.stat().st_size - 100)
-    with pytest.raises(ValueError, match="cut short"):
-        tlh.CaptureDataset(out)
-    return run_command(arguments, directory), out, listed
-
-
-class TestCaptureCommand:
-    """The capture and compare commands on one capture run."""
-
-    def test_an_interrupted_capture_goes_on_where_it_stopped(self, capture_run):
-        done, out, listed = capture_run
-        requests_before = [r for line in listed[1:] for r in line["requests"]]
-        assert 0 < len(requests_before) < len(CAPTURE_PROMPTS), "the first run must be killed midway"
-        whole_before = len(requests_before) - len(listed[-1]["requests"])  # the last shard was cut short
-        assert done.returncode == 0 and done.stderr == "", done.stdout[-2000:] + done.stderr[-2000:]
-        assert done.stdout.splitlines() == [
-            f"wrote {out}: 300 requests ({whole_before} from an earlier run) x 4 hooks (float32); "
-            "read them with tl_vllm_hooks.CaptureDataset"
-        ]
-        dataset = tlh.CaptureDataset(out)
-        lines = {f"line-{2 * r + 1}": prompt for r, prompt in enumerate(CAPTURE_PROMPTS)}
-        user_ids = [re.sub(r"-[0-9a-f]{8}$", "", request_id) for request_id in dataset]
-        assert sorted(user_ids) == sorted(lines), "each prompt once"
-        assert all(dataset.entry(request_id)["prompt_token_ids"] == lines[request_id] for request_id in user_ids)
-        assert not list(out.glob("*.partial")), "the killed run's open shard is removed"
-
-    def test_capture_command_writes_what_compare_confirms(self, tmp_path, models, capture_run):
-        _done, out, _listed = capture_run
-        dataset = tlh.CaptureDataset(out)
-        rows = dataset["line-3"]
-        assert set(rows) == {f"blocks.{i}.{h}" for i in (0, 2) for h in ("hook_resid_mid", "attn.hook_z")}
-        assert rows["blocks.2.attn.hook_z"].shape == (len(CAPTURE_PROMPTS[1]), 2, 64)
-        expected = models["gemma2"].reference(CAPTURE_PROMPTS[1], list(rows))
-        assert_matches(rows, expected, "line-3")
-        compared = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-5"], tmp_path)
-        assert compared.returncode == 0, compared.stdout + compared.stderr[-2000:]
-        assert "300 requests" in compared.stdout and "over tolerance" not in compared.stdout
-        strict = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-12"], tmp_path)
-        assert strict.returncode == 1 and "over tolerance" in strict.stdout
-
-
-@NO_ENGINE
-@pytest.mark.parametrize(
-    "arguments, message",
-    [
-        (["capture", "MODEL", "--token-ids", "1 two 3", "--out", "x.safetensors"], "--token-ids: expected integers"),
-        (["capture", "MODEL", "--out", "x"], "give one of --token-ids"),
-        (["capture", "MODEL", "--token-ids", "1", "--sites", "resid", "--out", "x"], "unknown sites"),
-        (["capture", "MODEL", "--token-ids", "1", "--sites", "pos_embed", "--out", "x"], "LlamaForCausalLM has no"),
-        (["compare", "missing"], "no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory"),
-    ],
-)
-def test_command_line_errors_are_one_line(tmp_path, models, arguments, message, capfd, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert tools.main([str(models["llama"].path) if a == "MODEL" else a for a in arguments]) == 2
-    errors = capfd.readouterr().err
-    assert message in errors and len(errors.strip().splitlines()) == 1, errors[-2000:]
-
-
-class TestExamples:
-    """The examples, each as a user runs it."""
-
-    # The compiled ones first, the eager capture_batch.py last: pytest-xdist gives a worker
-    # its next class when two tests of this one are left, and those should be the short ones.
-    @pytest.mark.parametrize(
-        "example, expected",
-        [
-            ("parity.py", "worst "),
-            ("steer.py", "after reset:"),
-            ("per_request.py", "last-token row matches the unedited request's row 29: True"),
-            ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
-        ],
-    )
-    def test_example_runs_on_the_built_in_model(self, tmp_path, example, expected):
-        done = run_command([str(HERE / "examples" / example)], tmp_path)
-        assert done.returncode == 0 and expected in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]

@@ -36,6 +36,7 @@ import itertools
 import json
 import logging
 import math
+import mmap
 import os
 import re
 import socket
@@ -938,6 +939,7 @@ class _HookState:
     unread_requests = 0
     table_rows: int | None = None
     sink: Any = None  # the batched flavour's, with a sink_dir: tl_vllm_hooks_tools.RankSink
+    shared: _SharedRows | None = None  # the batched flavour's row files
 
     def __init__(self, config: CaptureConfig, worker: Any, placed: dict[str, _Hook], absent: list[str]):
         vllm_config = worker.vllm_config
@@ -981,6 +983,7 @@ class _HookState:
             "shards": self.shards(),
             "unread_requests": self.unread_requests,
             "sink": None if self.sink is None else self.sink.status(),
+            "row_files": None if self.shared is None else self.shared.status(),
         }
 
     def set_edits(self, edits: dict[str, Any]) -> None:
@@ -1383,21 +1386,18 @@ def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-# Batched rows, which can be gigabytes, reach a driver on the worker's host through a file in /dev/shm (shared
-# memory): the worker writes them there once, the RPC carries their dtypes, shapes and byte offsets, and the driver
-# maps the file and unlinks it at once, so the rows live exactly as long as its tensors. A file whose writer died
-# before the driver mapped it is removed when the next engine installs its hooks.
+# Batched rows, which can be gigabytes, reach a driver on the worker's host without a copy on the way: each step's
+# kept rows go from the device straight into pages of a file in /dev/shm (shared memory) that the worker keeps mapped
+# (on CUDA also pinned, so that the copy runs beside the next forward); a read hands over file names and byte
+# offsets, and the driver maps the files. Pages are never rewritten while a driver may map them: each read hands a
+# file over under a token (``path#number``), and once no tensor holds the driver's mapping the driver creates a file
+# of that name, by which the worker knows it may fill the file again. A worker removes its files when its hooks go
+# (and at exit), and the next engine to install hooks removes those of processes that died.
 
 _SHARED_DIR = "/dev/shm"
 _SHARED_PREFIX = "tl_vllm_hooks-"
+_SHARED_FILE_BYTES = 256 << 20  # a row file's size, or one step's rows where they need more
 _shared_file_numbers = itertools.count()
-
-
-def _shared_file(driver_host: str) -> str | None:
-    """A new file for rows to a driver on ``driver_host``; None if that is another host or this one has no /dev/shm."""
-    if driver_host != socket.gethostname() or not os.path.isdir(_SHARED_DIR):
-        return None
-    return os.path.join(_SHARED_DIR, f"{_SHARED_PREFIX}{os.getpid()}-{next(_shared_file_numbers)}")
 
 
 def _sweep_shared_files(own: bool = False) -> None:
@@ -1418,32 +1418,155 @@ def _sweep_shared_files(own: bool = False) -> None:
                 os.unlink(path)
 
 
-def _mapped_rows(path: str) -> torch.Tensor:
-    """The worker's row file as uint8, mapped copy-on-write and unlinked at once (it lives as long as its tensors)."""
-    mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
-    os.unlink(path)
-    return mapped
+@dataclasses.dataclass(eq=False)
+class _RowFile:
+    """One row file as its worker holds it: its pages (uint8, mapped), the bytes filled, the chunks of unread rows in
+    it, the driver mappings of it not yet given back, and whether a sink took rows from it (then it is removed once
+    empty, never filled again: the sink's writer thread reads the pages later)."""
+
+    path: str
+    pages: torch.Tensor
+    used: int = 0
+    held: int = 0
+    lent: set[str] = dataclasses.field(default_factory=set)  # a token per read that handed the file to a driver
+    retired: bool = False
 
 
-def _tensor_at(mapped: torch.Tensor, message: dict[str, Any]) -> torch.Tensor:
-    """The tensor ``{"dtype", "shape", "offset"}`` describes in a mapped row file."""
-    dtype, start = getattr(torch, message["dtype"]), message["offset"]
-    return mapped[start : start + math.prod(message["shape"]) * dtype.itemsize].view(dtype).view(message["shape"])
+class _SharedRows:
+    """A batched worker's row files: the one being filled, and the others until nothing holds them. Without a
+    usable /dev/shm (none, or full) a step's rows go to ordinary host memory (pinned on CUDA) and reads encode them."""
+
+    def __init__(self, pin: bool, wait: Any):
+        self.pin, self.wait = pin, wait  # wait(): for the copies into pinned pages still in flight
+        self.files: dict[str, _RowFile] = {}
+        self.filling: _RowFile | None = None
+        self.usable = os.path.isdir(_SHARED_DIR)
+        self.created = 0  # files made so far
+
+    def region(self, nbytes: int) -> tuple[_RowFile | None, torch.Tensor]:
+        """(its file, uint8 [nbytes]) of host memory for one step's rows, 64-byte aligned."""
+        file = self.filling
+        if self.usable and (file is None or file.used + nbytes > file.pages.numel()):
+            file = self.filling = self._refill(nbytes)
+        if file is None:
+            return None, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        start, file.used = file.used, file.used + -(-nbytes // 64) * 64
+        return file, file.pages[start : start + nbytes]
+
+    def _refill(self, nbytes: int) -> _RowFile | None:
+        """A file with room for nbytes: an idle one emptied, else a new one (None if /dev/shm cannot hold it)."""
+        previous, self.filling = self.filling, None
+        if previous is not None:
+            self._settle(previous)
+        self._take_back()
+        idle = next((f for f in self.files.values() if self._idle(f) and f.pages.numel() >= nbytes), None)
+        if idle is not None:
+            idle.used = 0
+            return idle
+        path = os.path.join(_SHARED_DIR, f"{_SHARED_PREFIX}{os.getpid()}-{next(_shared_file_numbers)}")
+        size = max(nbytes, _SHARED_FILE_BYTES)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not later with SIGBUS on a page
+            pages = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+        except OSError as error:
+            os.unlink(path)
+            self.usable = False
+            logger.warning("tl_vllm_hooks: %s: %s; batched rows now reach the driver through vLLM's RPC", path, error)
+            return None
+        finally:
+            os.close(fd)
+        if self.pin:
+            torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), size, 0)
+        file = self.files[path] = _RowFile(path, pages)
+        self.created += 1
+        return file
+
+    def status(self) -> dict[str, int]:
+        """``{"files", "bytes", "created"}``: the row files held now, their size, and how many were made so far."""
+        return {
+            "files": len(self.files),
+            "bytes": sum(f.pages.numel() for f in self.files.values()),
+            "created": self.created,
+        }
+
+    def _idle(self, file: _RowFile) -> bool:
+        return not file.held and not file.lent and file is not self.filling and not file.retired
+
+    def hold(self, file: _RowFile | None) -> None:
+        if file is not None:
+            file.held += 1
+
+    def drop(self, file: _RowFile | None, retire: bool = False) -> None:
+        """A chunk of rows in ``file`` is read or forgotten; ``retire``: by a sink, which reads the pages later."""
+        if file is not None:
+            file.held -= 1
+            file.retired |= retire
+            self._settle(file)
+
+    def lend(self, files: list[_RowFile]) -> list[str]:
+        """A token for each file a read hands to a driver (``path#number``), lent until a file of that name exists."""
+        tokens = [f"{file.path}#{next(_shared_file_numbers)}" for file in files]
+        for file, token in zip(files, tokens):
+            file.lent.add(token)
+        return tokens
+
+    def _take_back(self) -> None:
+        """Every lent file whose driver mapping is gone (its token's file exists, made by the driver) is no longer lent."""
+        for file in list(self.files.values()):
+            for token in [token for token in file.lent if os.path.exists(token)]:
+                os.unlink(token)
+                file.lent.discard(token)
+            self._settle(file)
+
+    def _settle(self, file: _RowFile) -> None:
+        if file.retired and not file.held and not file.lent and file is not self.filling:
+            self._remove(file)
+
+    def trim(self) -> None:
+        """Remove every file nothing holds (kept until then, to be filled again)."""
+        self.filling = None
+        self._take_back()
+        for file in [f for f in self.files.values() if self._idle(f)]:
+            self._remove(file)
+
+    def close(self) -> None:
+        self.filling = None
+        for file in list(self.files.values()):
+            self._remove(file)
+
+    def _remove(self, file: _RowFile) -> None:
+        if self.pin:
+            self.wait()
+            torch.cuda.cudart().cudaHostUnregister(file.pages.data_ptr())
+        del self.files[file.path]
+        for path in [file.path, *file.lent]:  # (a driver may still map it: its memory goes with the mapping)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
-def _write_rows(fd: int, chunks: list[torch.Tensor]) -> int:
-    """Write the chunks' bytes in order at the file's offset, from their own memory; the bytes written."""
-    views = [memoryview(chunk.view(torch.uint8).numpy()) for chunk in chunks if chunk.numel()]
-    written = 0
-    for first in range(0, len(views), 512):  # below IOV_MAX
-        batch = views[first : first + 512]
-        expected = sum(view.nbytes for view in batch)
-        done = os.writev(fd, batch)
-        while done < expected:  # a short write: go on from where it stopped
-            flat = b"".join(batch)[done:]
-            done += os.write(fd, flat)
-        written += expected
-    return written
+def _map_row_file(token: str) -> torch.Tensor:
+    """The row file a read handed over (``path#number``) as uint8, mapped copy-on-write; once no tensor holds the
+    mapping, a file named ``token`` tells the worker it may fill the file again."""
+    path = token.rpartition("#")[0]
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
+    weakref.finalize(mapped, _give_back_row_file, path, token)
+    return torch.from_numpy(mapped)
+
+
+def _give_back_row_file(path: str, token: str) -> None:
+    if os.path.exists(path):  # (else its worker removed it)
+        with contextlib.suppress(OSError):
+            os.close(os.open(token, os.O_CREAT | os.O_WRONLY, 0o600))
+
+
+def _rows_in(mapped: list[torch.Tensor], message: dict[str, Any]) -> torch.Tensor:
+    """The rows ``{"dtype", "shape", "pieces": [[file, byte offset, bytes], ...]}`` describes in mapped row files:
+    a view where they are one piece, else joined."""
+    dtype = getattr(torch, message["dtype"])
+    parts = [mapped[file][start : start + size].view(dtype) for file, start, size in message["pieces"]]
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+    return rows.view(message["shape"])
 
 
 # ---------------------------------------------------------------------------
@@ -1817,13 +1940,15 @@ class _RunningRequest:
 
 @dataclasses.dataclass
 class _RequestRows:
-    """What one request kept so far: per step that kept rows, (that step's host rows by hook,
-    first row, end row, their positions, int64), sliced only when read."""
+    """What one request kept so far: per step that kept rows, (that step's host rows by hook, first row, end row,
+    their positions, int64, and the row file holding them or None), sliced only when read."""
 
-    chunks: list[tuple[dict[str, torch.Tensor], int, int, np.ndarray]] = dataclasses.field(default_factory=list)
+    chunks: list[tuple[dict[str, torch.Tensor], int, int, np.ndarray, _RowFile | None]] = dataclasses.field(
+        default_factory=list
+    )
 
     def rows(self, name: str) -> list[torch.Tensor]:
-        return [step_rows[name][start:end] for step_rows, start, end, _positions in self.chunks]
+        return [step_rows[name][start:end] for step_rows, start, end, *_rest in self.chunks]
 
 
 class _Batched(_HookState):
@@ -1849,6 +1974,7 @@ class _Batched(_HookState):
         self.records: dict[str, _RequestRows] = {}
         self.incomplete: dict[str, str] = {}  # request id -> why its rows cannot be read
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.shared = _SharedRows(self.copy_stream is not None, self._wait_for_copies)
         self.warmed_up = False  # Model Runner V2's warm-up requests (_warmup_{i}_) are never read
 
     def row_index(self, hook_index: int) -> torch.Tensor:
@@ -1872,10 +1998,22 @@ class _Batched(_HookState):
         super().close()
         if self.sink is not None:
             self.sink.close()
+        self._wait_for_copies()
+        self.shared.close()
 
     def reset_batched(self) -> None:
+        """Drop every row not yet read, and the row files nothing maps."""
+        self._wait_for_copies()
+        for record in self.records.values():
+            for chunk in record.chunks:
+                self.shared.drop(chunk[4])
         self.records.clear()
         self.incomplete.clear()
+        self.shared.trim()
+
+    def _wait_for_copies(self) -> None:
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # the copies to host still in flight
 
     @property
     def unread_requests(self) -> int:
@@ -1980,14 +2118,14 @@ class _Batched(_HookState):
         if running.any():
             kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), step.starts[:-1][running])
         kept_rows = np.flatnonzero(kept)
-        host_rows = self._rows_to_host(kept_rows) if kept_rows.size else {}
+        file, host_rows = self._rows_to_host(kept_rows) if kept_rows.size else (None, {})
         next_position = self.request_table.next_position
         expected = next_position[step.entries]
         next_position[step.entries[running]] = (step.first_positions + num_run)[running]
         offsets = np.cumsum(kept_per_request) - kept_per_request
         for i in np.flatnonzero(running & ((kept_per_request > 0) | (step.first_positions != expected))):
             start, end = int(offsets[i]), int(offsets[i] + kept_per_request[i])
-            chunk = (host_rows, start, end, step.row_positions[kept_rows[start:end]])
+            chunk = (host_rows, start, end, step.row_positions[kept_rows[start:end]], file)
             self._accumulate(step.request_ids[i], int(expected[i]), int(step.first_positions[i]), chunk)
 
     def finish(self) -> None:
@@ -2005,27 +2143,34 @@ class _Batched(_HookState):
             kept[rows] = np.isin(positions[rows], self.running[step.request_ids[i]].options.capture)
         return kept
 
-    def _rows_to_host(self, kept_rows: np.ndarray) -> dict[str, torch.Tensor]:
-        """{hook: [len(kept_rows), width]} on the host, gathered from the capture buffers: on
-        CUDA on the compute stream (the next forward rewrites the buffers), then copied into
-        pinned memory on a side stream, which only a read waits for."""
-        buffers, device = {name: hook.buffer for name, hook in self.placed.items()}, self.device
-        if kept_rows.size == kept_rows[-1] + 1:  # rows 0..n-1: a copy of the slice
-            gathered = {name: buffer[: kept_rows.size].clone() for name, buffer in buffers.items()}
-        else:
-            index = torch.empty(kept_rows.size, dtype=torch.int64, device=device)
+    def _rows_to_host(self, kept_rows: np.ndarray) -> tuple[_RowFile | None, dict[str, torch.Tensor]]:
+        """(their row file, {hook: [len(kept_rows), width]}): the kept rows of every hook, in one region of host
+        memory. On the CPU they are gathered straight into it; on CUDA gathered on the compute stream (the next
+        forward rewrites the buffers), then copied on a side stream, which only a read waits for."""
+        dtype, num_rows = self.config.dtype, kept_rows.size
+        sizes = [-(-num_rows * hook.width * dtype.itemsize // 64) * 64 for hook in self.placed.values()]
+        file, region = self.shared.region(sum(sizes))
+        index = None
+        if num_rows != kept_rows[-1] + 1:  # not rows 0..n-1
+            index = torch.empty(num_rows, dtype=torch.int64, device=self.device)
             _copy_to_device(kept_rows, index)
-            gathered = {name: buffer.index_select(0, index) for name, buffer in buffers.items()}
-        if self.copy_stream is None:
-            return gathered
-        self.copy_stream.wait_stream(torch.cuda.current_stream(device))
-        host_rows = {}
-        with torch.cuda.stream(self.copy_stream):
-            for name, rows in gathered.items():
-                host_rows[name] = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                host_rows[name].copy_(rows, non_blocking=True)
-                rows.record_stream(self.copy_stream)
-        return host_rows
+        host_rows, gathered, offset = {}, {}, 0
+        for (name, hook), size in zip(self.placed.items(), sizes):
+            host = region[offset : offset + size].view(dtype)[: num_rows * hook.width]
+            host_rows[name], offset = host.view(num_rows, hook.width), offset + size
+            if self.copy_stream is None and index is None:
+                host_rows[name].copy_(hook.buffer[:num_rows])
+            elif self.copy_stream is None:
+                torch.index_select(hook.buffer, 0, index, out=host_rows[name])
+            else:
+                gathered[name] = hook.buffer[:num_rows].clone() if index is None else hook.buffer.index_select(0, index)
+        if gathered:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                for name, rows in gathered.items():
+                    host_rows[name].copy_(rows, non_blocking=True)
+                    rows.record_stream(self.copy_stream)
+        return file, host_rows
 
     def _accumulate(self, request_id: str, expected: int, first_position: int, chunk: tuple) -> None:
         """Add one step's chunk of a request whose rows ran from first_position; expected
@@ -2034,67 +2179,66 @@ class _Batched(_HookState):
             # Preempted and recomputed from first_position: drop what it kept past that point, so no row appears
             # twice.
             record = self.records.get(request_id)
+            chunks, record_chunks = [], record.chunks if record is not None else []
+            for rows, start, _end, positions, file in record_chunks:
+                keep = int(np.searchsorted(positions, first_position))
+                if keep:
+                    chunks.append((rows, start, start + keep, positions[:keep], file))
+                else:
+                    self.shared.drop(file)
             if record is not None:
-                record.chunks = [
-                    (rows, start, start + keep, positions[:keep])
-                    for rows, start, _end, positions in record.chunks
-                    if (keep := int(np.searchsorted(positions, first_position)))
-                ]
+                record.chunks = chunks
         elif first_position > expected:
             request = self.running.get(request_id)
             if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
                 self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
         if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
             self.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
+            self.shared.hold(chunk[4])
 
     def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
-        """``{"shards", "shared", "file", "rows": {user id: {hook: message}}}``, the requests then forgotten (each id
-        must match one captured request, or nothing is read). For a driver on this host with /dev/shm (``shared``) the
-        rows are in ``file``, each message their dtype, shape and byte offset; else encoded. Replicated hooks come from
-        the first tensor-parallel rank only."""
+        """``{"shards", "files", "rows": {user id: {hook: message}}}``, the requests then forgotten (each id must
+        match one captured request, or nothing is read). For a driver on this host, each message says where the rows
+        are in the row ``files`` (tokens, see _map_row_file and _rows_in); else it is the encoded rows. Replicated
+        hooks come from the first tensor-parallel rank only."""
+        reply = {"shards": self.shards(), "files": [], "rows": {}}
         if self.config.sink_dir is not None:
             raise RuntimeError(
                 f"read_batched: this engine writes captured rows to its sink_dir {self.config.sink_dir}: "
                 "call flush_sink(llm), which returns them as a CaptureDataset"
             )
-        path, shards = _shared_file(driver_host), self.shards()
-        reply = {"shards": shards, "shared": path is not None, "file": None, "rows": {}}
         if not self.hook_names:  # a pipeline rank that holds none of the hooks
             return reply
         first_rank = _parallel_ranks()[0] == 0
-        names = [name for name in self.hook_names if first_rank or name in shards]
+        names = [name for name in self.hook_names if first_rank or name in reply["shards"]]
         matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)))
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
                 raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()  # the copies to host still in flight
-        records = {user_id: self.records.pop(worker_id) for user_id, worker_id in matches.items()}
-        dtype, placed = self.config.dtype, self.placed
-        parts = [(user_id, name, record.rows(name)) for user_id, record in records.items() for name in names]
-        if not any(chunk.numel() for _user, _name, chunks in parts for chunk in chunks):
-            path = None  # nothing to write
-        messages: dict[str, dict[str, Any]] = {user_id: {} for user_id in records}
-        offset, in_file_order = 0, []
-        for user_id, name, chunks in parts:
-            shape = [sum(chunk.shape[0] for chunk in chunks), *placed[name].row_shape]
-            if path is None:  # ordinary memory, not the pinned pages the chunks live in
-                rows = torch.cat(chunks) if chunks else torch.empty(0, placed[name].width, dtype=dtype)
-                messages[user_id][name] = encode_tensor(rows.view(shape))
-            else:
-                messages[user_id][name] = {"dtype": _dtype_name(dtype), "shape": shape, "offset": offset}
-                offset += sum(chunk.numel() for chunk in chunks) * dtype.itemsize
-                in_file_order += chunks
-        if path is not None:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            try:
-                _write_rows(fd, in_file_order)
-            except BaseException:
-                os.unlink(path)
-                raise
-            finally:
-                os.close(fd)
-        reply.update(rows=messages, file=path)
+        self._wait_for_copies()
+        dtype, same_host, files = self.config.dtype, driver_host == socket.gethostname(), {}
+        for user_id, worker_id in matches.items():
+            record = self.records.pop(worker_id)
+            messages = reply["rows"][user_id] = {}
+            for name in names:
+                rows, shape = record.rows(name), [sum(c[2] - c[1] for c in record.chunks), *self.placed[name].row_shape]
+                if same_host and all(chunk[4] is not None for chunk in record.chunks):
+                    pieces = [
+                        [
+                            files.setdefault(c[4], len(files)),
+                            v.data_ptr() - c[4].pages.data_ptr(),
+                            v.numel() * v.itemsize,
+                        ]
+                        for c, v in zip(record.chunks, rows)
+                    ]
+                    messages[name] = {"dtype": _dtype_name(dtype), "shape": shape, "pieces": pieces}
+                else:
+                    messages[name] = encode_tensor(
+                        torch.cat(rows).view(shape) if rows else torch.empty(shape, dtype=dtype)
+                    )
+            for chunk in record.chunks:
+                self.shared.drop(chunk[4])
+        reply["files"] = self.shared.lend(list(files))
         return reply
 
     def flush_sink(self) -> dict[str, Any] | None:
@@ -2240,7 +2384,8 @@ def status(engine: Any) -> dict[str, Any]:
     returns an awaitable): ``{"version", "module": the workers' copy, "config": CaptureConfig, "hooks": names
     installed on some rank in forward order, "absent": names on no rank, "unread_requests": batched requests with
     rows not yet read (the most of any rank), "ranks": workers, "sink": None, or per writing rank its
-    ``{"directory", "shards", "requests" (whole on disk), "lost", "error", "busy_seconds"}``}``."""
+    ``{"directory", "shards", "requests" (whole on disk), "lost", "error", "busy_seconds"}``, "row_files": None, or
+    per batched rank ``{"files", "bytes", "created"}`` of the files in /dev/shm its rows reach the driver through}``."""
     ranks = yield "status", ()
     hooks = list(dict.fromkeys(name for rank in ranks for name in rank["hooks"]))
     return {
@@ -2252,6 +2397,7 @@ def status(engine: Any) -> dict[str, Any]:
         "unread_requests": max(rank["unread_requests"] for rank in ranks),
         "ranks": len(ranks),
         "sink": [rank["sink"] for rank in ranks if rank["sink"] is not None] or None,
+        "row_files": [rank["row_files"] for rank in ranks if rank["row_files"] is not None] or None,
     }
 
 
@@ -2349,15 +2495,15 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
         raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")
     per_rank = []
     for reply in (yield "read_batched", (list(request_ids), socket.gethostname())):
-        if not reply["shared"] and any(reply["rows"].values()):
+        if any("data" in m and m["shape"][0] for by_hook in reply["rows"].values() for m in by_hook.values()):
             warnings.warn(
                 "read_batched: rows come through vLLM's RPC, which is slow: a worker runs on another host "
-                "than this driver, or its host has no /dev/shm",
+                "than this driver, or its host has no /dev/shm with room for them",
                 stacklevel=4,  # the user's call: this generator, advance, helper, the caller
             )
-        mapped = _mapped_rows(reply["file"]) if reply["file"] else None
+        mapped = [_map_row_file(token) for token in reply["files"]]
         rows = {
-            request_id: {n: decode_tensor(m) if mapped is None else _tensor_at(mapped, m) for n, m in by_hook.items()}
+            request_id: {n: _rows_in(mapped, m) if "pieces" in m else decode_tensor(m) for n, m in by_hook.items()}
             for request_id, by_hook in reply["rows"].items()
         }
         per_rank.append((reply["shards"], rows))
@@ -2367,7 +2513,7 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
 
 @_driver_helper
 def reset_batched(engine: Any) -> None:
-    """Drop every batched row not yet read."""
+    """Drop every batched row not yet read (and the workers' row files nothing maps)."""
     yield "reset_batched", ()
 
 

@@ -44,7 +44,6 @@ from tl_vllm_hooks import (
     _dtype_name,
     _join_ranks,
     _parallel_ranks,
-    _write_rows,
     capture_specs,
     configure,
     open_capture,
@@ -185,18 +184,21 @@ class RankSink:
         for request_id in request_ids:
             reason = state.incomplete.pop(request_id, None)
             record = state.records.pop(request_id, None)
+            for chunk in record.chunks if record is not None else ():  # the writer thread reads the pages later
+                state.shared.drop(chunk[4], retire=True)
             if self.writer is None or not state.warmed_up or (record is None and reason is None):
                 continue
             request = state.running.get(request_id)
             prompt = None if request is None or request.prompt_token_ids is None else list(request.prompt_token_ids)
             if reason is not None:
                 self.writer.write(request_id, {"prompt_token_ids": prompt, "positions": [], "error": reason}, [])
-                continue
-            positions = (
-                np.concatenate([chunk[3] for chunk in record.chunks]) if record.chunks else np.zeros(0, np.int64)
-            )
-            parts = [(name, [positions.size, *self.row_shapes[name]], record.rows(name)) for name in self.hooks]
-            self.writer.write(request_id, {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}, parts)
+            else:
+                positions = (
+                    np.concatenate([chunk[3] for chunk in record.chunks]) if record.chunks else np.zeros(0, np.int64)
+                )
+                parts = [(name, [positions.size, *self.row_shapes[name]], record.rows(name)) for name in self.hooks]
+                entry = {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}
+                self.writer.write(request_id, entry, parts)
 
     def flush(self) -> dict[str, Any] | None:
         """Write every request held (the driver saw them all finish) and close the open
@@ -204,6 +206,21 @@ class RankSink:
         self.write(sorted(set(self.state.records) | set(self.state.incomplete)))
         self.close()
         return self.status()
+
+
+def _write_rows(fd: int, chunks: list[torch.Tensor]) -> int:
+    """Write the chunks' bytes in order at the file's offset, from their own memory; the bytes written."""
+    views = [memoryview(chunk.view(torch.uint8).numpy()) for chunk in chunks if chunk.numel()]
+    written = 0
+    for first in range(0, len(views), 512):  # below IOV_MAX
+        batch = views[first : first + 512]
+        expected = sum(view.nbytes for view in batch)
+        done = os.writev(fd, batch)
+        while done < expected:  # a short write: go on from where it stopped
+            flat = b"".join(batch)[done:]
+            done += os.write(fd, flat)
+        written += expected
+    return written
 
 
 def versions() -> dict[str, str]:
