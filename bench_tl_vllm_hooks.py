@@ -52,6 +52,7 @@ import tempfile
 import time
 
 _MARKER = "@@BENCH_TL_VLLM_HOOKS@@ "
+_PROGRESS = "@@BENCH_TL_VLLM_HOOKS_ROUND@@ "  # a child's line the parent passes on at once
 _IN_PROCESS = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # in a case's process: engine and worker here
 
 CASES = {
@@ -293,7 +294,11 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
     """Build one engine, warm up, time ``repeats`` generates; the result the parent parses."""
     engine = _Engine(name, args, _memory_fraction())
     engine.generate()  # warm-up: first-request paths, caches, lazily compiled kernels
-    runs = [engine.generate() for _ in range(args.repeats)]
+    runs = []
+    for round_index in range(args.repeats):
+        runs.append(engine.generate())
+        read = "" if runs[-1][2] is None else f", read or flush {runs[-1][2]:.3f} s"
+        print(f"{_PROGRESS}[{name} run {round_index}] generate {runs[-1][1]:.3f} s{read}", flush=True)
     return engine.result(runs, alone=True)
 
 
@@ -320,7 +325,10 @@ def _run_side_by_side(cases: list[str], args: argparse.Namespace) -> list[dict]:
     runs: dict[str, list[tuple]] = {name: [] for name in cases}
     for round_index in range(args.repeats):
         for name in cases if round_index % 2 == 0 else cases[::-1]:
-            runs[name].append(engines[name].generate())
+            run = runs[name]
+            run.append(engines[name].generate())
+            read = "" if run[-1][2] is None else f", read or flush {run[-1][2]:.3f} s"
+            print(f"{_PROGRESS}[{name} round {round_index}] generate {run[-1][1]:.3f} s{read}", flush=True)
     results = []
     for name in cases:
         result = engines[name].result(runs[name], alone=False)
@@ -382,11 +390,16 @@ def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -
     command += [f"--{field.replace('_', '-')}={getattr(args, field)}" for field in _WORKLOAD_FIELDS]
     if args.compilation_config:
         command += ["--compilation-config", args.compilation_config]
-    proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARKER)]
+    output = []
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:  # each round as it ends, so that a run cut short still says what it measured
+            output.append(line)
+            if line.startswith(_PROGRESS):
+                print(line[len(_PROGRESS):].rstrip(), flush=True)
+    lines = [line for line in output if line.startswith(_MARKER)]
     if proc.returncode == 0 and len(lines) == 1:
         return json.loads(lines[0][len(_MARKER):])
-    tail = "\n".join(proc.stdout.splitlines()[-25:])
+    tail = "".join(output[-25:])
     error = f"exit code {proc.returncode}, {len(lines)} result lines; log tail:\n{tail}"
     return [{"case": name, "error": error} for name in names]
 
