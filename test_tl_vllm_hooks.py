@@ -1454,21 +1454,21 @@ class TestBatched:
         (output,) = generate(llm, [BATCH[0]])
         (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], socket.gethostname()))
         tokens = reply["result"]["files"]
-        worker = tokens[0].rpartition("#")[0].rpartition("-")[0]  # /dev/shm/tl_vllm_hooks-{the worker's pid}
         for token in tokens:  # as a driver that mapped them and let go
             tlh._give_back_row_file(token.rpartition("#")[0], token)
-        def row_files():  # (beside them, the driver's tokens of files it let go)
-            return {path for path in glob.glob(f"{worker}-*") if "#" not in path}
-
-        files = row_files()
+        (before,) = tlh.status(llm)["row_files"]
         for _round in range(3):  # each round's rows dropped before the next read: no new file
             outputs = generate(llm, BATCH)
             rows = tlh.read_batched(llm, [output.request_id for output in outputs])
-            assert len(rows) == len(BATCH) and row_files() == files
+            (now,) = tlh.status(llm)["row_files"]
+            assert len(rows) == len(BATCH) and now["created"] == before["created"], (before, now)
             del rows
             gc.collect()
         tlh.reset_batched(llm)
-        assert glob.glob(f"{worker}-*") == [], "reset_batched removes the row files nothing maps, and their tokens"
+        (after,) = tlh.status(llm)["row_files"]
+        assert after["files"] == after["bytes"] == 0, "reset_batched removes the row files nothing maps"
+        files = {token.rpartition("#")[0] for token in tokens}
+        assert not [p for p in glob.glob("/dev/shm/tl_vllm_hooks-*") if p.partition("#")[0] in files], "nor tokens"
 
     def test_a_dead_workers_row_files_are_removed_when_hooks_install(self, llm):
         assert not llm.stale_file.exists()

@@ -1396,7 +1396,7 @@ def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
 
 _SHARED_DIR = "/dev/shm"
 _SHARED_PREFIX = "tl_vllm_hooks-"
-_SHARED_FILE_BYTES = 256 << 20  # a row file's size, or one step's rows where they need more
+_SHARED_FILE_BYTES = (16 << 20, 256 << 20)  # a worker's first row file, and the most one grows to (doubling)
 _shared_file_numbers = itertools.count()
 
 
@@ -1442,6 +1442,8 @@ class _SharedRows:
         self.filling: _RowFile | None = None
         self.usable = os.path.isdir(_SHARED_DIR)
         self.created = 0  # files made so far
+        # An engine shut down without removing its hooks still leaves no file once its worker's state is collected.
+        weakref.finalize(self, _remove_row_files, self.files, pin)
 
     def region(self, nbytes: int) -> tuple[_RowFile | None, torch.Tensor]:
         """(its file, uint8 [nbytes]) of host memory for one step's rows, 64-byte aligned."""
@@ -1464,7 +1466,7 @@ class _SharedRows:
             idle.used = 0
             return idle
         path = os.path.join(_SHARED_DIR, f"{_SHARED_PREFIX}{os.getpid()}-{next(_shared_file_numbers)}")
-        size = max(nbytes, _SHARED_FILE_BYTES)
+        size = max(nbytes, min(_SHARED_FILE_BYTES[0] << self.created, _SHARED_FILE_BYTES[1]))
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not later with SIGBUS on a page
@@ -1538,11 +1540,18 @@ class _SharedRows:
     def _remove(self, file: _RowFile) -> None:
         if self.pin:
             self.wait()
+        _remove_row_files({file.path: self.files.pop(file.path)}, self.pin)
+
+
+def _remove_row_files(files: dict[str, _RowFile], pin: bool) -> None:
+    """Unpin and unlink these row files and their tokens (a driver may still map one: its memory goes with that)."""
+    for file in list(files.values()):
+        if pin:
             torch.cuda.cudart().cudaHostUnregister(file.pages.data_ptr())
-        del self.files[file.path]
-        for path in [file.path, *file.lent]:  # (a driver may still map it: its memory goes with the mapping)
+        for path in [file.path, *file.lent]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+    files.clear()
 
 
 def _map_row_file(token: str) -> torch.Tensor:
