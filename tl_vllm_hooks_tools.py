@@ -179,8 +179,7 @@ class RankSink:
     def write(self, request_ids: list[str]) -> None:
         """Write these finished requests' kept rows (or why they have none) and forget them."""
         state = self.state
-        if state.copy_stream is not None:
-            state.copy_stream.synchronize()  # the copies to host still in flight
+        state._wait_for_copies()
         for request_id in request_ids:
             reason = state.incomplete.pop(request_id, None)
             record = state.records.pop(request_id, None)
