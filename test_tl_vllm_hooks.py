@@ -1420,15 +1420,17 @@ class TestBatched:
         check_batched(llm, llm.model, prompts=BATCH[:1])
 
     def test_rows_reach_the_driver_as_places_in_shared_memory(self, llm):
-        (output,) = generate(llm, [BATCH[0]])
+        (output,) = generate(llm, [BATCH[0]], 3)  # rows of three steps: its prompt, then two generated tokens
         (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], socket.gethostname()))
         reply = reply["result"]
         assert reply["files"] and all(t.startswith("/dev/shm/tl_vllm_hooks-") for t in reply["files"]), reply["files"]
-        messages = reply["rows"][output.request_id]
-        assert all("data" not in message for message in messages.values()), "offsets, not bytes"
-        mapped = [tlh._map_row_file(token) for token in reply["files"]]
-        rows = {name: tlh._rows_in(mapped, message) for name, message in messages.items()}
-        assert_matches(rows, llm.model.reference(BATCH[0], llm.hook_names), "through /dev/shm")
+        pieces = reply["rows"][output.request_id]
+        assert isinstance(pieces, list) and len(pieces) == 3, f"offsets of each step's rows, not bytes: {pieces!r:.200}"
+        assert all(len(piece) == 2 + len(llm.hook_names) for piece in pieces), "file, rows, each hook's first element"
+        mapped = [tlh._map_row_file(token, torch.float32) for token in reply["files"]]
+        rows = tlh._rows_in(mapped, reply["hooks"], pieces, torch.float32)
+        tokens = BATCH[0] + list(output.outputs[0].token_ids[:2])
+        assert_matches(rows, llm.model.reference(tokens, llm.hook_names), "through /dev/shm")
         del mapped, rows
         gc.collect()  # the mappings go, and with them the driver's hold on the files
         assert all(os.path.exists(token) for token in reply["files"]), "the driver says so, one file a token"
@@ -2306,6 +2308,7 @@ KILLED_DRIVER = textwrap.dedent(
     """
     # A driver that holds rows mapped from its worker's row files, then waits to be killed.
     import glob, json, socket, sys, time
+    import torch
     import tl_vllm_hooks as tlh
     from vllm import LLM, SamplingParams
 
@@ -2315,7 +2318,7 @@ KILLED_DRIVER = textwrap.dedent(
                   gpu_memory_utilization=0.05, **config.llm_kwargs)
         outputs = llm.generate([{"prompt_token_ids": list(range(1, 30))}], SamplingParams(max_tokens=2), use_tqdm=False)
         (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [outputs[0].request_id], socket.gethostname()))
-        held = [tlh._map_row_file(token) for token in reply["result"]["files"]]  # as read_batched does
+        held = [tlh._map_row_file(token, torch.float32) for token in reply["result"]["files"]]  # as read_batched does
         worker = reply["result"]["files"][0].rpartition("#")[0].split("-")[-2]
         print("HOLDING " + json.dumps([int(worker), glob.glob(f"/dev/shm/tl_vllm_hooks-{worker}-*")]), flush=True)
         time.sleep(600)

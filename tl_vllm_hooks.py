@@ -1554,13 +1554,13 @@ def _remove_row_files(files: dict[str, _RowFile], pin: bool) -> None:
     files.clear()
 
 
-def _map_row_file(token: str) -> torch.Tensor:
-    """The row file a read handed over (``path#number``) as uint8, mapped copy-on-write; once no tensor holds the
-    mapping, a file named ``token`` tells the worker it may fill the file again."""
+def _map_row_file(token: str, dtype: torch.dtype) -> torch.Tensor:
+    """The row file a read handed over (``path#number``) as a 1-D tensor of dtype, mapped copy-on-write; once no
+    tensor holds the mapping, a file named ``token`` tells the worker it may fill the file again."""
     path = token.rpartition("#")[0]
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
     weakref.finalize(mapped, _give_back_row_file, path, token)
-    return torch.from_numpy(mapped)
+    return torch.from_numpy(mapped).view(dtype)  # (row files are whole 64-byte blocks)
 
 
 def _give_back_row_file(path: str, token: str) -> None:
@@ -1569,13 +1569,21 @@ def _give_back_row_file(path: str, token: str) -> None:
             os.close(os.open(token, os.O_CREAT | os.O_WRONLY, 0o600))
 
 
-def _rows_in(mapped: list[torch.Tensor], message: dict[str, Any]) -> torch.Tensor:
-    """The rows ``{"dtype", "shape", "pieces": [[file, byte offset, bytes], ...]}`` describes in mapped row files:
-    a view where they are one piece, else joined."""
-    dtype = getattr(torch, message["dtype"])
-    parts = [mapped[file][start : start + size].view(dtype) for file, start, size in message["pieces"]]
-    rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
-    return rows.view(message["shape"])
+def _rows_in(
+    mapped: list[torch.Tensor], hooks: list[list], pieces: list[list[int]], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """``{hook_name: [rows, *row shape]}`` of one request, from its pieces in the mapped row files (one per step that
+    kept rows: [file, rows, then per hook, in ``hooks`` order ([name, row shape] each), the element offset of the
+    first row]): a view of the file where a hook's rows are one piece, else joined."""
+    rows = {}
+    for k, (name, row_shape) in enumerate(hooks):
+        strides = [math.prod(row_shape[i:]) for i in range(len(row_shape) + 1)]  # of [rows, *row shape], contiguous
+        parts = [mapped[piece[0]].as_strided([piece[1], *row_shape], strides, piece[2 + k]) for piece in pieces]
+        if len(parts) == 1:
+            rows[name] = parts[0]
+        else:
+            rows[name] = torch.cat(parts) if parts else torch.empty([0, *row_shape], dtype=dtype)
+    return rows
 
 
 # ---------------------------------------------------------------------------
@@ -2024,6 +2032,11 @@ class _Batched(_HookState):
         if self.copy_stream is not None:
             self.copy_stream.synchronize()  # the copies to host still in flight
 
+    def _copies_queued(self) -> Any:
+        """A CUDA event that completes once the copies to host queued so far are done (None on the CPU, where each
+        step's rows are in host memory when the step ends): a thread that waits on it leaves the steps running."""
+        return None if self.copy_stream is None else self.copy_stream.record_event()
+
     @property
     def unread_requests(self) -> int:
         return len(self.records)
@@ -2206,11 +2219,13 @@ class _Batched(_HookState):
             self.shared.hold(chunk[4])
 
     def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
-        """``{"shards", "files", "rows": {user id: {hook: message}}}``, the requests then forgotten (each id must
-        match one captured request, or nothing is read). For a driver on this host, each message says where the rows
-        are in the row ``files`` (tokens, see _map_row_file and _rows_in); else it is the encoded rows. Replicated
-        hooks come from the first tensor-parallel rank only."""
-        reply = {"shards": self.shards(), "files": [], "rows": {}}
+        """``{"shards", "dtype", "hooks": [[name, row shape], ...], "files", "rows": {user id: message}}``, the
+        requests then forgotten (each id must match one captured request, or nothing is read). For a driver on this
+        host, a request's message is a list of where its rows are in the row ``files`` (tokens; see _map_row_file and
+        _rows_in), one message per request, as a read of many requests of one row each costs per message; else it
+        is ``{hook: encoded rows}``. Replicated hooks come from the first tensor-parallel rank only."""
+        dtype = self.config.dtype
+        reply = {"shards": self.shards(), "dtype": _dtype_name(dtype), "hooks": [], "files": [], "rows": {}}
         if self.config.sink_dir is not None:
             raise RuntimeError(
                 f"read_batched: this engine writes captured rows to its sink_dir {self.config.sink_dir}: "
@@ -2225,26 +2240,27 @@ class _Batched(_HookState):
             if worker_id in self.incomplete:
                 raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
         self._wait_for_copies()
-        dtype, same_host, files = self.config.dtype, driver_host == socket.gethostname(), {}
+        reply["hooks"] = [[name, list(self.placed[name].row_shape)] for name in names]
+        widths = np.array([self.placed[name].width for name in names], dtype=np.int64)
+        same_host, files, firsts = driver_host == socket.gethostname(), {}, {}  # firsts: per step, see below
         for user_id, worker_id in matches.items():
             record = self.records.pop(worker_id)
-            messages = reply["rows"][user_id] = {}
-            for name in names:
-                rows, shape = record.rows(name), [sum(c[2] - c[1] for c in record.chunks), *self.placed[name].row_shape]
-                if same_host and all(chunk[4] is not None for chunk in record.chunks):
-                    pieces = [
-                        [
-                            files.setdefault(c[4], len(files)),
-                            v.data_ptr() - c[4].pages.data_ptr(),
-                            v.numel() * v.itemsize,
-                        ]
-                        for c, v in zip(record.chunks, rows)
-                    ]
-                    messages[name] = {"dtype": _dtype_name(dtype), "shape": shape, "pieces": pieces}
-                else:
-                    messages[name] = encode_tensor(
-                        torch.cat(rows).view(shape) if rows else torch.empty(shape, dtype=dtype)
-                    )
+            if same_host and all(chunk[4] is not None for chunk in record.chunks):
+                pieces = reply["rows"][user_id] = []
+                for step_rows, start, end, _positions, file in record.chunks:
+                    if id(step_rows) not in firsts:  # the element offset of each hook's rows of that step in file
+                        base = file.pages.data_ptr()
+                        firsts[id(step_rows)] = np.array(
+                            [(step_rows[name].data_ptr() - base) // dtype.itemsize for name in names], dtype=np.int64
+                        )
+                    first = firsts[id(step_rows)] + start * widths
+                    pieces.append([files.setdefault(file, len(files)), end - start, *first.tolist()])
+            else:
+                rows = reply["rows"][user_id] = {}
+                for name in names:
+                    shape = [sum(c[2] - c[1] for c in record.chunks), *self.placed[name].row_shape]
+                    kept = record.rows(name)
+                    rows[name] = encode_tensor(torch.cat(kept).view(shape) if kept else torch.empty(shape, dtype=dtype))
             for chunk in record.chunks:
                 self.shared.drop(chunk[4])
         reply["files"] = self.shared.lend(list(files))
@@ -2504,18 +2520,26 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
         raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")
     per_rank = []
     for reply in (yield "read_batched", (list(request_ids), socket.gethostname())):
-        if any("data" in m and m["shape"][0] for by_hook in reply["rows"].values() for m in by_hook.values()):
+        encoded = [m for m in reply["rows"].values() if isinstance(m, dict)]
+        if any(e["shape"][0] for by_hook in encoded for e in by_hook.values()):
             warnings.warn(
                 "read_batched: rows come through vLLM's RPC, which is slow: a worker runs on another host "
                 "than this driver, or its host has no /dev/shm with room for them",
                 stacklevel=4,  # the user's call: this generator, advance, helper, the caller
             )
-        mapped = [_map_row_file(token) for token in reply["files"]]
+        dtype = getattr(torch, reply["dtype"])
+        mapped = [_map_row_file(token, dtype) for token in reply["files"]]
         rows = {
-            request_id: {n: _rows_in(mapped, m) if "pieces" in m else decode_tensor(m) for n, m in by_hook.items()}
-            for request_id, by_hook in reply["rows"].items()
+            request_id: (
+                _rows_in(mapped, reply["hooks"], message, dtype)
+                if isinstance(message, list)
+                else {name: decode_tensor(encoded) for name, encoded in message.items()}
+            )
+            for request_id, message in reply["rows"].items()
         }
         per_rank.append((reply["shards"], rows))
+    if len(per_rank) == 1:  # nothing to join
+        return per_rank[0][1]
     read = {request_id for _shards, rows in per_rank for request_id in rows}
     return {r: _join_ranks([(shards, rows.get(r, {})) for shards, rows in per_rank]) for r in read}
 
