@@ -177,9 +177,10 @@ class RankSink:
             self.writer.close()
 
     def write(self, request_ids: list[str]) -> None:
-        """Write these finished requests' kept rows (or why they have none) and forget them."""
+        """Write these finished requests' kept rows (or why they have none) and forget them. The writer thread, not
+        this step, waits for their copies to host memory."""
         state = self.state
-        state._wait_for_copies()
+        copied = state._copies_queued()
         for request_id in request_ids:
             reason = state.incomplete.pop(request_id, None)
             record = state.records.pop(request_id, None)
@@ -190,14 +191,16 @@ class RankSink:
             request = state.running.get(request_id)
             prompt = None if request is None or request.prompt_token_ids is None else list(request.prompt_token_ids)
             if reason is not None:
-                self.writer.write(request_id, {"prompt_token_ids": prompt, "positions": [], "error": reason}, [])
+                self.writer.write(
+                    request_id, {"prompt_token_ids": prompt, "positions": [], "error": reason}, [], copied
+                )
             else:
                 positions = (
                     np.concatenate([chunk[3] for chunk in record.chunks]) if record.chunks else np.zeros(0, np.int64)
                 )
                 parts = [(name, [positions.size, *self.row_shapes[name]], record.rows(name)) for name in self.hooks]
                 entry = {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}
-                self.writer.write(request_id, entry, parts)
+                self.writer.write(request_id, entry, parts, copied)
 
     def flush(self) -> dict[str, Any] | None:
         """Write every request held (the driver saw them all finish) and close the open
@@ -268,7 +271,7 @@ class ShardWriter:
         self.requests: dict[str, dict[str, Any]] = {}  # its manifest entries
         self.data_bytes = self.header_bytes = 0
         self.shards, self.written, self.next_number = self._resume(header)
-        self.queue: collections.deque = collections.deque()  # (request id, entry, parts, bytes) or an Event
+        self.queue: collections.deque = collections.deque()  # (request id, entry, parts, bytes, copied) or an Event
         self.queued_bytes = 0
         self.busy_seconds = 0.0  # spent writing and closing shards
         self.changed = threading.Condition()
@@ -285,15 +288,18 @@ class ShardWriter:
             "busy_seconds": self.busy_seconds,
         }
 
-    def write(self, request_id: str, entry: dict[str, Any], parts: list[tuple[str, list[int], list]]) -> None:
+    def write(
+        self, request_id: str, entry: dict[str, Any], parts: list[tuple[str, list[int], list]], copied: Any = None
+    ) -> None:
         """Queue one request: its manifest entry (prompt token ids, positions) and, per
         hook, (name, shape [rows, *row shape], host tensors that concatenate to it, left
-        unchanged until written)."""
+        unchanged until written); copied: a CUDA event the tensors hold their rows after,
+        waited for by the writer thread (None: they hold them now)."""
         size = sum(chunk.numel() * chunk.element_size() for _name, _shape, chunks in parts for chunk in chunks)
         with self.changed:
             while self.queue and self.queued_bytes + size > _SINK_QUEUE_BYTES:
                 self.changed.wait()
-            self.queue.append((request_id, entry, parts, size))
+            self.queue.append((request_id, entry, parts, size, copied))
             self.queued_bytes += size
             self.changed.notify_all()
 
@@ -323,6 +329,8 @@ class ShardWriter:
                     self.changed.wait(self._seconds_left())
                 item = self.queue[0] if self.queue else None  # None: the open shard's time is up
             closing = not isinstance(item, tuple)  # close() asked (an Event), or the time is up
+            if not closing and item[4] is not None:
+                item[4].synchronize()  # its rows' copies to host memory (not writing: outside busy_seconds)
             started = time.perf_counter()
             try:
                 if closing:
