@@ -6,6 +6,7 @@
     python bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2
     python bench_tl_vllm_hooks.py --cases plain,b --repeats 1 --compiled-code code/  # then diff -r
     python bench_tl_vllm_hooks.py --cases plain,b,f --side-by-side   # one process, generates alternate
+    python bench_tl_vllm_hooks.py --cases plain,b,tl-b,f,tl-e --side-by-side   # beside TransformerLens's plugin
     python bench_tl_vllm_hooks.py --compilation-config '{"inductor_compile_config": {"combo_kernels": false}}'
     python bench_tl_vllm_hooks.py --tiny --cases plain,f --hidden-size 512 --num-layers 4 \
         --num-prompts 64 --prompt-len 256 --max-tokens 1 --repeats 3   # CPU: rows into the driver (GB/s)
@@ -31,6 +32,12 @@ land in different states. ``--side-by-side`` builds every case's engine in one p
 device's memory split between them) and times one generate per engine per round, cases
 alternating, so each round compares the cases under the same conditions; it reports no peak
 memory (one process holds every engine).
+
+The cases tl-b and tl-e run TransformerLens 4.3's own vLLM plugin on the same model and
+prompts: its four files (``--peer-plugin DIR``, by default the installed transformer_lens's
+``model_bridge/sources/vllm``) are copied into a package of their own beside an entry point,
+so that neither the rest of transformer_lens nor its installed entry point is loaded
+(``VLLM_PLUGINS`` names the two plugins the cases use).
 
 Peak memory covers the whole case, start-up included. On a GPU the worker runs in the
 case's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``torch.cuda.max_memory_allocated``
@@ -66,13 +73,17 @@ CASES = {
     "g": "(f) keeping only each request's last prompt token",
     "s": "(f) written to a sink directory on local disk (flush_sink)",
     "plain-eager": "plain vLLM, enforce_eager=True",
+    "tl-b": "TransformerLens 4.3's own plugin, compiled: resid_post, every layer (its one-prompt capture)",
+    "tl-e": "TransformerLens 4.3's own plugin, batched (eager): resid_post, every row of every request",
 }
 _SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",),
           "f": ("resid_post",), "g": ("resid_post",), "s": ("resid_post",)}
 _BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt"}  # case -> request_args(capture=...)
-_EAGER = ("e", "plain-eager")
+_EAGER = ("e", "plain-eager", "tl-e")
 _PLAIN = ("plain", "plain-eager")
-_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s")  # hooks at identity: greedy tokens unchanged
+_PEER = ("tl-b", "tl-e")  # TransformerLens's plugin, its four files loaded as the package tl_peer_plugin
+_PEER_FILES = ("plugin.py", "internals.py", "worker_extension.py", "intervention_specs.py")
+_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b")  # hooks at identity: greedy tokens unchanged
 
 # Llama-3.2-1B's shape, and a tiny one whose head_dim (64) vLLM's CPU attention accepts.
 _FULL_MODEL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -191,6 +202,14 @@ class _Engine:
         extra_args = None
         self.sink_dir = os.path.join(args.sink_dir, f"{name}-{os.getpid()}") if name == "s" else None
         self.shards_seen, self.busy_seconds = set(), 0.0  # case s: shards of earlier generates, writer time
+        if name in _PEER:
+            import tl_peer_plugin.plugin as peer
+
+            peer.register()  # idempotent; vLLM's plugin loader ran it already where it loads plugins
+            peer.configure({f"blocks.{i}.hook_resid_post": (f"model.layers.{i}", hf_config.hidden_size)
+                            for i in range(hf_config.num_hidden_layers)},
+                           args.max_num_batched_tokens, dtype, enable_batching=name == "tl-e")
+            engine_args["worker_extension_cls"] = "tl_peer_plugin.worker_extension.TLWorkerExtension"
         if self.sites:
             config = self.config = tl.configure(tl.capture_specs(hf_config, sites=self.sites), dtype=dtype,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -200,7 +219,11 @@ class _Engine:
                 extra_args = tl.request_args(config, capture=_BATCHED[name])
         self.params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
                                      detokenize=False, extra_args=extra_args)
-        self.llm = LLM(**engine_args)
+        try:
+            self.llm = LLM(**engine_args)
+        finally:
+            if name in _PEER:
+                peer.clear_config()  # its channel is an environment variable: no later engine inherits it
         # register() had run in this process (configure() or vLLM's plugin loader): False for plain.
         self.load_model_wrapped = hasattr(Worker.load_model, "__wrapped__")
         if name == "d":
@@ -216,6 +239,8 @@ class _Engine:
         read_bytes = busy = None
         if self.sites and name not in _BATCHED:
             tl.open_capture(llm)  # arm the capture gate, as a user reading captures would
+        elif name in _PEER:  # as its driver does before a capture
+            llm.collective_rpc("tl_reset_capture_flags" if name == "tl-b" else "tl_reset_accumulators")
         with self.clock:
             start = time.perf_counter()
             outputs = llm.generate(self.prompts, self.params, use_tqdm=False)
@@ -245,6 +270,26 @@ class _Engine:
             check = (f"{len(captured_shape)} requests x {captured_hooks} hooks, rows {rows}, "
                      f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s; row files "
                      f"{files}")
+        elif name == "tl-e":
+            from tl_peer_plugin.worker_extension import decode_tensor
+
+            (payloads,) = llm.collective_rpc("tl_read_batched_captures")
+            captured = {request: {hook: decode_tensor(p) for hook, p in hooks.items()}
+                        for request, hooks in payloads.items()}
+            read_s = time.perf_counter() - start
+            rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
+            read_bytes = sum(t.numel() * t.element_size() for hooks in captured.values() for t in hooks.values())
+            check = (f"{len(captured)} requests x {len(next(iter(captured.values())))} hooks, rows {rows}, "
+                     f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s")
+            del payloads, captured
+        elif name == "tl-b":
+            from tl_peer_plugin.worker_extension import decode_tensor
+
+            (payloads,) = llm.collective_rpc("tl_read_captures", args=([args.prompt_len],))
+            captured = {hook: decode_tensor(p) for hook, p in payloads.items()}
+            read_s = time.perf_counter() - start
+            finite = all(bool(t.isfinite().all()) for t in captured.values())
+            check = f"{len(captured)} hooks x {args.prompt_len} rows, finite={finite}"
         elif self.sites:
             captured = tl.read_captures(llm, args.prompt_len)
             read_s = time.perf_counter() - start
@@ -361,6 +406,35 @@ def _plugin_dir(root: str) -> str:
     return root
 
 
+def _peer_plugin(root: str, source: str | None) -> str:
+    """TransformerLens's plugin as the package ``tl_peer_plugin`` in ``root`` (its four files from
+    ``source``, by default the installed transformer_lens's), with the entry point vLLM loads."""
+    import importlib.util
+    import shutil
+
+    if source is None:
+        found = importlib.util.find_spec("transformer_lens")  # finds the folder, imports nothing
+        if found is None:
+            raise SystemExit("tl-b, tl-e: transformer_lens is not installed here; give --peer-plugin DIR, a folder "
+                             f"holding its model_bridge/sources/vllm files {', '.join(_PEER_FILES)}")
+        source = os.path.join(found.submodule_search_locations[0], "model_bridge", "sources", "vllm")
+    missing = [f for f in _PEER_FILES if not os.path.isfile(os.path.join(source, f))]
+    if missing:
+        raise SystemExit(f"--peer-plugin {source}: {', '.join(missing)} missing; it needs {', '.join(_PEER_FILES)}")
+    package = os.path.join(root, "tl_peer_plugin")
+    os.makedirs(package)
+    open(os.path.join(package, "__init__.py"), "w").close()
+    for file in _PEER_FILES:
+        shutil.copy(os.path.join(source, file), package)
+    info = os.path.join(root, "tl_peer_plugin-0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: tl_peer_plugin\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\ntl_peer_plugin = tl_peer_plugin.plugin:register\n")
+    return source
+
+
 def _cpu_name() -> str:
     with open("/proc/cpuinfo") as f:
         names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
@@ -382,9 +456,11 @@ def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its CUDA peak readable
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it CPU start-up fails or crawls
-    if single == "a":  # registered in every vLLM process, configured nowhere
+    if single == "a" or set(names) & set(_PEER):  # "a": registered in every vLLM process, configured nowhere
         paths = [args.plugin_dir, os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    if set(names) & set(_PEER):  # not transformer_lens's own entry point too: its hooks would go in twice
+        env["VLLM_PLUGINS"] = "tl_vllm_hooks,tl_peer_plugin"
     command = [sys.executable, os.path.abspath(__file__), "--run-cases", ",".join(names), "--model", args.model,
                "--sink-dir", args.sink_dir]
     command += [f"--{field.replace('_', '-')}={getattr(args, field)}" for field in _WORKLOAD_FIELDS]
@@ -396,6 +472,9 @@ def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -
             output.append(line)
             if line.startswith(_PROGRESS):
                 print(line[len(_PROGRESS):].rstrip(), flush=True)
+    if args.out:  # the child's whole log beside the results, vLLM's included
+        with open(f"{args.out}.{'-'.join(names)}.round{round_index}.log", "w") as log:
+            log.writelines(output)
     lines = [line for line in output if line.startswith(_MARKER)]
     if proc.returncode == 0 and len(lines) == 1:
         return json.loads(lines[0][len(_MARKER):])
@@ -567,6 +646,9 @@ def main() -> None:
                         help="on a GPU too, vLLM's default layout: engine and worker in processes of their own "
                              "(no GPU peak memory then)")
     parser.add_argument("--sink-dir", help="case s writes here (default: a temporary directory); also dd's file")
+    parser.add_argument("--peer-plugin", metavar="DIR",
+                        help=f"tl-b, tl-e: the folder of TransformerLens's plugin ({', '.join(_PEER_FILES)}); "
+                             "default: the installed transformer_lens's model_bridge/sources/vllm")
     args = parser.parse_args()
     for field, default in zip(_WORKLOAD_FIELDS, _TINY_WORKLOAD if args.tiny else _FULL_WORKLOAD):
         if getattr(args, field) is None:
@@ -602,6 +684,7 @@ def main() -> None:
         shape.update(num_hidden_layers=args.num_layers)
     with tempfile.TemporaryDirectory(prefix="bench_tl_vllm_hooks_") as root:
         args.model, args.plugin_dir = os.path.join(root, "model"), _plugin_dir(os.path.join(root, "plugin"))
+        peer_source = _peer_plugin(args.plugin_dir, args.peer_plugin) if set(cases) & set(_PEER) else None
         args.sink_dir = os.path.abspath(args.sink_dir or os.path.join(root, "sink"))
         os.makedirs(args.sink_dir, exist_ok=True)
         disk = _disk_write_speed(args.sink_dir) if "s" in cases else None
@@ -614,7 +697,7 @@ def main() -> None:
                   rounds=args.rounds, side_by_side=args.side_by_side,
                   compilation_config=json.loads(args.compilation_config or "null"), cases=results, disk=disk,
                   separate_processes=args.separate_processes or not args.on_gpu,
-                  token_groups=token_groups)
+                  token_groups=token_groups, peer_plugin=peer_source)
     print(f"\n{report['device']}, vLLM {report['vllm']}, torch {report['torch']}\n"
           f"model {shape}\nworkload {report['workload']}, {args.rounds} engine(s) per case"
           f"{', side by side' if args.side_by_side else ''}"

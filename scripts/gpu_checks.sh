@@ -7,6 +7,11 @@
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
 #                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code", or
 #                                                # --cases plain,a,b,c,d --side-by-side (one process, alternating)
+#                                                # --cases plain,b,tl-b,e,tl-e --peer-plugin .tl-peer: beside
+#                                                # TransformerLens 4.3's plugin, its four files copied beforehand
+#                                                # (the GPU machine has no transformer_lens) on a machine that has it:
+#     mkdir .tl-peer && cp "$(python3 -c 'import importlib.util as u; print(u.find_spec("transformer_lens")
+#       .submodule_search_locations[0])')"/model_bridge/sources/vllm/{plugin,internals,worker_extension,intervention_specs}.py .tl-peer
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
 set -uo pipefail
