@@ -5,7 +5,8 @@
 Sends --requests prompts to a tiny random Llama (compiled engine) in batches, with
 per-request options in rotation (every row, prompt rows, the last prompt token, none;
 every third request with its own edit), reads (and so frees) each batch's rows, and
-prints the resident memory of the driver and of vLLM's processes after each batch;
+prints the resident memory of the driver and of vLLM's processes after each batch, and
+the row files the workers hold in /dev/shm (rows on their way to the driver);
 the last lines compare the first and the second quarter with the last.
 --plain runs the same without hooks, for vLLM's own growth.
 """
@@ -62,7 +63,7 @@ if __name__ == "__main__":
         options = None if config is None else tlh.request_args(config, captures[r % 4], edit if r % 3 == 0 else None)
         return SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True, extra_args=options)
 
-    driver, samples = os.getpid(), []
+    driver, samples, shared = os.getpid(), [], ""
     for start in range(0, args.requests, args.batch):
         requests = range(start, start + args.batch)
         prompts = [TokensPrompt(prompt_token_ids=[(7 * i + r) % 512 for i in range(16 + r % 48)]) for r in requests]
@@ -71,10 +72,14 @@ if __name__ == "__main__":
             kept = [o.request_id for o, r in zip(outputs, requests) if captures[r % 4] != "none"]
             captured = tlh.read_batched(llm, kept)
             assert len(captured) == len(kept)
-            assert tlh.status(llm)["unread_requests"] == 0
+            state = tlh.status(llm)
+            assert state["unread_requests"] == 0
+            files = state["row_files"] or [{"files": 0, "bytes": 0, "created": 0}]
+            shared = (f", row files {sum(f['files'] for f in files)} ({sum(f['bytes'] for f in files) / 2**20:.0f} MiB,"
+                      f" {sum(f['created'] for f in files)} made)")
         engine = sum(_rss_mib(pid) for pid in _children(driver))
         samples.append((_rss_mib(driver), engine))
-        print(f"{start + args.batch:5d} requests: driver {samples[-1][0]:7.1f} MiB, vLLM processes {engine:7.1f} MiB",
+        print(f"{start + args.batch:5d} requests: driver {samples[-1][0]:7.1f} MiB, vLLM processes {engine:7.1f} MiB{shared}",
               flush=True)
     quarter = max(1, len(samples) // 4)
     first, second, last = (

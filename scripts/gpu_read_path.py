@@ -5,8 +5,8 @@
 A tiny random Llama in bf16, the batched flavour compiled with CUDA graphs, vLLM's separate processes. The same
 greedy batch runs twice; the first is read through the worker's row files (pinned, mapped by this driver), the second
 through vLLM's RPC as bytes (this driver claiming another host name), and every row must be equal bit for bit. Then
-three more rounds, each round's rows dropped before the next read, must fill the same row files again, and
-reset_batched must leave none.
+three more rounds, each round's rows dropped before the next read, must fill the same row files again (no file made
+after the first of them), and reset_batched must leave none.
 """
 
 import gc
@@ -35,6 +35,7 @@ if __name__ == "__main__":
         enable_batching=True,
         dtype=torch.bfloat16,
     )
+    others = set(glob.glob("/dev/shm/tl_vllm_hooks-*"))  # other engines' on this host
     llm = LLM(model, dtype="bfloat16", skip_tokenizer_init=True, gpu_memory_utilization=0.2, **config.llm_kwargs)
     prompts = [{"prompt_token_ids": [(7 * i + 3 * r) % 500 + 1 for i in range(16 + 13 * r)]} for r in range(24)]
     params = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False)
@@ -65,18 +66,24 @@ if __name__ == "__main__":
     result["rows_per_request"] = {n: list(t.shape) for n, t in shared[pairs[0][0]].items()}
     del shared, through_rpc
     gc.collect()
-    files = sorted(glob.glob("/dev/shm/tl_vllm_hooks-*"))
-    result["row_files_after_first_reads"] = len(files)
-    growth = []
+
+    def row_files():  # (held, made so far) by the worker, and its row files in /dev/shm (not the drivers' tokens)
+        (held,) = tlh.status(llm)["row_files"]
+        in_shm = {f for f in glob.glob("/dev/shm/tl_vllm_hooks-*") if "#" not in f} - others
+        return held["files"], held["created"], len(in_shm)
+
+    result["row_files_after_first_reads"] = row_files()
+    rounds = []
     for _round in range(3):
         rows = tlh.read_batched(llm, run())
-        growth.append(len(glob.glob("/dev/shm/tl_vllm_hooks-*")))
+        rounds.append(row_files())
         del rows
         gc.collect()
-    result["row_files_per_round"] = growth
+    result["row_files_per_round"] = rounds
     tlh.reset_batched(llm)
-    result["row_files_after_reset"] = len(glob.glob("/dev/shm/tl_vllm_hooks-*"))
-    result["ok"] = result["rows_equal"] and max(growth) <= max(len(files), 1) and result["row_files_after_reset"] == 0
+    result["row_files_after_reset"] = row_files()
+    made = {created for _held, created, _in_shm in rounds}
+    result["ok"] = result["rows_equal"] and made == {rounds[0][1]} and result["row_files_after_reset"][::2] == (0, 0)
     text = json.dumps(result, indent=1)
     print(text)
     with open(os.path.join(out, "read_path.json"), "w") as file:
