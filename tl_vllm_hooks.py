@@ -55,7 +55,7 @@ __all__ = [
     "SITES", "WORKER_EXTENSION", "CaptureConfig", "CaptureDataset", "WorkerExtension", "capture_specs", "configure",
     "decode_tensor", "encode_tensor", "flush_sink", "open_capture", "read_batched", "read_captures",
     "read_fire_counts", "register", "remove_hooks", "request_args", "reset_batched", "reset_edits",
-    "reset_fire_counts", "segment_by_request", "set_edits", "status", "tiny_model", "unregister"
+    "reset_fire_counts", "segment_by_request", "serve", "set_edits", "status", "tiny_model", "unregister"
 ]
 # fmt: on
 
@@ -387,7 +387,8 @@ def _taps(hf_config: Any, sites: set[str] | tuple[str, ...]) -> dict[str, _Tap]:
         raise ValueError(
             f"architecture {architecture}: TransformerLens hook names are placed per architecture and this module has "
             f"no table for it; supported: {sorted(_ARCHITECTURES)}. Hook modules of your choosing under names of your "
-            "own with (module_path, width) specs"
+            "own with (module_path, width) specs, e.g. {'my_mlp_in': ('model.layers.1.mlp.gate_up_proj', 512)} (vLLM's "
+            "module path; the README's 'Any module, under a name of your own')"
         )
     for setting, value in _LAYOUT_SETTINGS.get(architecture, {}).items():
         if getattr(hf_config, setting) != value:
@@ -2348,7 +2349,7 @@ def __getattr__(name: str) -> Any:
         # point to register it: it registers here.
         register()
         return _WorkerExtension
-    if name in ("CaptureDataset", "flush_sink", "tiny_model", "main"):
+    if name in ("CaptureDataset", "flush_sink", "serve", "tiny_model", "main"):
         return getattr(_tools(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

