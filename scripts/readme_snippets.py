@@ -1,0 +1,60 @@
+"""Run the README's Python blocks as printed, each in a fresh directory and interpreter, as a new user would.
+
+    python3 scripts/readme_snippets.py             # each block on its own (CI runs this)
+    python3 scripts/readme_snippets.py --together  # also all of them, in order, as one script
+
+The blocks are read from README.md itself, so what CI runs is what a reader copies. Each runs with this project's
+modules importable and without the environment CI sets for its tests (VLLM_CPU_KVCACHE_SPACE): a block must pass
+what a CPU needs itself. Exit code 1 if any block fails, with the end of its output.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python_blocks(readme: str) -> list[tuple[int, str]]:
+    """(line number, code) of every ```python block."""
+    return [
+        (readme[: match.start()].count("\n") + 2, match.group(1))
+        for match in re.finditer(r"^```python\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+    ]
+
+
+def run(name: str, code: str) -> bool:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="readme_") as directory:
+        with open(os.path.join(directory, "snippet.py"), "w") as file:
+            file.write(code)
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "snippet.py"], cwd=directory, env=env, capture_output=True, text=True, timeout=900
+        )
+    took = time.perf_counter() - started
+    if done.returncode == 0:
+        printed = done.stdout.strip().splitlines()[-1:] or ["(nothing)"]
+        print(f"{name}: ok in {took:.0f} s; it printed last: {printed[0][:300]}", flush=True)
+        return True
+    tail = (done.stdout + done.stderr).splitlines()[-40:]
+    print("\n".join([f"{name}: FAILED (exit code {done.returncode}) in {took:.0f} s; the end of its output:", *tail]))
+    return False
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--together", action="store_true", help="also run every block in order as one script")
+    args = parser.parse_args()
+    with open(os.path.join(ROOT, "README.md")) as file:
+        blocks = python_blocks(file.read())
+    print(f"{len(blocks)} Python blocks in README.md", flush=True)
+    results = [run(f"README.md line {line}", code) for line, code in blocks]
+    if args.together:
+        results.append(run("every block in order", "\n".join(code for _line, code in blocks)))
+    sys.exit(0 if blocks and all(results) else 1)
