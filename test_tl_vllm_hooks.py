@@ -2447,6 +2447,15 @@ def server(models, tmp_path_factory):
             process.kill()
 
 
+def test_a_server_that_exits_is_reported_at_once_with_its_log(models, tmp_path):
+    """serve() raises as soon as vLLM's server exits, with the end of its log, not after a client's retries."""
+    config = tlh.configure(tlh.capture_specs(models["llama"].hf.config), enable_batching=True)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)vLLM's server exited with code [1-9].*no-such-flag"):
+        tools.serve(str(models["llama"].path), config, "--no-such-flag", port=free_port(), log=str(tmp_path / "log"))
+    assert time.monotonic() - started < 120, "reported when it exits, not at the timeout"
+
+
 class TestServe:
     """The OpenAI API of `vllm serve`: per-request options in vllm_xargs, rows in the sink."""
 
