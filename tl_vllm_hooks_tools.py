@@ -808,7 +808,15 @@ def serve(
     # The server's processes import the module this process runs, found first on their path.
     paths = [os.path.dirname(os.path.abspath(sys.modules["tl_vllm_hooks"].__file__)), env.get("PYTHONPATH")]
     if not any(point.name == "tl_vllm_hooks" for point in entry_points(group="vllm.general_plugins")):
-        paths.insert(0, _entry_point_dir())
+        paths.insert(
+            0,
+            _write_entry_point(
+                tempfile.mkdtemp(prefix="tl_vllm_hooks-"),
+                "tl_vllm_hooks_copied",
+                "tl_vllm_hooks",
+                "tl_vllm_hooks:register",
+            ),
+        )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     if log is None:
         with tempfile.NamedTemporaryFile(prefix="tl_vllm_hooks-serve-", suffix=".log", delete=False) as file:
@@ -835,36 +843,34 @@ def serve(
     )
 
 
-def _entry_point_dir() -> str:
-    """A folder to put on PYTHONPATH that declares this module's vllm.general_plugins entry point."""
-    root = tempfile.mkdtemp(prefix="tl_vllm_hooks-entry-point-")
-    info = os.path.join(root, "tl_vllm_hooks_copied-0.dist-info")
+def _write_entry_point(root: str, distribution: str, name: str, target: str) -> str:
+    """Declare ``name = target`` as a vllm.general_plugins entry point in ``root``, as a pip install of a
+    distribution of that name would; on PYTHONPATH, vLLM calls it in every process it starts. Returns root."""
+    info = os.path.join(root, f"{distribution}-0.dist-info")
     os.makedirs(info)
     with open(os.path.join(info, "METADATA"), "w") as file:
-        file.write("Metadata-Version: 2.1\nName: tl_vllm_hooks_copied\nVersion: 0\n")
+        file.write(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as file:
-        file.write("[vllm.general_plugins]\ntl_vllm_hooks = tl_vllm_hooks:register\n")
+        file.write(f"[vllm.general_plugins]\n{name} = {target}\n")
     return root
+
+
+def _batched_config(args: argparse.Namespace, **sink: Any) -> CaptureConfig:
+    """The batched config a command's hook flags (--sites, --layers, --dtype, --max-num-batched-tokens) ask for."""
+    from transformers import AutoConfig
+
+    specs = capture_specs(
+        AutoConfig.from_pretrained(args.model), sites=tuple(args.sites.split(",")), layers=args.layers
+    )
+    return configure(specs, args.max_num_batched_tokens, getattr(torch, args.dtype), enable_batching=True, **sink)
 
 
 def _serve(args: argparse.Namespace) -> int:
     """The serve command: configure from the flags, start the server, wait until it stops."""
-    from transformers import AutoConfig
-
     _check_model(args.model)
-    specs = capture_specs(
-        AutoConfig.from_pretrained(args.model), sites=tuple(args.sites.split(",")), layers=args.layers
-    )
-    config = configure(
-        specs,
-        args.max_num_batched_tokens,
-        getattr(torch, args.dtype),
-        enable_batching=True,
-        sink_dir=args.sink_dir,
-        shard_seconds=args.shard_seconds,
-    )
+    config = _batched_config(args, sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
     started = _say(
-        f"serve: {args.model} with {len(specs)} hooks ({args.dtype}), rows to "
+        f"serve: {args.model} with {len(config.capture_specs)} hooks ({args.dtype}), rows to "
         f"{os.path.abspath(args.sink_dir) if args.sink_dir else 'no sink (--sink-dir DIR writes them)'}; "
         f"starting vLLM's OpenAI server on {args.host}:{args.port}"
     )
@@ -1066,26 +1072,17 @@ def _capture(args: argparse.Namespace) -> int:
 
 def _capture_into(args: argparse.Namespace) -> int:
     from tqdm import tqdm
-    from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     _check_model(args.model)
     count, prompts = _prompts(args)  # a missing prompts file fails here, before the output directory is made
-    hf_config = AutoConfig.from_pretrained(args.model)
-    specs = capture_specs(hf_config, sites=tuple(args.sites.split(",")), layers=args.layers)
-    config = configure(
-        specs,
-        args.max_num_batched_tokens,
-        getattr(torch, args.dtype),
-        enable_batching=True,
-        sink_dir=args.out,
-        shard_bytes=int(args.shard_mb * 2**20),
-    )
+    config = _batched_config(args, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
     params = SamplingParams(max_tokens=1, detokenize=False, extra_args=request_args(config, capture=args.keep))
     started = _say(
-        f"capture: {count} prompts of {args.model}, {len(specs)} hooks ({args.dtype}), keeping {args.keep} rows, "
+        f"capture: {count} prompts of {args.model}, {len(config.capture_specs)} hooks ({args.dtype}), "
+        f"keeping {args.keep} rows, "
         f"into {os.path.abspath(args.out)}; starting a batched, eager vLLM engine"
     )
     llm = LLM(
@@ -1202,6 +1199,18 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true", help="show vLLM's logging and progress bars")
     defaults = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows its defaults
+    hooks = argparse.ArgumentParser(add_help=False)  # what capture and serve hook, and their engine's shape
+    hooks.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
+    hooks.add_argument(
+        "--sites", default="resid_post", help=f"comma list of {', '.join(SITES)} (as the architecture has)"
+    )
+    hooks.add_argument(
+        "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list of layers (None: every layer)"
+    )
+    hooks.add_argument("--dtype", default="float32", choices=_FLOAT_DTYPES, help="the engine's and the rows'")
+    hooks.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per forward, and the capture buffers' rows"
+    )
     demo = commands.add_parser(
         "demo",
         parents=[common],
@@ -1212,25 +1221,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tolerance", type=float, default=1e-5, help="exit 1 past this relative error")
     capture = commands.add_parser(
         "capture",
-        parents=[common],
+        parents=[common, hooks],
         formatter_class=defaults,
         help="capture hooks of many prompts into a directory of safetensors shards",
     )
-    capture.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
     capture.add_argument("--token-ids", action="append", help='one prompt as token ids, "1 2 3"; repeatable')
     capture.add_argument("--prompts", help="a text file, one prompt per line (needs the model's tokenizer)")
     capture.add_argument("--token-ids-file", help="a file with one prompt per line as token ids, e.g. 1 2 3")
-    capture.add_argument(
-        "--sites", default="resid_post", help=f"comma list of {', '.join(SITES)} (as the architecture has)"
-    )
-    capture.add_argument(
-        "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list of layers (None: every layer)"
-    )
     capture.add_argument("--keep", default="prompt", choices=("prompt", "last_prompt_token"), help="rows to keep")
-    capture.add_argument("--dtype", default="float32", choices=_FLOAT_DTYPES, help="the engine's and the rows'")
-    capture.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="tokens per forward, and the capture buffers' rows"
-    )
     capture.add_argument("--max-in-flight", type=int, default=256, help="prompts handed to vLLM at a time")
     capture.add_argument("--shard-mb", type=float, default=1024, help="close a shard at this many MiB of rows")
     capture.add_argument(
@@ -1251,15 +1249,10 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--plot", help="also write a bar chart of the errors to this PNG (needs matplotlib)")
     server = commands.add_parser(
         "serve",
-        parents=[common],
+        parents=[common, hooks],
         formatter_class=defaults,
         help="vLLM's OpenAI server with hooks (the batched flavour), rows to a sink; other arguments go to vLLM",
     )
-    server.add_argument("model", help="a model directory (or hub id)")
-    server.add_argument("--sites", default="resid_post", help="comma list of sites, as for capture")
-    server.add_argument("--layers", type=lambda text: [int(i) for i in text.split(",")], help="(None: every layer)")
-    server.add_argument("--dtype", default="float32", choices=_FLOAT_DTYPES, help="the engine's and the rows'")
-    server.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per forward")
     server.add_argument("--sink-dir", help="write each finished request's rows here (a CaptureDataset)")
     server.add_argument("--shard-seconds", type=float, default=1.0, help="close a shard this long after it opens")
     server.add_argument("--host", default="127.0.0.1", help="the interface to listen on (0.0.0.0: every one)")
