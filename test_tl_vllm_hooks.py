@@ -1443,7 +1443,7 @@ class TestBatched:
         assert isinstance(pieces, list) and len(pieces) == 3, f"offsets of each step's rows, not bytes: {pieces!r:.200}"
         assert all(len(piece) == 2 + len(llm.hook_names) for piece in pieces), "file, rows, each hook's first element"
         mapped = [tlh._map_row_file(token, torch.float32) for token in reply["files"]]
-        rows = tlh._rows_in(mapped, reply["hooks"], pieces, torch.float32)
+        rows = tlh._rows_in(mapped, tlh._row_layouts(reply["hooks"]), pieces, torch.float32)
         tokens = BATCH[0] + list(output.outputs[0].token_ids[:2])
         assert_matches(rows, llm.model.reference(tokens, llm.hook_names), "through /dev/shm")
         del mapped, rows
@@ -1479,6 +1479,7 @@ class TestBatched:
             rows = tlh.read_batched(llm, [output.request_id for output in outputs])
             (now,) = tlh.status(llm)["row_files"]
             assert len(rows) == len(BATCH) and now["created"] == before["created"], (before, now)
+            assert now["files"] == before["files"] and now["bytes"] == before["bytes"], "the same files, none removed"
             del rows
             gc.collect()
         tlh.reset_batched(llm)

@@ -1570,15 +1570,25 @@ def _give_back_row_file(path: str, token: str) -> None:
             os.close(os.open(token, os.O_CREAT | os.O_WRONLY, 0o600))
 
 
+def _row_layouts(hooks: list[list]) -> list[tuple[str, list[int], list[int]]]:
+    """(name, row shape, strides of [rows, *row shape], contiguous) of each hook a read's reply lists as
+    [name, row shape]; worked out once per reply, for every request's rows."""
+    return [
+        (name, row_shape, [math.prod(row_shape[i:]) for i in range(len(row_shape) + 1)]) for name, row_shape in hooks
+    ]
+
+
 def _rows_in(
-    mapped: list[torch.Tensor], hooks: list[list], pieces: list[list[int]], dtype: torch.dtype
+    mapped: list[torch.Tensor],
+    layouts: list[tuple[str, list[int], list[int]]],
+    pieces: list[list[int]],
+    dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     """``{hook_name: [rows, *row shape]}`` of one request, from its pieces in the mapped row files (one per step that
-    kept rows: [file, rows, then per hook, in ``hooks`` order ([name, row shape] each), the element offset of the
-    first row]): a view of the file where a hook's rows are one piece, else joined."""
+    kept rows: [file, rows, then per hook, in ``layouts`` order (see _row_layouts), the element offset of the first
+    row]): a view of the file where a hook's rows are one piece, else joined."""
     rows = {}
-    for k, (name, row_shape) in enumerate(hooks):
-        strides = [math.prod(row_shape[i:]) for i in range(len(row_shape) + 1)]  # of [rows, *row shape], contiguous
+    for k, (name, row_shape, strides) in enumerate(layouts):
         parts = [mapped[piece[0]].as_strided([piece[1], *row_shape], strides, piece[2 + k]) for piece in pieces]
         if len(parts) == 1:
             rows[name] = parts[0]
@@ -2258,9 +2268,9 @@ class _Batched(_HookState):
                     pieces.append([files.setdefault(file, len(files)), end - start, *first.tolist()])
             else:
                 rows = reply["rows"][user_id] = {}
+                num_rows = sum(c[2] - c[1] for c in record.chunks)
                 for name in names:
-                    shape = [sum(c[2] - c[1] for c in record.chunks), *self.placed[name].row_shape]
-                    kept = record.rows(name)
+                    shape, kept = [num_rows, *self.placed[name].row_shape], record.rows(name)
                     rows[name] = encode_tensor(torch.cat(kept).view(shape) if kept else torch.empty(shape, dtype=dtype))
             for chunk in record.chunks:
                 self.shared.drop(chunk[4])
@@ -2528,11 +2538,11 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
                 "than this driver, or its host has no /dev/shm with room for them",
                 stacklevel=4,  # the user's call: this generator, advance, helper, the caller
             )
-        dtype = getattr(torch, reply["dtype"])
+        dtype, layouts = getattr(torch, reply["dtype"]), _row_layouts(reply["hooks"])
         mapped = [_map_row_file(token, dtype) for token in reply["files"]]
         rows = {
             request_id: (
-                _rows_in(mapped, reply["hooks"], message, dtype)
+                _rows_in(mapped, layouts, message, dtype)
                 if isinstance(message, list)
                 else {name: decode_tensor(encoded) for name, encoded in message.items()}
             )
