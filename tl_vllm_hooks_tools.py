@@ -836,11 +836,15 @@ def serve(
             process.terminate()
             raise TimeoutError(f"serve: vLLM's server did not answer {health} within {timeout:g} s; its log: {log}")
         time.sleep(0.5)
-    with open(log, errors="replace") as output:
-        tail = output.read().splitlines()[-_SERVER_LINES:]
     raise RuntimeError(
-        "\n".join([f"serve: vLLM's server exited with code {process.returncode}; the end of {log}:", *tail])
+        "\n".join([f"serve: vLLM's server exited with code {process.returncode}; the end of {log}:", *_tail(log)])
     )
+
+
+def _tail(log: str) -> list[str]:
+    """The last lines of a server's log, shown when it dies."""
+    with open(log, errors="replace") as output:
+        return output.read().splitlines()[-_SERVER_LINES:]
 
 
 def _write_entry_point(root: str, distribution: str, name: str, target: str) -> str:
@@ -886,9 +890,9 @@ def _serve(args: argparse.Namespace) -> int:
         process.terminate()
         process.wait()
         return 0
-    with open(process.log, errors="replace") as output:
-        tail = output.read().splitlines()[-_SERVER_LINES:]
-    print("\n".join([f"vLLM's server exited with code {code}; the end of its log:", *tail]), file=sys.stderr)
+    print(
+        "\n".join([f"vLLM's server exited with code {code}; the end of its log:", *_tail(process.log)]), file=sys.stderr
+    )
     return code or 1
 
 
