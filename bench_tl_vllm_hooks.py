@@ -262,14 +262,10 @@ class _Engine:
         elif name in _BATCHED:
             captured = tl.read_batched(llm, [o.request_id for o in outputs])  # also frees the rows
             read_s = time.perf_counter() - start
-            rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
-            captured_shape, captured_hooks = list(captured), len(captured[outputs[0].request_id])
-            read_bytes = sum(t.numel() * t.element_size() for hooks in captured.values() for t in hooks.values())
+            read_bytes, check = _rows_read(captured, read_s)
             del captured
             (files,) = tl.status(llm)["row_files"] or [None]  # given back at the next read
-            check = (f"{len(captured_shape)} requests x {captured_hooks} hooks, rows {rows}, "
-                     f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s; row files "
-                     f"{files}")
+            check += f"; row files {files}"
         elif name == "tl-e":
             from tl_peer_plugin.worker_extension import decode_tensor
 
@@ -277,10 +273,7 @@ class _Engine:
             captured = {request: {hook: decode_tensor(p) for hook, p in hooks.items()}
                         for request, hooks in payloads.items()}
             read_s = time.perf_counter() - start
-            rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
-            read_bytes = sum(t.numel() * t.element_size() for hooks in captured.values() for t in hooks.values())
-            check = (f"{len(captured)} requests x {len(next(iter(captured.values())))} hooks, rows {rows}, "
-                     f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s")
+            read_bytes, check = _rows_read(captured, read_s)
             del payloads, captured
         elif name == "tl-b":
             from tl_peer_plugin.worker_extension import decode_tensor
@@ -335,6 +328,20 @@ class _Engine:
         }
 
 
+def _rows_read(captured: dict[str, dict], read_s: float) -> tuple[int, str]:
+    """(bytes, a line saying what) of a batched read: {request: {hook: rows}} in read_s seconds."""
+    rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
+    read_bytes = sum(t.numel() * t.element_size() for hooks in captured.values() for t in hooks.values())
+    return read_bytes, (f"{len(captured)} requests x {len(next(iter(captured.values())))} hooks, rows {rows}, "
+                        f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s")
+
+
+def _say_run(label: str, run: tuple) -> None:
+    """One timed generate as it ends (generate()'s tuple), through the parent at once."""
+    read = "" if run[2] is None else f", read or flush {run[2]:.3f} s"
+    print(f"{_PROGRESS}[{label}] generate {run[1]:.3f} s{read}", flush=True)
+
+
 def _run_case(name: str, args: argparse.Namespace) -> dict:
     """Build one engine, warm up, time ``repeats`` generates; the result the parent parses."""
     engine = _Engine(name, args, _memory_fraction())
@@ -342,8 +349,7 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
     runs = []
     for round_index in range(args.repeats):
         runs.append(engine.generate())
-        read = "" if runs[-1][2] is None else f", read or flush {runs[-1][2]:.3f} s"
-        print(f"{_PROGRESS}[{name} run {round_index}] generate {runs[-1][1]:.3f} s{read}", flush=True)
+        _say_run(f"{name} run {round_index}", runs[-1])
     return engine.result(runs, alone=True)
 
 
@@ -370,10 +376,8 @@ def _run_side_by_side(cases: list[str], args: argparse.Namespace) -> list[dict]:
     runs: dict[str, list[tuple]] = {name: [] for name in cases}
     for round_index in range(args.repeats):
         for name in cases if round_index % 2 == 0 else cases[::-1]:
-            run = runs[name]
-            run.append(engines[name].generate())
-            read = "" if run[-1][2] is None else f", read or flush {run[-1][2]:.3f} s"
-            print(f"{_PROGRESS}[{name} round {round_index}] generate {run[-1][1]:.3f} s{read}", flush=True)
+            runs[name].append(engines[name].generate())
+            _say_run(f"{name} round {round_index}", runs[name][-1])
     results = []
     for name in cases:
         result = engines[name].result(runs[name], alone=False)
@@ -450,10 +454,11 @@ def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its CUDA peak readable
     else:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it CPU start-up fails or crawls
-    if single == "a" or set(names) & set(_PEER):  # "a": registered in every vLLM process, configured nowhere
+    peers = set(names) & set(_PEER)
+    if single == "a" or peers:  # "a": registered in every vLLM process, configured nowhere
         paths = [args.plugin_dir, os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    if set(names) & set(_PEER):  # not transformer_lens's own entry point too: its hooks would go in twice
+    if peers:  # not transformer_lens's own entry point too: its hooks would go in twice
         env["VLLM_PLUGINS"] = "tl_vllm_hooks,tl_peer_plugin"
     command = [sys.executable, os.path.abspath(__file__), "--run-cases", ",".join(names), "--model", args.model,
                "--sink-dir", args.sink_dir]
