@@ -157,14 +157,16 @@ class Model:
             def hook(tensor, hook):
                 flat = tensor.dim() == 2 and tensor.shape[0] == len(token_ids)  # OPT's MLP drops the batch
                 rows = tensor if flat else tensor[0]
-                rows = apply_edit(rows, edits[name]) if name in edits else rows
+                if name in edits:  # an edit, or a function of the rows (an SAE feature edit)
+                    rows = edits[name](rows) if callable(edits[name]) else apply_edit(rows, edits[name])
                 captured[name] = rows.clone()
                 return rows if flat else rows[None]
 
             return hook
 
+        hooked = list(dict.fromkeys([*names, *edits]))  # an edited hook runs whether or not its rows are asked for
         with torch.no_grad():
-            bridge.run_with_hooks(torch.tensor([token_ids]), fwd_hooks=[(n, make_hook(n)) for n in names])
+            bridge.run_with_hooks(torch.tensor([token_ids]), fwd_hooks=[(n, make_hook(n)) for n in hooked])
         return {name: captured[name] for name in names}
 
 
@@ -391,6 +393,8 @@ def engine(
     environment=(),
     sink_dir=None,
     shard_bytes=1 << 30,
+    saes=None,
+    sae_top_k=64,
     **llm_kwargs,
 ):
     """An LLM with hooks on every layer's `sites` (default: all the family has); shut down
@@ -406,6 +410,8 @@ def engine(
         enable_position_interventions=positions,
         sink_dir=sink_dir,
         shard_bytes=shard_bytes,
+        saes=saes or {},
+        sae_top_k=sae_top_k,
     )
     layout = "0" if in_process else "1"
     with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING=layout, **dict(environment)):
@@ -737,7 +743,8 @@ def test_step_collection_keeps_each_requests_rows():
             scheduler_config=types.SimpleNamespace(max_num_seqs=8),
         ),
     )
-    state = tlh._Batched(config, worker, {"h": types.SimpleNamespace(buffer=buffer, width=2)}, [])
+    hook = types.SimpleNamespace(buffer=buffer, width=2, row_shape=(2,), keeps_rows=True, sae=None)
+    state = tlh._Batched(config, worker, {"h": hook}, [])
     def plan(prompt_len, capture):
         return tlh._RunningRequest(tlh._RequestOptions(capture), prompt_len, None)
 
@@ -1439,11 +1446,12 @@ class TestBatched:
         (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], socket.gethostname()))
         reply = reply["result"]
         assert reply["files"] and all(t.startswith("/dev/shm/tl_vllm_hooks-") for t in reply["files"]), reply["files"]
-        pieces = reply["rows"][output.request_id]
-        assert isinstance(pieces, list) and len(pieces) == 3, f"offsets of each step's rows, not bytes: {pieces!r:.200}"
+        message = reply["rows"][output.request_id]
+        pieces = message["pieces"]
+        assert set(message) == {"pieces"} and len(pieces) == 3, f"offsets of each step's rows, not bytes: {message!r:.200}"
         assert all(len(piece) == 2 + len(llm.hook_names) for piece in pieces), "file, rows, each hook's first element"
-        mapped = [tlh._map_row_file(token, torch.float32) for token in reply["files"]]
-        rows = tlh._rows_in(mapped, tlh._row_layouts(reply["hooks"]), pieces, torch.float32)
+        mapped = {torch.float32: [tlh._map_row_file(token).view(torch.float32) for token in reply["files"]]}
+        rows = tlh._rows_in(mapped, tlh._row_layouts(reply["hooks"]), message)
         tokens = BATCH[0] + list(output.outputs[0].token_ids[:2])
         assert_matches(rows, llm.model.reference(tokens, llm.hook_names), "through /dev/shm")
         del mapped, rows
@@ -1455,7 +1463,8 @@ class TestBatched:
         (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], "another-host"))
         reply = reply["result"]
         assert reply["files"] == []
-        rows = {name: tlh.decode_tensor(message) for name, message in reply["rows"][output.request_id].items()}
+        encoded = reply["rows"][output.request_id]["encoded"]
+        rows = {name: tlh.decode_tensor(message) for name, message in encoded.items()}
         assert_matches(rows, llm.model.reference(BATCH[0], llm.hook_names), "through the RPC")
 
     def test_read_batched_says_when_rows_come_through_the_rpc(self, llm, monkeypatch):
@@ -1839,6 +1848,325 @@ class TestEngineChecks:
                 assert_matches(captured, model.reference(PROMPT, llm.hook_names), f"cache, {sites}")
         entries = sorted(p.name for p in cache.glob("torch_compile_cache/*/*") if p.is_dir())
         assert len(entries) == 2, f"expected one compile-cache entry per hook config, got {entries}"
+
+
+# --- SAEs: features and feature edits inside the graph, against sae-lens ------------------
+
+# The SAEs the tests load: hook -> (architecture, d_sae, topk's k), each a random one of sae-lens's own classes,
+# saved by sae-lens. blocks.0.hook_mlp_out is not among the engines' capture specs: its features are kept, its
+# rows not.
+SAE_KINDS = {
+    "blocks.0.hook_mlp_out": ("jumprelu", 384, None),
+    "blocks.1.hook_resid_post": ("standard", 256, None),
+    "blocks.2.attn.hook_z": ("topk", 256, 12),
+}
+SAE_TOP_K = 16  # fewer than the standard and jumprelu SAEs fire here (a third of their features); more than topk's 12
+SAE_PROMPTS = [PROMPT[:23], PROMPT[5:36], PROMPT[11:19]]
+
+
+def features(hook: str) -> str:
+    return hook + tlh.SAE_FEATURES
+
+
+@pytest.fixture(scope="session")
+def sae_lens_python():
+    """The python of an environment of its own holding sae-lens 6.54, which needs transformer-lens < 4 (this one
+    has 4.3): $TL_VLLM_HOOKS_SAE_PYTHON (CI builds it first), else what scripts/sae_env.sh builds (once, ~1 min)."""
+    python = os.environ.get("TL_VLLM_HOOKS_SAE_PYTHON")
+    if not python:
+        built = subprocess.run(["bash", str(HERE / "scripts" / "sae_env.sh")], capture_output=True, text=True)
+        assert built.returncode == 0, f"scripts/sae_env.sh failed:\n{built.stderr[-3000:]}"
+        python = built.stdout.split()[-1]
+    return python
+
+
+class SAEOracle:
+    """The SAEs of SAE_KINDS on the Llama's hooks, made and saved by sae-lens, and what sae-lens's own
+    ``SAE.load_from_disk(...).encode`` makes of TransformerLens's rows there for each prompt of SAE_PROMPTS, run in
+    sae-lens's environment (scripts/sae_oracle.py) through safetensors files."""
+
+    def __init__(self, python: str, model: Model, root: Path):
+        from safetensors.torch import load_file, save_file
+
+        self.model, self.directories = model, {hook: root / hook for hook in SAE_KINDS}
+        unedited = [model.reference(prompt, list(SAE_KINDS)) for prompt in SAE_PROMPTS]
+        jobs = []
+        for hook, (architecture, d_sae, k) in SAE_KINDS.items():
+            rows = {f"prompt{i}": rows[hook].reshape(len(rows[hook]), -1).contiguous() for i, rows in enumerate(unedited)}
+            save_file(rows, str(root / f"{hook}.rows.safetensors"))
+            scale = float(torch.cat(list(rows.values())).std())  # the SAE is scaled for rows of this spread
+            jobs.append(
+                ["make", "--architecture", architecture, "--d-in", "128", "--d-sae", str(d_sae), "--hook-name", hook,
+                 "--input-scale", str(scale), "--seed", str(d_sae), "--out", str(self.directories[hook])]
+                + (["--k", str(k)] if k else [])
+            )
+            jobs.append(["encode", "--sae", str(self.directories[hook]), "--acts", str(root / f"{hook}.rows.safetensors"),
+                         "--out", str(root / f"{hook}.features.safetensors")])
+        (root / "jobs.json").write_text(json.dumps(jobs))
+        ran = subprocess.run(
+            [python, str(HERE / "scripts" / "sae_oracle.py"), "batch", "--jobs", str(root / "jobs.json")],
+            capture_output=True, text=True,
+        )
+        assert ran.returncode == 0, f"sae_oracle.py failed:\n{ran.stderr[-3000:]}"
+        self.features, self.W_dec = {}, {}
+        for hook in SAE_KINDS:
+            encoded = load_file(str(root / f"{hook}.features.safetensors"))
+            self.features[hook] = [encoded[f"prompt{i}"] for i in range(len(SAE_PROMPTS))]
+            self.W_dec[hook] = load_file(str(self.directories[hook] / "sae_weights.safetensors"))["W_dec"]
+
+    def saes(self) -> dict[str, str]:
+        return {hook: str(directory) for hook, directory in self.directories.items()}
+
+    def steered(self, prompt_index: int, hook: str, edit: dict):
+        """The hook's rows -> those rows with a feature edit applied as the module defines it, rows + (new_f -
+        old_f) @ W_dec[f] (old: sae-lens's features of the unedited rows, which an edit at this hook leaves as
+        they are), for TransformerLens's run_with_hooks."""
+        old_all = self.features[hook][prompt_index]
+        chosen = edit["features"]
+        value = torch.tensor(edit.get("value", 0.0), dtype=torch.float32).expand(len(chosen))
+
+        def change(rows):
+            old = old_all[:, chosen]
+            new = {"set": value.expand_as(old), "add": old + value, "scale": old * value, "suppress": 0 * old}
+            delta = (new[edit["op"]] - old) @ self.W_dec[hook][chosen]
+            if "positions" in edit:
+                delta[[p for p in range(len(rows)) if p not in edit["positions"]]] = 0.0
+            return rows + delta.reshape(rows.shape)
+
+        return change
+
+
+def assert_features(indices, values, expected, k, context):
+    """A read's features (int32 indices and values, [rows, k]) are sae-lens's k highest, highest first: the same
+    values, at the features they name. A relative error as the rows': features are relu(rows @ W_enc + b_enc)."""
+    assert indices.dtype == torch.int32 and values.dtype == torch.float32, context
+    assert indices.shape == values.shape == (len(expected), k), f"{context}: {tuple(indices.shape)}"
+    assert bool((values[:, :-1] >= values[:, 1:]).all()), f"{context}: highest first"
+    top = expected.topk(k, dim=-1).values
+    assert relative_error(values, top) <= TOLERANCE, f"{context}: values {relative_error(values, top):.2e}"
+    named = expected.gather(1, indices.long())
+    assert relative_error(values, named) <= TOLERANCE, f"{context}: indices {relative_error(values, named):.2e}"
+    return max(relative_error(values, top), relative_error(values, named))
+
+
+@pytest.fixture(scope="module")
+def sae_oracle(sae_lens_python, models, tmp_path_factory):
+    return SAEOracle(sae_lens_python, models["llama"], tmp_path_factory.mktemp("saes"))
+
+
+class TestSAEs:
+    """SAE features and feature edits, batched flavour: Llama compiled in vLLM's separate processes, three SAEs
+    (standard, jumprelu and topk), each request with its own edits and top k."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, models, sae_oracle):
+        with engine(
+            models["llama"], sites=("resid_post",), in_process=False, eager=False, batching=True,
+            saes=sae_oracle.saes(), sae_top_k=SAE_TOP_K,
+        ) as llm:
+            llm.model = models["llama"]
+            yield llm
+
+    def test_features_match_sae_lens_for_each_architecture(self, llm, sae_oracle, request):
+        top_k = [{features("blocks.1.hook_resid_post"): 5}, None, {features("blocks.2.attn.hook_z"): 3}]
+        extra = [tlh.request_args(llm.config, top_k=k) if k else None for k in top_k]
+        outputs = generate(llm, SAE_PROMPTS, 1, extra)
+        read = tlh.read_batched(llm, [o.request_id for o in outputs])
+        worst = 0.0
+        for i, output in enumerate(outputs):
+            rows = read[output.request_id]
+            expected_names = {*llm.hook_names, *(features(h) + part for h in SAE_KINDS for part in (".indices", ".values"))}
+            assert set(rows) == expected_names, "every layer's rows, each SAE's features, no rows of hook_mlp_out"
+            for hook in SAE_KINDS:
+                k = (top_k[i] or {}).get(features(hook), SAE_TOP_K)
+                got = rows[features(hook) + ".indices"], rows[features(hook) + ".values"]
+                worst = max(worst, assert_features(*got, sae_oracle.features[hook][i], k, f"request {i} {hook}"))
+            # topk fires at most 12 of 256: with 16 kept, the features are sae-lens's encode whole.
+            indices, values = (rows[features("blocks.2.attn.hook_z") + part] for part in (".indices", ".values"))
+            if values.shape[1] == SAE_TOP_K:
+                dense = torch.zeros(len(values), 256).scatter_(1, indices.long(), values)
+                assert relative_error(dense, sae_oracle.features["blocks.2.attn.hook_z"][i]) <= TOLERANCE
+            assert_matches({n: rows[n] for n in llm.hook_names}, llm.model.reference(SAE_PROMPTS[i], llm.hook_names))
+        print(f"\n{request.node.name}: worst relative error {worst:.2e}")
+
+    def test_feature_edits_per_request_match_transformer_lens(self, llm, sae_oracle):
+        edits = [
+            {features("blocks.1.hook_resid_post"): {"op": "set", "features": [3, 17], "value": [4.0, 0.0], "positions": [2, 5]}},
+            {features("blocks.0.hook_mlp_out"): {"op": "scale", "features": [0, 7, 9], "value": 3.0}},
+            {features("blocks.2.attn.hook_z"): {"op": "add", "features": [1], "value": 2.5, "positions": [0, 4]}},
+        ]
+        # Features that fire where the edits land, so that each edit changes something.
+        assert float(sae_oracle.features["blocks.0.hook_mlp_out"][1][:, [0, 7, 9]].abs().sum()) > 0
+        extra = [tlh.request_args(llm.config, edits=e) for e in edits]
+        outputs = generate(llm, SAE_PROMPTS, 1, extra)  # (the oracle's features are the prompts')
+        read = tlh.read_batched(llm, [o.request_id for o in outputs])
+        for i, (output, edit) in enumerate(zip(outputs, edits)):
+            ((name, feature_edit),) = edit.items()
+            hook = name.removesuffix(tlh.SAE_FEATURES)
+            plain = llm.model.reference(SAE_PROMPTS[i], llm.hook_names)
+            steer = {hook: sae_oracle.steered(i, hook, feature_edit)}
+            expected = llm.model.reference(SAE_PROMPTS[i], llm.hook_names, steer)
+            rows = {n: read[output.request_id][n] for n in llm.hook_names}
+            assert_matches(rows, expected, f"request {i}, {name} edited")
+            changed = max(relative_error(rows[n], plain[n]) for n in llm.hook_names)
+            assert changed > 1e-3, f"request {i}: the edit changed nothing ({changed:.1e})"
+
+    def test_an_unedited_request_is_bit_exact_beside_feature_edits(self, llm):
+        prompt = SAE_PROMPTS[0]
+        (alone,) = generate(llm, [prompt], 2)
+        before = tlh.read_batched(llm, [alone.request_id])[alone.request_id]
+        edit = {features("blocks.1.hook_resid_post"): {"op": "set", "features": [3], "value": 9.0, "positions": [200]}}
+        (beside,) = generate(llm, [prompt], 2, [tlh.request_args(llm.config, edits=edit)])  # (past its rows)
+        after = tlh.read_batched(llm, [beside.request_id])[beside.request_id]
+        assert all(torch.equal(before[name], after[name]) for name in before), "a feature edit elsewhere changes no bit"
+
+    def test_feature_edits_are_refused_where_vllm_takes_the_request(self, llm):
+        bad = {"tl_vllm_hooks": json.dumps({"edits": {features("blocks.1.hook_resid_post"): {"op": "set", "features": [256], "value": 1.0}}})}
+        with pytest.raises(ValueError, match=r"feature indices in \[0, 256\)"):
+            generate(llm, [SAE_PROMPTS[0]], 1, [bad])
+
+
+class TestSAEsOnePrompt:
+    """The one-prompt flavour in this process, compiled: features of the armed forward and engine-wide feature
+    edits by position."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, models, sae_oracle):
+        with engine(
+            models["llama"], sites=("resid_post",), in_process=True, eager=False, saes=sae_oracle.saes(),
+            sae_top_k=SAE_TOP_K,
+        ) as llm:
+            llm.model = models["llama"]
+            yield llm
+
+    def test_features_and_engine_wide_feature_edits_match(self, llm, sae_oracle):
+        prompt = SAE_PROMPTS[1]
+        first = capture(llm, prompt)
+        for hook in SAE_KINDS:
+            assert_features(first[features(hook) + ".indices"], first[features(hook) + ".values"],
+                            sae_oracle.features[hook][1], SAE_TOP_K, hook)
+        assert_matches({n: first[n] for n in llm.hook_names}, llm.model.reference(prompt, llm.hook_names))
+        edit = {"op": "add", "features": [1, 2], "value": [2.0, -1.5], "positions": [1, 3]}
+        tlh.set_edits(llm, {features("blocks.2.attn.hook_z"): edit})
+        steered = capture(llm, prompt)
+        expected = llm.model.reference(prompt, llm.hook_names, {"blocks.2.attn.hook_z": sae_oracle.steered(1, "blocks.2.attn.hook_z", edit)})
+        assert_matches({n: steered[n] for n in llm.hook_names}, expected, "engine-wide feature edit")
+        assert not torch.equal(steered["blocks.2.hook_resid_post"], first["blocks.2.hook_resid_post"])
+        tlh.reset_edits(llm)
+        again = capture(llm, prompt)
+        assert all(torch.equal(first[n], again[n]) for n in first), "reset: every row and feature as before, bit for bit"
+
+
+def test_sink_keeps_features_readable_with_safetensors_alone(models, sae_oracle, tmp_path):
+    """The sink writes features as int32 indices and values per request; CaptureDataset reads them as read_batched
+    gives them. Llama eager in this process."""
+    from safetensors import safe_open
+
+    sink_dir = tmp_path / "acts"
+    with engine(
+        models["llama"], sites=("resid_post",), in_process=True, eager=True, batching=True, sink_dir=str(sink_dir),
+        saes=sae_oracle.saes(), sae_top_k=SAE_TOP_K,
+    ) as llm:
+        top_k = {features("blocks.1.hook_resid_post"): 4}
+        outputs = generate(llm, SAE_PROMPTS[:2], 1, [tlh.request_args(llm.config, top_k=top_k), None])
+        dataset = tlh.flush_sink(llm)
+    for i, output in enumerate(outputs):
+        rows = dataset[output.request_id]
+        for hook in SAE_KINDS:
+            k = 4 if i == 0 and hook == "blocks.1.hook_resid_post" else SAE_TOP_K
+            assert_features(rows[features(hook) + ".indices"], rows[features(hook) + ".values"],
+                            sae_oracle.features[hook][i], k, f"sink request {i} {hook}")
+    (shard,) = sink_dir.glob("shard-*.safetensors")
+    with safe_open(str(shard), framework="pt") as file:
+        key = next(k for k in file.keys() if k.endswith(".indices"))
+        assert file.get_tensor(key).dtype == torch.int32
+
+
+def write_sae(directory: Path, hook="blocks.0.hook_resid_post", d_in=128, d_sae=64, architecture="standard", **cfg):
+    """SAE files written by hand, in SAELens's format, for the checks that need no engine."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = {"W_enc": torch.zeros(d_in, d_sae), "W_dec": torch.zeros(d_sae, d_in), "b_enc": torch.zeros(d_sae),
+               "b_dec": torch.zeros(d_in)}
+    if architecture == "jumprelu":
+        weights["threshold"] = torch.zeros(d_sae)
+    save_file(weights, str(directory / "sae_weights.safetensors"))
+    config = {"architecture": architecture, "d_in": d_in, "d_sae": d_sae, "apply_b_dec_to_input": True,
+              "normalize_activations": "none", "metadata": {"hook_name": hook}, **cfg}
+    (directory / "cfg.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+@NO_ENGINE
+class TestSAEChecks:
+    """Bad SAEs, and bad feature options, are refused when the config or the request is made, naming the problem."""
+
+    HOOK = "blocks.0.hook_resid_post"
+
+    @pytest.mark.parametrize(
+        "change, message",
+        [
+            (dict(architecture="gated"), r"architecture 'gated' is not implemented here; implemented: \['standard', 'jumprelu', 'topk'\]"),
+            (dict(normalize_activations="layer_norm"), "normalize_activations 'layer_norm' is not implemented here, only 'none'"),
+            (dict(rescale_acts_by_decoder_norm=True), "rescale_acts_by_decoder_norm True is not implemented here"),
+            (dict(metadata={"hook_name": "blocks.3.hook_resid_post"}), "trained on 'blocks.3.hook_resid_post'"),
+            (dict(d_in=64), "reads rows of 64, but the hook's rows are 128 wide"),
+            (dict(architecture="topk"), "k for topk"),
+        ],
+    )
+    def test_a_bad_sae_is_refused_by_name(self, tmp_path, change, message):
+        directory = write_sae(tmp_path / "sae", **change)
+        with pytest.raises(ValueError, match=message):
+            tlh.configure({self.HOOK: 128}, saes={self.HOOK: directory})
+
+    def test_missing_damaged_and_misplaced_files_are_refused(self, tmp_path):
+        with pytest.raises(ValueError, match="expected a directory holding cfg.json"):
+            tlh.configure({}, saes={self.HOOK: str(tmp_path / "none")})
+        directory = write_sae(tmp_path / "sae")
+        Path(directory, "sae_weights.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+        with pytest.raises(ValueError, match="is not a readable safetensors file"):
+            tlh.configure({}, saes={self.HOOK: directory})
+        Path(directory, "cfg.json").write_text("{")
+        with pytest.raises(ValueError, match=r"cfg.json: "):
+            tlh.configure({}, saes={self.HOOK: directory})
+        write_sae(tmp_path / "sae2", architecture="jumprelu")
+        Path(tmp_path / "sae2" / "cfg.json").write_text(json.dumps({"architecture": "jumprelu", "d_in": 128, "d_sae": 96}))
+        with pytest.raises(ValueError, match=r"must hold W_enc of shape \[128, 96\]"):
+            tlh.configure({}, saes={self.HOOK: str(tmp_path / "sae2")})
+        with pytest.raises(ValueError, match="an SAE reads a TransformerLens hook whose rows this module can edit"):
+            tlh.configure({}, saes={"blocks.0.ln2.hook_normalized": write_sae(tmp_path / "sae3", "blocks.0.ln2.hook_normalized")})
+        with pytest.raises(ValueError, match="sae_top_k: 64 is more than the 32 features"):
+            tlh.configure({}, saes={self.HOOK: write_sae(tmp_path / "sae4", d_sae=32)})
+
+    @pytest.mark.parametrize(
+        "options, message",
+        [
+            (dict(edits={"F": {"op": "set", "features": [64], "value": 1.0}}), r"1 to 8 distinct feature indices in \[0, 64\)"),
+            (dict(edits={"F": {"op": "set", "features": [1, 1], "value": 1.0}}), "distinct feature indices"),
+            (dict(edits={"F": {"op": "set", "features": list(range(9)), "value": 1.0}}), "1 to 8 distinct"),
+            (dict(edits={"F": {"op": "set", "features": [True], "value": 1.0}}), "distinct feature indices"),
+            (dict(edits={"F": {"op": "set", "features": [2], "value": float("nan")}}), "NaN or infinite"),
+            (dict(edits={"F": {"op": "set", "features": [2], "value": True}}), "a finite number or a list of 1"),
+            (dict(edits={"F": {"op": "set", "features": [2, 3], "value": [1.0, 2.0, 3.0]}}), "a list of 2, one per feature"),
+            (dict(edits={"F": {"op": "suppress", "features": [2], "value": 1.0}}), "takes no 'value'"),
+            (dict(edits={"F": {"op": "set", "feature": [2], "value": 1.0}}), "keys must be 'op' plus optional"),
+            (dict(top_k={"F": 0}), r"must be an int in \[1, 16\] \(sae_top_k\)"),
+            (dict(top_k={"F": 17}), r"must be an int in \[1, 16\]"),
+            (dict(top_k={"blocks.1.hook_resid_post.hook_sae_acts_post": 3}), "features name: k"),
+        ],
+    )
+    def test_bad_feature_options_are_refused_in_the_driver(self, tmp_path, options, message):
+        config = tlh.configure({self.HOOK: 128}, enable_batching=True, saes={self.HOOK: write_sae(tmp_path / "s")}, sae_top_k=16)
+        name = features(self.HOOK)
+        options = {key: {name if k == "F" else k: v for k, v in value.items()} for key, value in options.items()}
+        with pytest.raises(ValueError, match=message):
+            tlh.request_args(config, **options)
+
+    def test_the_config_travels_with_its_saes(self, tmp_path):
+        config = tlh.CaptureConfig({}, saes={self.HOOK: write_sae(tmp_path / "s")}, sae_top_k=8, enable_batching=True)
+        assert tlh.CaptureConfig.from_json(config.to_json()) == config
+        assert config.sae(self.HOOK).d_sae == 64 and config.saes[self.HOOK] == str(tmp_path / "s")
 
 
 # --- loading in spawned workers ------------------------------------------------------
@@ -2341,7 +2669,7 @@ KILLED_DRIVER = textwrap.dedent(
                   gpu_memory_utilization=0.05, **config.llm_kwargs)
         outputs = llm.generate([{"prompt_token_ids": list(range(1, 30))}], SamplingParams(max_tokens=2), use_tqdm=False)
         (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [outputs[0].request_id], socket.gethostname()))
-        held = [tlh._map_row_file(token, torch.float32) for token in reply["result"]["files"]]  # as read_batched does
+        held = [tlh._map_row_file(token) for token in reply["result"]["files"]]  # as read_batched does
         worker = reply["result"]["files"][0].rpartition("#")[0].split("-")[-2]
         print("HOLDING " + json.dumps([int(worker), glob.glob(f"/dev/shm/tl_vllm_hooks-{worker}-*")]), flush=True)
         time.sleep(600)

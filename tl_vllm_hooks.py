@@ -52,8 +52,8 @@ __version__ = "0.3.0"
 
 # fmt: off
 __all__ = [
-    "SITES", "WORKER_EXTENSION", "CaptureConfig", "CaptureDataset", "WorkerExtension", "capture_specs", "configure",
-    "decode_tensor", "encode_tensor", "flush_sink", "open_capture", "read_batched", "read_captures",
+    "SAE_FEATURES", "SITES", "WORKER_EXTENSION", "CaptureConfig", "CaptureDataset", "WorkerExtension", "capture_specs",
+    "configure", "decode_tensor", "encode_tensor", "flush_sink", "open_capture", "read_batched", "read_captures",
     "read_fire_counts", "register", "remove_hooks", "request_args", "reset_batched", "reset_edits",
     "reset_fire_counts", "segment_by_request", "serve", "set_edits", "status", "tiny_model", "unregister"
 ]
@@ -492,6 +492,11 @@ class CaptureConfig:
     shard_bytes: a shard is closed once its rows reach this many bytes.
     shard_seconds: and once it has been open this long (seconds), so that a server's requests reach readers soon;
         None: by size (or flush_sink) only.
+    saes: ``{hook_name: directory}`` of sparse autoencoders saved in SAELens's format (``cfg.json`` and
+        ``sae_weights.safetensors``; architectures standard, jumprelu and topk) that encode the hook's rows in every
+        forward. Their features are read as ``{hook_name}.hook_sae_acts_post`` (see SAE_FEATURES) and edited
+        under that name; a hook named here but not in capture_specs keeps its features and no rows.
+    sae_top_k: features kept per token and SAE, the highest first (a batched request may keep fewer).
     """
 
     capture_specs: dict[str, tuple[int, ...] | tuple[str, int]]
@@ -502,14 +507,22 @@ class CaptureConfig:
     sink_dir: str | None = None
     shard_bytes: int = 1 << 30
     shard_seconds: float | None = None
+    saes: dict[str, str] = dataclasses.field(default_factory=dict)
+    sae_top_k: int = 64
 
     def __post_init__(self) -> None:
-        specs = self.capture_specs
-        if not isinstance(specs, dict) or not specs:
+        specs, saes = self.capture_specs, self.saes
+        if not isinstance(saes, dict):
+            raise ValueError(f"saes: expected a dict {{hook_name: SAELens directory}}, got {saes!r:.200}")
+        if not isinstance(specs, dict) or not (specs or saes):
             raise ValueError(
                 f"capture_specs: expected a non-empty dict {{hook_name: row shape}} (see capture_specs(hf_config)), got {specs!r}"
             )
         object.__setattr__(self, "capture_specs", {n: _checked_spec(n, s) for n, s in specs.items()})
+        if not _int_at_least(self.sae_top_k, 1):
+            raise ValueError(f"sae_top_k: must be a positive int, got {self.sae_top_k!r}")
+        object.__setattr__(self, "saes", {n: os.path.abspath(d) if isinstance(d, str) else d for n, d in saes.items()})
+        object.__setattr__(self, "_sae_specs", {n: _read_sae(n, d, self) for n, d in self.saes.items()})
         for field in ("max_num_batched_tokens", "shard_bytes"):
             if not _int_at_least(getattr(self, field), 1):
                 raise ValueError(f"{field}: must be a positive int, got {getattr(self, field)!r}")
@@ -534,6 +547,10 @@ class CaptureConfig:
         """The shape of one row of hook ``name``: ``(width,)`` or ``(n_heads, d_head)``."""
         spec = self.capture_specs[name]
         return (spec[1],) if isinstance(spec[0], str) else spec
+
+    def sae(self, name: str) -> _SAESpec:
+        """The SAE encoding hook ``name`` (a key of ``saes``), as its files describe it."""
+        return self._sae_specs[name]
 
     def width(self, name: str) -> int:
         """Elements in one row of hook ``name``."""
@@ -656,6 +673,106 @@ def configure(capture_specs: dict[str, tuple[int, ...] | tuple[str, int]], *args
 
 def _disabled() -> bool:
     return os.environ.get(_DISABLE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+# ---------------------------------------------------------------------------
+# SAEs. A sparse autoencoder in SAELens's on-disk format encodes a hook's rows inside the graph, in every forward:
+# each token's top-k features are kept beside (or instead of) its rows, and an edit of features f changes the
+# stream by (new_f - old_f) * W_dec[f] alone, so the SAE's reconstruction error stays in it and an unedited row is
+# left as it was. The driver checks the files when the config is made (cfg.json and the weights' header, against
+# the hook); each worker loads the weights onto its device before the first forward.
+# ---------------------------------------------------------------------------
+
+SAE_FEATURES = ".hook_sae_acts_post"
+"""The suffix that names a hook's SAE features (SAELens's name for them): ``blocks.6.hook_resid_post`` with an SAE
+has features ``blocks.6.hook_resid_post.hook_sae_acts_post``, which edits name. Reads give ``{that}.indices``
+(int32) and ``{that}.values`` (the capture dtype), each ``[rows, k]``: per token its k highest features, highest
+first, so ``torch.zeros(rows, d_sae).scatter_(1, indices.long(), values)`` is SAELens's ``sae.encode(rows)``
+wherever at most k features fire (a value 0 is a feature that did not)."""
+
+_SAE_WEIGHTS = {  # architecture -> its tensors in sae_weights.safetensors
+    "standard": ("W_enc", "W_dec", "b_enc", "b_dec"),
+    "jumprelu": ("W_enc", "W_dec", "b_enc", "b_dec", "threshold"),
+    "topk": ("W_enc", "W_dec", "b_enc", "b_dec"),
+}
+# Sites whose hooks can add a feature edit's change to the stream: not the norms' (whose edits reach the norm's output
+# as edited * weight + bias), not the router's (read-only).
+_SAE_SITES = tuple(site for site in SITES if site not in ("ln1", "ln2", "final_norm", *_READ_ONLY_SITES))
+_FEATURE_EDITS = 8  # the most features one edit changes at a hook: the width of the feature edit tables
+
+
+@dataclasses.dataclass(frozen=True)
+class _SAESpec:
+    """An SAE as its cfg.json and the header of its weights file describe it; k: a topk SAE's features per token."""
+
+    directory: str
+    architecture: str
+    d_in: int
+    d_sae: int
+    apply_b_dec_to_input: bool
+    k: int | None
+
+
+def _read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
+    """Check one ``saes`` entry against its files and the config; ValueError naming the problem."""
+    where = f"saes[{name!r}]"
+    site = (_parse_hook_name(name) if isinstance(name, str) else None) or (None,)
+    if site[0] not in _SAE_SITES:
+        raise ValueError(
+            f"{where}: an SAE reads a TransformerLens hook whose rows this module can edit, one of "
+            f"{[SITES[s] for s in _SAE_SITES]}; got {name!r}"
+        )
+    if not isinstance(directory, str) or not os.path.isdir(directory):
+        raise ValueError(
+            f"{where}: expected a directory holding cfg.json and sae_weights.safetensors, got {directory!r}"
+        )
+    try:
+        with open(os.path.join(directory, "cfg.json")) as file:
+            cfg = json.load(file)
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{where}: {directory}/cfg.json: {error}") from None
+    architecture = cfg.get("architecture", "standard")
+    if architecture not in _SAE_WEIGHTS:
+        raise ValueError(
+            f"{where}: architecture {architecture!r} is not implemented here; implemented: {list(_SAE_WEIGHTS)}"
+        )
+    # (SAELens before 6 wrote normalize_activations as a bool, the hook name at the top level, as hook_point too)
+    implemented = {  # key -> (values implemented, as said)
+        "normalize_activations": ((None, "none", False), "'none'"),
+        "reshape_activations": ((None, "none", "hook_z"), "'none' and 'hook_z'"),
+        "rescale_acts_by_decoder_norm": ((None, False), "false"),
+    }
+    for key, (allowed, said) in implemented.items():
+        if cfg.get(key) not in allowed:
+            raise ValueError(f"{where}: {key} {cfg.get(key)!r} is not implemented here, only {said}")
+    trained_on = (cfg.get("metadata") or {}).get("hook_name", cfg.get("hook_name", cfg.get("hook_point")))
+    if trained_on is not None and trained_on != name:
+        raise ValueError(f"{where}: the SAE in {directory} was trained on {trained_on!r}, not {name!r}")
+    d_in, d_sae, k = cfg.get("d_in"), cfg.get("d_sae"), cfg.get("k")
+    if not (_int_at_least(d_in, 1) and _int_at_least(d_sae, 1)) or architecture == "topk" and not _int_at_least(k, 1):
+        raise ValueError(f"{where}: {directory}/cfg.json must give d_in and d_sae (and k for topk) as positive ints")
+    if name in config.capture_specs and config.width(name) != d_in:
+        raise ValueError(f"{where}: the SAE reads rows of {d_in}, but the hook's rows are {config.width(name)} wide")
+    if config.sae_top_k > d_sae:
+        raise ValueError(f"sae_top_k: {config.sae_top_k} is more than the {d_sae} features of {where}")
+    shapes = {"W_enc": [d_in, d_sae], "W_dec": [d_sae, d_in], "b_enc": [d_sae], "b_dec": [d_in], "threshold": [d_sae]}
+    path = os.path.join(directory, "sae_weights.safetensors")
+    try:
+        import safetensors
+
+        with safetensors.safe_open(path, framework="pt") as weights:
+            found = {key: weights.get_slice(key).get_shape() for key in weights.keys()}
+    except Exception as error:  # a missing or damaged file: safetensors' own error types differ by version
+        raise ValueError(f"{where}: {path} is not a readable safetensors file ({error})") from None
+    for key in _SAE_WEIGHTS[architecture]:
+        if found.get(key) != shapes[key]:
+            raise ValueError(
+                f"{where}: {path} must hold {key} of shape {shapes[key]} (d_in {d_in}, d_sae {d_sae}), "
+                f"found {found.get(key, 'none')}"
+            )
+    return _SAESpec(directory, architecture, d_in, d_sae, bool(cfg.get("apply_b_dec_to_input", True)), k)
 
 
 # ---------------------------------------------------------------------------
@@ -945,6 +1062,8 @@ class _HookState:
     def __init__(self, config: CaptureConfig, worker: Any, placed: dict[str, _Hook], absent: list[str]):
         vllm_config = worker.vllm_config
         self.config, self.placed, self.hook_names, self.absent = config, placed, list(placed), absent
+        # What edits target, each with its lane of the flavour's row_index: the hooks, then their SAEs' features.
+        self.lanes = [*placed, *(name + SAE_FEATURES for name in placed if name in config.saes)]
         self.hf_config, self.payload = vllm_config.model_config.hf_config, config.to_json()  # options checked against
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
@@ -964,12 +1083,29 @@ class _HookState:
         for handle in self.handles:
             handle.remove()
 
+    @functools.cached_property
+    def targets(self) -> dict[str, Any]:
+        """Each lane's name -> what holds its edit tables (a _Hook, or its _SAE), once the hooks are bound."""
+        return {**self.placed, **{name + SAE_FEATURES: hook.sae for name, hook in self.placed.items() if hook.sae}}
+
+    @functools.cached_property
+    def sources(self) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
+        """What a forward keeps, as (name, device buffer [max_rows, ...], one row's shape): each hook's rows (whose
+        rows are kept), then each SAE's features as ``{features name}.indices`` and ``.values`` (see SAE_FEATURES)."""
+        sources = [(name, hook.buffer, hook.row_shape) for name, hook in self.placed.items() if hook.keeps_rows]
+        for name, hook in self.placed.items():
+            if hook.sae is not None:
+                k = (self.config.sae_top_k,)
+                sources += [(name + SAE_FEATURES + ".indices", hook.sae.indices, k)]
+                sources += [(name + SAE_FEATURES + ".values", hook.sae.values, k)]
+        return sources
+
     def shards(self) -> dict[str, int]:
         """Where this rank's part of each hook split by tensor parallelism starts in a row's first dimension."""
         return {
             name: hook.columns[0] // math.prod(hook.row_shape[1:])
             for name, hook in self.placed.items()
-            if hook.width != self.config.width(name)
+            if name in self.config.capture_specs and hook.width != self.config.width(name)  # (an SAE's never is)
         }
 
     # The worker calls (_WORKER_CALLS), each named after the driver helper that makes it.
@@ -992,10 +1128,8 @@ class _HookState:
         for name in edits:
             _check_hook_name(name, self.config)
         tables = {name: _engine_wide_tables(edit, name, self.config) for name, edit in edits.items()}
-        for name, hook in self.placed.items():  # every edit checked (on every rank) before any table changes
-            scale, bias = (t if t.dim() == 1 else t[: _global_rows(self.config)] for t in (hook.scale, hook.bias))
-            scale.copy_(hook.local(tables[name][0]) if name in tables else torch.ones(()))
-            bias.copy_(hook.local(tables[name][1]) if name in tables else torch.zeros(()))
+        for name, target in self.targets.items():  # every edit checked (on every rank) before any table changes
+            target.set_engine_wide(tables.get(name))
 
     def open_capture(self) -> None:
         self.capture_flags.zero_()
@@ -1044,7 +1178,9 @@ def _uninstall(worker: Any) -> None:
 def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) -> tuple[dict[str, _Hook], list[str]]:
     """This rank's hooks in forward order (the order hooks on one module run in), and those on other pipeline ranks."""
     modules = dict(model.named_modules())
-    sites = {_parse_hook_name(name)[0] for name in config.capture_specs if "hook_" in name}
+    # An SAE's hook is placed whether or not its rows are kept (see _Hook.keeps_rows).
+    hook_names = [*config.capture_specs, *(name for name in config.saes if name not in config.capture_specs)]
+    sites = {_parse_hook_name(name)[0] for name in hook_names if "hook_" in name}
     if sites:
         taps, shapes = _taps(hf_config, sites), _site_shapes(hf_config)
         architecture = hf_config.architectures[0]
@@ -1060,8 +1196,8 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
         return (2,) if site is None else (site == "final_norm", -1 if layer is None else layer, list(SITES).index(site))
 
     placed, absent = {}, []
-    for name in sorted(config.capture_specs, key=forward_order):
-        spec = config.capture_specs[name]
+    for name in sorted(hook_names, key=forward_order):
+        spec = config.capture_specs.get(name) or shapes[_parse_hook_name(name)[0]]
         if isinstance(spec[0], str):
             tap, path = _Tap(spec[0], _OUTPUT), spec[0]
         else:
@@ -1086,8 +1222,15 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
                     f"{path} ({type(module).__name__}) takes {names}: its input {argument!r} is not at "
                     f"position {position}, where this module's table for this vLLM expects it"
                 )
-        row_shape, width = config.row_shape(name), config.width(name)
+        row_shape = (spec[1],) if isinstance(spec[0], str) else tuple(spec)
+        width = math.prod(row_shape)
         start, columns = _tensor_parallel_share(module, tap, width) or (0, width)
+        if name in config.saes and (width != config.sae(name).d_in or columns != width):
+            raise ValueError(
+                f"saes[{name!r}]: the SAE reads rows of {config.sae(name).d_in}, but this model's rows there are "
+                f"{width} wide"
+                + (f", split across tensor-parallel ranks ({columns} on each)" if columns != width else "")
+            )
         row_shape = (row_shape[0] * columns // width, *row_shape[1:])
         placed[name] = _Hook(name, module, tap, row_shape, (start, start + columns), _qkv_columns(module, tap.part))
         output_width = _output_width(module) if tap.kind == _OUTPUT and not tap.part else None
@@ -1163,6 +1306,7 @@ class _Hook:
 
     def bind(self, state: _HookState, index: int) -> None:
         self.state, self.index, rows, device = state, index, state.config.max_num_batched_tokens, state.device
+        self.keeps_rows = self.name in state.config.capture_specs  # (else only its SAE's features are kept)
         self.buffer = torch.zeros(rows, self.width, dtype=state.config.dtype, device=device)
         self.flag = state.capture_flags.narrow(0, index, 1)
         self.fire_count = state.fire_counts.narrow(0, index, 1)
@@ -1173,6 +1317,24 @@ class _Hook:
         if self.tap.norm:  # the edited rows (fp32) a norm's pre-hook leaves its hook, and which changed
             self.norm_rows = torch.zeros(rows, self.width, dtype=torch.float32, device=device)
             self.norm_changed = torch.zeros(rows, 1, dtype=torch.bool, device=device)
+        features = self.name + SAE_FEATURES
+        self.sae = _SAE(self, state, state.lanes.index(features)) if features in state.lanes else None
+
+    def set_engine_wide(self, tables: tuple[torch.Tensor, ...] | None) -> None:
+        """Write an engine-wide edit's (scale, bias) (see _engine_wide_tables), or identity."""
+        _set_engine_wide((self.scale, self.bias), tables and tuple(map(self.local, tables)), (1, 0), self.state)
+
+    def write_edit(self, row: int, rows: tuple[torch.Tensor, ...]) -> None:
+        """Write a request's (scale, bias) rows into row ``row`` of the tables."""
+        self.scale[row].copy_(self.local(rows[0]))
+        self.bias[row].copy_(self.local(rows[1]))
+
+    def steer(self, activation: torch.Tensor, into: torch.Tensor, factor: float | None = None) -> None:
+        """With an SAE here: keep the features of ``activation`` (the edited rows) and add the feature edits' change
+        of it to ``into``, the module's rows that carry it (times ``factor`` where they carry activation * factor)."""
+        if self.sae is not None:
+            change = self.sae.change(activation)
+            into.add_(change if factor is None else change * factor)
 
     def local(self, row: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a full-width edit row or table."""
@@ -1211,12 +1373,8 @@ class _Hook:
         self.flag.fill_(1)
 
     def edit_of(self, rows):
-        """The edit's (scale, bias) for these rows, broadcastable to them: [width], or the
-        rows of the 2-D tables the flavour's row_index ([max_rows] int64) picks, clamped."""
-        if self.row_index is None:
-            return self.scale, self.bias
-        picked = self.row_index.narrow(0, 0, rows.shape[0]).clamp(max=self.scale.shape[0] - 1)
-        return self.scale.index_select(0, picked), self.bias.index_select(0, picked)
+        """The edit's (scale, bias) for these rows, broadcastable to them (see _rows_of_tables)."""
+        return _rows_of_tables((self.scale, self.bias), self.row_index, rows.shape[0])
 
     def inputs_of(self, args, kwargs):
         """(the first input the tap reads, the second or None)."""
@@ -1229,6 +1387,83 @@ class _Hook:
             handles.append(module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True))
         if hook is not None:
             handles.append(module.register_forward_hook(torch.no_grad()(hook)))
+
+
+def _rows_of_tables(tables: tuple[torch.Tensor, ...], row_index: torch.Tensor | None, num_rows: int) -> tuple:
+    """Each edit table's row for each of num_rows forward rows: the table itself where it is one row, else the rows
+    that the flavour's row_index ([max_rows] int64) picks, clamped to the table."""
+    if row_index is None:
+        return tables
+    picked = row_index.narrow(0, 0, num_rows).clamp(max=tables[0].shape[0] - 1)
+    return tuple(table.index_select(0, picked) for table in tables)
+
+
+def _set_engine_wide(tables: tuple, values: tuple | None, identity: tuple, state: _HookState) -> None:
+    """Copy an engine-wide edit's tables into the engine-wide rows of these (all of a 1-row table), or identity."""
+    for table, value, same in zip(tables, values or identity, identity):
+        (table if table.dim() == 1 else table[: _global_rows(state.config)]).copy_(
+            value if values is not None else torch.tensor(same)
+        )
+
+
+class _SAE:
+    """A hook's SAE on its worker's device, its weights in the capture dtype: each forward's top features (kept as
+    the hook keeps its rows: the first forward after an open wins) and the tables of feature edits, rows picked by
+    the features' own lane of the flavour's row_index: the features edited, int64 [.., _FEATURE_EDITS], and each
+    one's new activation as old * scale + bias."""
+
+    def __init__(self, hook: _Hook, state: _HookState, lane: int):
+        import safetensors.torch  # (vLLM brings it)
+
+        config, device, dtype = state.config, state.device, state.config.dtype
+        self.spec, self.hook = config.sae(hook.name), hook
+        path = os.path.join(self.spec.directory, "sae_weights.safetensors")
+        weights = {name: w.to(dtype) for name, w in safetensors.torch.load_file(path, device=str(device)).items()}
+        self.W_enc, self.W_dec, self.b_enc, self.b_dec = (weights[n] for n in ("W_enc", "W_dec", "b_enc", "b_dec"))
+        self.threshold = weights.get("threshold")
+        rows = config.max_num_batched_tokens
+        self.indices = torch.zeros(rows, config.sae_top_k, dtype=torch.int32, device=device)
+        self.values = torch.zeros(rows, config.sae_top_k, dtype=dtype, device=device)
+        shape = (*filter(None, (state.table_rows,)), _FEATURE_EDITS)
+        self.features = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.scale = torch.ones(shape, dtype=dtype, device=device)
+        self.bias = torch.zeros(shape, dtype=dtype, device=device)
+        self.row_index, self.state = state.row_index(lane), state
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """SAELens's ``encode`` of rows [n, d_in]: their feature activations, [n, d_sae] in the capture dtype."""
+        x = rows.to(self.W_enc.dtype)
+        if self.spec.apply_b_dec_to_input:
+            x = x - self.b_dec
+        pre = x @ self.W_enc + self.b_enc
+        if self.spec.architecture == "jumprelu":
+            return pre.relu() * (pre > self.threshold)
+        if self.spec.architecture == "topk":
+            values, indices = pre.topk(self.spec.k, dim=-1)
+            return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+        return pre.relu()
+
+    def change(self, rows: torch.Tensor) -> torch.Tensor:
+        """Keep the top features of rows ([n, d_in], the hook's edited rows) and return what the feature edits add
+        to them, the sum over edited f of (new_f - old_f) * W_dec[f]: [n, d_in], rows' dtype; exact zeros unedited."""
+        activations, num_rows = self.encode(rows), rows.shape[0]
+        values, indices = activations.topk(self.values.shape[1], dim=-1)
+        closed = self.hook.flag.bool()  # (the hook's keep closes it after this)
+        for kept, new in ((self.values, values), (self.indices, indices.to(torch.int32))):
+            kept.narrow(0, 0, num_rows).copy_(torch.where(closed, kept.narrow(0, 0, num_rows), new))
+        features, scale, bias = _rows_of_tables((self.features, self.scale, self.bias), self.row_index, num_rows)
+        features, scale, bias = (t.expand(num_rows, _FEATURE_EDITS) for t in (features, scale, bias))
+        old = activations.gather(1, features)
+        change = old * scale + bias - old
+        bag = torch.nn.functional.embedding_bag(features, self.W_dec, per_sample_weights=change, mode="sum")
+        return bag.to(rows.dtype)
+
+    def set_engine_wide(self, tables: tuple[torch.Tensor, ...] | None) -> None:
+        _set_engine_wide((self.features, self.scale, self.bias), tables, (0, 1, 0), self.state)
+
+    def write_edit(self, row: int, rows: tuple[torch.Tensor, ...]) -> None:
+        for table, value in zip((self.features, self.scale, self.bias), rows):
+            table[row].copy_(value)
 
 
 def _router_hooks(site: _Hook) -> None:
@@ -1264,12 +1499,15 @@ def _output_hooks(site: _Hook) -> None:
             added = added[start:stop]
         if multiplier is not None:  # the layer adds output * multiplier: the product carries the edit
             rows.mul_(row_scale).add_(row_bias / multiplier)
+            site.steer(rows * multiplier, rows, 1 / multiplier)
             site.keep(rows * multiplier)
         elif added is not None:  # the layer adds the bias: the sum carries the edit (+ 0 exactly unedited)
             rows.mul_(row_scale).add_(row_bias + added * row_scale - added)
+            site.steer(rows + added, rows)
             site.keep(rows + added)
         else:
             rows.mul_(row_scale).add_(row_bias)
+            site.steer(rows, rows)
             site.keep(rows)
         return output
 
@@ -1284,6 +1522,7 @@ def _output_pair_hooks(site: _Hook) -> None:
         row_scale, row_bias = site.edit_of(site.as_rows(hidden))
         residual = (site.as_rows(residual) * row_scale).view_as(residual)
         site.as_rows(hidden).mul_(row_scale).add_(row_bias)
+        site.steer(site.as_rows(hidden) + site.as_rows(residual), site.as_rows(hidden))
         site.keep(site.as_rows(hidden) + site.as_rows(residual))
         return (hidden, residual)
 
@@ -1298,9 +1537,11 @@ def _input_hooks(site: _Hook) -> None:
         row_scale, row_bias = site.edit_of(site.as_rows(hidden))
         edited = site.as_rows(hidden) * row_scale + row_bias
         if residual is None:
+            site.steer(edited, edited)
             site.keep(edited)
             return _with_arguments(args, kwargs, site.tap.inputs, [site.with_rows(hidden, edited)])
         edited_residual = site.as_rows(residual) * row_scale
+        site.steer(edited + edited_residual, edited)
         site.keep(edited + edited_residual)
         return _with_arguments(
             args, kwargs, site.tap.inputs, [edited.view_as(hidden), edited_residual.view_as(residual)]
@@ -1332,6 +1573,7 @@ def _norm_hooks(site: _Hook) -> None:
         activation = _normalize(total, tap.norm, eps) if normalized else total
         row_scale, row_bias = site.edit_of(activation)
         edited = activation * row_scale + row_bias
+        site.steer(edited, edited)
         site.keep(edited)
         norm_rows.narrow(0, 0, edited.shape[0]).copy_(edited)
         norm_changed.narrow(0, 0, edited.shape[0]).copy_((edited != activation).any(-1, keepdim=True))
@@ -1555,13 +1797,13 @@ def _remove_row_files(files: dict[str, _RowFile], pin: bool) -> None:
     files.clear()
 
 
-def _map_row_file(token: str, dtype: torch.dtype) -> torch.Tensor:
-    """The row file a read handed over (``path#number``) as a 1-D tensor of dtype, mapped copy-on-write; once no
-    tensor holds the mapping, a file named ``token`` tells the worker it may fill the file again."""
+def _map_row_file(token: str) -> torch.Tensor:
+    """The row file a read handed over (``path#number``) as a 1-D uint8 tensor, mapped copy-on-write; once no tensor
+    holds the mapping, a file named ``token`` tells the worker it may fill the file again."""
     path = token.rpartition("#")[0]
     mapped = np.memmap(path, dtype=np.uint8, mode="c")
     weakref.finalize(mapped, _give_back_row_file, path, token)
-    return torch.from_numpy(mapped).view(dtype)  # (row files are whole 64-byte blocks)
+    return torch.from_numpy(mapped)
 
 
 def _give_back_row_file(path: str, token: str) -> None:
@@ -1570,30 +1812,38 @@ def _give_back_row_file(path: str, token: str) -> None:
             os.close(os.open(token, os.O_CREAT | os.O_WRONLY, 0o600))
 
 
-def _row_layouts(hooks: list[list]) -> list[tuple[str, list[int], list[int]]]:
-    """(name, row shape, strides of [rows, *row shape], contiguous) of each hook a read's reply lists as
-    [name, row shape]; worked out once per reply, for every request's rows."""
+def _row_layouts(hooks: list[list]) -> list[tuple[str, list[int], list[int], torch.dtype]]:
+    """(name, row shape, strides of [rows, *row shape], contiguous, dtype) of each source a read's reply lists as
+    [name, row shape, dtype]; worked out once per reply, for every request's rows."""
     return [
-        (name, row_shape, [math.prod(row_shape[i:]) for i in range(len(row_shape) + 1)]) for name, row_shape in hooks
+        (name, row_shape, [math.prod(row_shape[i:]) for i in range(len(row_shape) + 1)], getattr(torch, dtype))
+        for name, row_shape, dtype in hooks
     ]
 
 
 def _rows_in(
-    mapped: list[torch.Tensor],
-    layouts: list[tuple[str, list[int], list[int]]],
-    pieces: list[list[int]],
-    dtype: torch.dtype,
+    mapped: dict[torch.dtype, list[torch.Tensor]],
+    layouts: list[tuple[str, list[int], list[int], torch.dtype]],
+    message: dict[str, Any],
 ) -> dict[str, torch.Tensor]:
-    """``{hook_name: [rows, *row shape]}`` of one request, from its pieces in the mapped row files (one per step that
-    kept rows: [file, rows, then per hook, in ``layouts`` order (see _row_layouts), the element offset of the first
-    row]): a view of the file where a hook's rows are one piece, else joined."""
-    rows = {}
-    for k, (name, row_shape, strides) in enumerate(layouts):
-        parts = [mapped[piece[0]].as_strided([piece[1], *row_shape], strides, piece[2 + k]) for piece in pieces]
-        if len(parts) == 1:
-            rows[name] = parts[0]
-        else:
-            rows[name] = torch.cat(parts) if parts else torch.empty([0, *row_shape], dtype=dtype)
+    """``{name: [rows, *row shape]}`` of one request from its read message: encoded, or its pieces in the row files
+    (mapped: each file viewed as each dtype), one per step that kept rows: [file, rows, then per source, in
+    ``layouts`` order (see _row_layouts), the element offset of the first row]; a view of the file where a source's
+    rows are one piece, else joined. Features past the request's top_k are left out (a view)."""
+    if "encoded" in message:
+        rows = {name: decode_tensor(encoded) for name, encoded in message["encoded"].items()}
+    else:
+        rows, pieces = {}, message["pieces"]
+        for k, (name, row_shape, strides, dtype) in enumerate(layouts):
+            files = mapped[dtype]
+            parts = [files[piece[0]].as_strided([piece[1], *row_shape], strides, piece[2 + k]) for piece in pieces]
+            if len(parts) == 1:
+                rows[name] = parts[0]
+            else:
+                rows[name] = torch.cat(parts) if parts else torch.empty([0, *row_shape], dtype=dtype)
+    for features, k in message.get("top_k", {}).items():
+        for part in (".indices", ".values"):
+            rows[features + part] = rows[features + part][:, :k]
     return rows
 
 
@@ -1610,18 +1860,13 @@ _CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
 _NO_LAST_POSITION = np.iinfo(np.int64).max
 
 
-def _parse_edit(
-    edit: dict[str, Any], name: str, row_shape: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
-    """Validate one wire edit: its (scale, bias) rows, [width] float64, and its positions."""
-    if not isinstance(edit, dict) or "op" not in edit or not set(edit) <= {"op", "value", "positions"}:
-        keys = sorted(edit) if isinstance(edit, dict) else edit
-        raise ValueError(f"edits[{name!r}]: keys must be 'op' plus optional 'value' and 'positions', got {keys!r:.200}")
-    op = edit["op"]
-    if op not in _EDIT_OPS:
-        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
-    if _EDIT_OPS[op] != ("value" in edit):
-        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if _EDIT_OPS[op] else 'takes no'} 'value'")
+def _parse_edit(edit: Any, name: str, config: CaptureConfig) -> tuple[tuple[torch.Tensor, ...], list[int] | None]:
+    """Validate one wire edit: its table rows and its positions. A hook's rows are (scale, bias), [width] float64,
+    out = out * scale + bias; a hook's features' (see _parse_feature_edit) are (features, scale, bias)."""
+    if name.endswith(SAE_FEATURES):
+        return _parse_feature_edit(edit, name, config)
+    _check_edit_keys(edit, name, {"op", "value", "positions"})
+    op, row_shape = edit["op"], config.row_shape(name)
     width = math.prod(row_shape)
     shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
     valid = f"a finite number, or finite numbers of shape {' or '.join(map(str, map(list, shapes)))}"
@@ -1641,13 +1886,82 @@ def _parse_edit(
         value = vector.reshape(width).to(torch.float64)
         if not torch.isfinite(value).all():
             raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
-    keeps, adds = {"suppress": (0, 0), "scale": (value, 0), "add": (1, value), "set": (0, value)}[op]
+    keeps, adds = _EDIT_FORM[op](value)
     scale_row = torch.zeros(width, dtype=torch.float64).add_(keeps)
     bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
+    return (scale_row, bias_row), _edit_positions(edit, name)
+
+
+_EDIT_FORM = {  # op -> (scale, bias) of its value
+    "suppress": lambda _value: (0, 0),
+    "scale": lambda value: (value, 0),
+    "add": lambda value: (1, value),
+    "set": lambda value: (0, value),
+}
+
+
+def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
+    """The edit is a dict of these keys, 'op' among them, and its op takes a value if and only if it has one."""
+    if not isinstance(edit, dict) or "op" not in edit or not set(edit) <= keys:
+        found = sorted(edit) if isinstance(edit, dict) else edit
+        raise ValueError(
+            f"edits[{name!r}]: keys must be 'op' plus optional {sorted(keys - {'op'})}, got {found!r:.200}"
+        )
+    op = edit["op"]
+    if op not in _EDIT_OPS:
+        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
+    if _EDIT_OPS[op] != ("value" in edit):
+        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if _EDIT_OPS[op] else 'takes no'} 'value'")
+
+
+def _edit_positions(edit: dict[str, Any], name: str) -> list[int] | None:
     positions = edit.get("positions")
     if positions is not None and not _is_position_list(positions):
         raise ValueError(f"edits[{name!r}]: positions must be a non-empty list of ints >= 0, got {positions!r}")
-    return scale_row, bias_row, None if positions is None else list(positions)
+    return None if positions is None else list(positions)
+
+
+def _parse_feature_edit(
+    edit: Any, name: str, config: CaptureConfig
+) -> tuple[tuple[torch.Tensor, ...], list[int] | None]:
+    """A feature edit, ``{"op", "features": [f, ...], "value": a number or one per feature, "positions"}``, as table
+    rows: the features (int64), and each one's new activation as old * scale + bias (float64), each
+    [_FEATURE_EDITS], padded with feature 0 left as it is."""
+    _check_edit_keys(edit, name, {"op", "features", "value", "positions"})
+    d_sae, op, features = config.sae(name.removesuffix(SAE_FEATURES)).d_sae, edit["op"], edit.get("features")
+    if not (
+        isinstance(features, (list, tuple))
+        and 0 < len(features) <= _FEATURE_EDITS
+        and all(_int_at_least(f, 0) and f < d_sae for f in features)
+        and len(set(features)) == len(features)
+    ):
+        raise ValueError(
+            f"edits[{name!r}]: 'features' must list 1 to {_FEATURE_EDITS} distinct feature indices in [0, {d_sae}) "
+            f"(d_sae), got {features!r:.200}"
+        )
+    value = torch.zeros(len(features), dtype=torch.float64)
+    if _EDIT_OPS[op]:
+        raw = edit["value"]
+        valid = f"a finite number or a list of {len(features)}, one per feature"
+        try:
+            if _holds_bool(raw):
+                raise TypeError("a bool is not a number")
+            value = torch.tensor(raw, dtype=torch.float64).expand(len(features)).clone()
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
+        if not torch.isfinite(value).all():
+            raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
+    keeps, adds = _EDIT_FORM[op](value)
+    rows = _identity_rows(name, _FEATURE_EDITS)
+    rows[0][: len(features)] = torch.tensor(features)
+    rows[1][: len(features)], rows[2][: len(features)] = keeps, adds
+    return rows, _edit_positions(edit, name)
+
+
+def _identity_rows(name: str, width: int) -> tuple[torch.Tensor, ...]:
+    """The table rows of no edit: scale 1 and bias 0 (and for features, feature 0)."""
+    ones, zeros = torch.ones(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
+    return (torch.zeros(width, dtype=torch.int64), ones, zeros) if name.endswith(SAE_FEATURES) else (ones, zeros)
 
 
 def _holds_bool(value: Any) -> bool:
@@ -1659,34 +1973,36 @@ def _global_rows(config: CaptureConfig) -> int:
     return config.max_num_batched_tokens + 1 if config.enable_position_interventions else 1
 
 
-def _engine_wide_tables(edit: dict[str, Any], name: str, config: CaptureConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """An engine-wide edit as float64 (scale, bias): [width], or [max_rows + 1, width] by position."""
-    scale_row, bias_row, positions = _parse_edit(edit, name, config.row_shape(name))
+def _engine_wide_tables(edit: dict[str, Any], name: str, config: CaptureConfig) -> tuple[torch.Tensor, ...]:
+    """An engine-wide edit's tables (see _parse_edit): each a row, or [max_rows + 1, row] by position."""
+    rows, positions = _parse_edit(edit, name, config)
     per_request = "; request_args(edits=...) takes any position" if config.enable_batching else ""
     if not config.enable_position_interventions:
         if positions is not None:
             raise ValueError(f"edits[{name!r}]: positions need enable_position_interventions=True{per_request}")
-        return scale_row, bias_row
-    shape = (_global_rows(config), config.width(name))
+        return rows
+    num_rows = _global_rows(config)
     if positions is None:  # every row, the last (every position past the table) included
-        return scale_row.expand(shape), bias_row.expand(shape)
-    if max(positions) >= shape[0] - 1:
+        return tuple(row.expand(num_rows, *row.shape) for row in rows)
+    if max(positions) >= num_rows - 1:
         raise ValueError(
-            f"edits[{name!r}]: positions must be < {shape[0] - 1} (max_num_batched_tokens) for an engine-wide edit, "
+            f"edits[{name!r}]: positions must be < {num_rows - 1} (max_num_batched_tokens) for an engine-wide edit, "
             f"got {positions!r}{per_request}"
         )
-    scale, bias = torch.ones(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
-    scale[positions], bias[positions] = scale_row, bias_row
-    return scale, bias
+    tables = tuple(row.expand(num_rows, *row.shape).clone() for row in _identity_rows(name, rows[0].shape[0]))
+    for table, row in zip(tables, rows):
+        table[positions] = row
+    return tables
 
 
 def _check_hook_name(name: Any, config: CaptureConfig) -> None:
-    if name not in config.capture_specs:
-        close = difflib.get_close_matches(str(name), list(config.capture_specs), n=3)
+    editable = [*config.capture_specs, *(hook + SAE_FEATURES for hook in config.saes)]
+    if name not in editable:
+        close = difflib.get_close_matches(str(name), editable, n=3)
         raise ValueError(
-            f"edits: {name!r} is not a configured hook"
+            f"edits: {name!r} is not a configured hook or SAE's features"
             + (f"; close matches: {close}" if close else "")
-            + f"; configured: {sorted(config.capture_specs)}"
+            + f"; configured: {sorted(editable)}"
         )
     if (_parse_hook_name(name) or ("",))[0] in _READ_ONLY_SITES:
         raise ValueError(
@@ -1700,13 +2016,15 @@ class _RequestOptions:
     """One request's options (see request_args), checked against its engine's config.
 
     capture: one of _CAPTURE_MODES, or the positions kept, sorted int64.
-    edits: hook -> (scale row, bias row: [width] float64; sorted int64 positions or None).
+    edits: hook or features name -> (its table rows (see _parse_edit), sorted int64 positions or None).
     digest: of the edits ("" without): the request's prefix-cache salt.
+    top_k: features name -> how many of each kept row's top features it keeps, where fewer than sae_top_k.
     """
 
     capture: str | np.ndarray = "all"
-    edits: dict[str, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]] = dataclasses.field(default_factory=dict)
+    edits: dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]] = dataclasses.field(default_factory=dict)
     digest: str = ""
+    top_k: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def kept_range(self, prompt_len: int) -> tuple[int, int]:
         """(first, last) position kept; first is -1 for a list of positions."""
@@ -1740,8 +2058,10 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
             options = json.loads(options)
         except json.JSONDecodeError as error:
             raise ValueError(f"request options: not valid JSON ({error}); write them with request_args") from None
-    if not isinstance(options, dict) or not set(options) <= {"capture", "edits"}:
-        raise ValueError(f"request options: expected a dict with keys 'capture' and 'edits', got {options!r:.200}")
+    if not isinstance(options, dict) or not set(options) <= {"capture", "edits", "top_k"}:
+        raise ValueError(
+            f"request options: expected a dict with keys 'capture', 'edits' and 'top_k', got {options!r:.200}"
+        )
     capture = options.get("capture", "all")
     if isinstance(capture, (list, tuple)):
         if not _is_position_list(capture):
@@ -1755,10 +2075,17 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
     parsed = {}
     for name, edit in edits.items():
         _check_hook_name(name, config)
-        scale_row, bias_row, positions = _parse_edit(edit, name, config.row_shape(name))
-        parsed[name] = (scale_row, bias_row, None if positions is None else np.unique(np.asarray(positions, np.int64)))
+        rows, positions = _parse_edit(edit, name, config)
+        parsed[name] = (rows, None if positions is None else np.unique(np.asarray(positions, np.int64)))
     digest = hashlib.sha256(json.dumps(edits, sort_keys=True).encode()).hexdigest()[:32] if edits else ""
-    return _RequestOptions(capture, parsed, digest)
+    top_k = options.get("top_k") or {}
+    features = [hook + SAE_FEATURES for hook in config.saes]
+    if not isinstance(top_k, dict) or not all(name in features for name in top_k):
+        raise ValueError(f"top_k: expected a dict {{features name: k}} of names in {features}, got {top_k!r:.200}")
+    for name, k in top_k.items():
+        if not _int_at_least(k, 1) or k > config.sae_top_k:
+            raise ValueError(f"top_k[{name!r}]: must be an int in [1, {config.sae_top_k}] (sae_top_k), got {k!r}")
+    return _RequestOptions(capture, parsed, digest, {n: k for n, k in top_k.items() if k < config.sae_top_k})
 
 
 @functools.lru_cache(maxsize=256)
@@ -1883,7 +2210,7 @@ class _OnePrompt(_HookState):
         self.handles.append(model.register_forward_pre_hook(record_positions, with_kwargs=True))
 
     def read_captures(self, num_rows: int) -> dict[str, Any]:
-        """``{"shards", "rows": {hook: encoded [num_rows, *row shape]}}`` of the armed forward."""
+        """``{"shards", "rows": {name: encoded [num_rows, *row shape]}}`` of the armed forward (see sources)."""
         limit = self.config.max_num_batched_tokens
         if not _int_at_least(num_rows, 1) or num_rows > limit:
             raise ValueError(
@@ -1893,7 +2220,7 @@ class _OnePrompt(_HookState):
         still_open = [n for n, flag in zip(self.hook_names, self.capture_flags.tolist()) if flag == 0]
         if still_open:
             raise RuntimeError(f"read_captures: no forward ran since open_capture for hooks {still_open}")
-        rows = {name: hook.buffer[:num_rows].view(num_rows, *hook.row_shape) for name, hook in self.placed.items()}
+        rows = {name: buffer[:num_rows].view(num_rows, *shape) for name, buffer, shape in self.sources}
         return {"shards": self.shards(), "rows": {name: encode_tensor(r) for name, r in rows.items()}}
 
 
@@ -1971,6 +2298,7 @@ class _RequestRows:
     """What one request kept so far: per step that kept rows, (that step's host rows by hook, first row, end row,
     their positions, int64, and the row file holding them or None), sliced only when read."""
 
+    top_k: dict[str, int]  # the request's (see _RequestOptions)
     chunks: list[tuple[dict[str, torch.Tensor], int, int, np.ndarray, _RowFile | None]] = dataclasses.field(
         default_factory=list
     )
@@ -1991,7 +2319,7 @@ class _Batched(_HookState):
         super().__init__(*args)
         # Row r of the forward in flight uses row row_edit_index[k, r] of hook k's tables.
         rows = self.config.max_num_batched_tokens
-        self.row_edit_index = torch.zeros(len(self.placed), rows, dtype=torch.int64, device=self.device)
+        self.row_edit_index = torch.zeros(len(self.lanes), rows, dtype=torch.int64, device=self.device)
         self.row_edit_index_dirty = False
         self.table_rows = _global_rows(self.config) + 1 + self.max_num_seqs
         self.slots: dict[str, int] = {}  # request id -> slot holding its edits
@@ -2070,7 +2398,7 @@ class _Batched(_HookState):
             self.running[request_id] = _RunningRequest(options, prompt_len, prompt_token_ids)
             self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.edits))
             if not (isinstance(options.capture, str) and options.capture == "none"):
-                self.records.setdefault(request_id, _RequestRows())  # read_batched knows it from now on
+                self.records.setdefault(request_id, _RequestRows(options.top_k))  # read_batched knows it from now on
             first_positions[request_id] = first_position
         self.first_positions = first_positions
         self.capture_flags.zero_()  # this step's forward writes its rows
@@ -2102,17 +2430,17 @@ class _Batched(_HookState):
                 self.row_edit_index_dirty = False
             return
         self.row_edit_index_dirty = True
-        hook_names = self.hook_names
-        index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(hook_names), 0)
+        lanes = self.lanes
+        index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(lanes), 0)
         for i in edited:
             edits = self.running[request_ids[i]].options.edits
             slot_row = self._slot_row(request_ids[i], edits, request_ids)
             rows = slice(starts[i], starts[i + 1])
-            for k, name in enumerate(hook_names):
-                if name in edits and edits[name][2] is None:
+            for k, name in enumerate(lanes):
+                if name in edits and edits[name][1] is None:
                     index[k, rows] = slot_row
                 elif name in edits:
-                    hit = np.isin(row_positions[rows], edits[name][2])
+                    hit = np.isin(row_positions[rows], edits[name][1])
                     index[k, rows] = np.where(hit, slot_row, global_rows)  # identity row
         _copy_to_device(index, self.row_edit_index[:, : starts[-1]])
 
@@ -2130,12 +2458,9 @@ class _Batched(_HookState):
             free = [self.slots.pop(holder)]
         self.slots[request_id] = free[0]
         row = first_slot_row + free[0]
-        for name, (scale_row, bias_row, _positions) in edits.items():
-            if name not in self.placed:  # on another pipeline stage
-                continue
-            hook = self.placed[name]
-            hook.scale[row].copy_(hook.local(scale_row))
-            hook.bias[row].copy_(hook.local(bias_row))
+        for name, (rows, _positions) in edits.items():
+            if name in self.targets:  # (else on another pipeline stage)
+                self.targets[name].write_edit(row, rows)
         return row
 
     def executed(self) -> None:
@@ -2180,23 +2505,23 @@ class _Batched(_HookState):
         """(their row file, {hook: [len(kept_rows), width]}): the kept rows of every hook, in one region of host
         memory. On the CPU they are gathered straight into it; on CUDA gathered on the compute stream (the next
         forward rewrites the buffers), then copied on a side stream, which only a read waits for."""
-        dtype, num_rows = self.config.dtype, kept_rows.size
-        sizes = [-(-num_rows * hook.width * dtype.itemsize // 64) * 64 for hook in self.placed.values()]
+        num_rows = kept_rows.size
+        sizes = [-(-num_rows * buffer[0].nbytes // 64) * 64 for _name, buffer, _shape in self.sources]
         file, region = self.shared.region(sum(sizes))
         index = None
         if num_rows != kept_rows[-1] + 1:  # not rows 0..n-1
             index = torch.empty(num_rows, dtype=torch.int64, device=self.device)
             _copy_to_device(kept_rows, index)
         host_rows, gathered, offset = {}, {}, 0
-        for (name, hook), size in zip(self.placed.items(), sizes):
-            host = region[offset : offset + size].view(dtype)[: num_rows * hook.width]
-            host_rows[name], offset = host.view(num_rows, hook.width), offset + size
+        for (name, buffer, _shape), size in zip(self.sources, sizes):
+            host = region[offset : offset + size].view(buffer.dtype)[: num_rows * buffer.shape[1]]
+            host_rows[name], offset = host.view(num_rows, buffer.shape[1]), offset + size
             if self.copy_stream is None and index is None:
-                host_rows[name].copy_(hook.buffer[:num_rows])
+                host_rows[name].copy_(buffer[:num_rows])
             elif self.copy_stream is None:
-                torch.index_select(hook.buffer, 0, index, out=host_rows[name])
+                torch.index_select(buffer, 0, index, out=host_rows[name])
             else:
-                gathered[name] = hook.buffer[:num_rows].clone() if index is None else hook.buffer.index_select(0, index)
+                gathered[name] = buffer[:num_rows].clone() if index is None else buffer.index_select(0, index)
         if gathered:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
@@ -2226,17 +2551,19 @@ class _Batched(_HookState):
             if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
                 self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
         if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
-            self.records.setdefault(request_id, _RequestRows()).chunks.append(chunk)
+            request = self.running.get(request_id)
+            record = self.records.setdefault(request_id, _RequestRows(request.options.top_k if request else {}))
+            record.chunks.append(chunk)
             self.shared.hold(chunk[4])
 
     def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
-        """``{"shards", "dtype", "hooks": [[name, row shape], ...], "files", "rows": {user id: message}}``, the
-        requests then forgotten (each id must match one captured request, or nothing is read). For a driver on this
-        host, a request's message is a list of where its rows are in the row ``files`` (tokens; see _map_row_file and
-        _rows_in), one message per request, as a read of many requests of one row each costs per message; else it
-        is ``{hook: encoded rows}``. Replicated hooks come from the first tensor-parallel rank only."""
-        dtype = self.config.dtype
-        reply = {"shards": self.shards(), "dtype": _dtype_name(dtype), "hooks": [], "files": [], "rows": {}}
+        """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "files", "rows": {user id:
+        message}}``, the requests then forgotten (each id must match one captured request, or nothing is read). For a
+        driver on this host, a request's message holds ``"pieces"``, where its rows are in the row ``files`` (tokens;
+        see _map_row_file and _rows_in), one message per request, as a read of many requests of one row each costs
+        per message; else ``"encoded"``, {name: encoded rows}; and ``"top_k"``, where it keeps fewer features.
+        Replicated hooks come from the first tensor-parallel rank only."""
+        reply = {"shards": self.shards(), "hooks": [], "files": [], "rows": {}}
         if self.config.sink_dir is not None:
             raise RuntimeError(
                 f"read_batched: this engine writes captured rows to its sink_dir {self.config.sink_dir}: "
@@ -2245,33 +2572,39 @@ class _Batched(_HookState):
         if not self.hook_names:  # a pipeline rank that holds none of the hooks
             return reply
         first_rank = _parallel_ranks()[0] == 0
-        names = [name for name in self.hook_names if first_rank or name in reply["shards"]]
+        sources = [source for source in self.sources if first_rank or source[0] in reply["shards"]]
         matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)))
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
                 raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
         self._wait_for_copies()
-        reply["hooks"] = [[name, list(self.placed[name].row_shape)] for name in names]
-        widths = np.array([self.placed[name].width for name in names], dtype=np.int64)
+        reply["hooks"] = [[name, list(shape), _dtype_name(buffer.dtype)] for name, buffer, shape in sources]
+        widths = np.array([buffer.shape[1] for _name, buffer, _shape in sources], dtype=np.int64)
         same_host, files, firsts = driver_host == socket.gethostname(), {}, {}  # firsts: per step, see below
         for user_id, worker_id in matches.items():
             record = self.records.pop(worker_id)
+            message = reply["rows"][user_id] = {"top_k": record.top_k} if record.top_k else {}
             if same_host and all(chunk[4] is not None for chunk in record.chunks):
-                pieces = reply["rows"][user_id] = []
+                pieces = message["pieces"] = []
                 for step_rows, start, end, _positions, file in record.chunks:
-                    if id(step_rows) not in firsts:  # the element offset of each hook's rows of that step in file
+                    if id(step_rows) not in firsts:  # the element offset of each source's rows of that step in file
                         base = file.pages.data_ptr()
                         firsts[id(step_rows)] = np.array(
-                            [(step_rows[name].data_ptr() - base) // dtype.itemsize for name in names], dtype=np.int64
+                            [
+                                (step_rows[name].data_ptr() - base) // buffer.element_size()
+                                for name, buffer, _ in sources
+                            ],
+                            dtype=np.int64,
                         )
                     first = firsts[id(step_rows)] + start * widths
                     pieces.append([files.setdefault(file, len(files)), end - start, *first.tolist()])
             else:
-                rows = reply["rows"][user_id] = {}
+                encoded = message["encoded"] = {}
                 num_rows = sum(c[2] - c[1] for c in record.chunks)
-                for name in names:
-                    shape, kept = [num_rows, *self.placed[name].row_shape], record.rows(name)
-                    rows[name] = encode_tensor(torch.cat(kept).view(shape) if kept else torch.empty(shape, dtype=dtype))
+                for name, buffer, row_shape in sources:
+                    shape, kept = [num_rows, *row_shape], record.rows(name)
+                    rows = torch.cat(kept).view(shape) if kept else torch.empty(shape, dtype=buffer.dtype)
+                    encoded[name] = encode_tensor(rows)
             for chunk in record.chunks:
                 self.shared.drop(chunk[4])
         reply["files"] = self.shared.lend(list(files))
@@ -2482,8 +2815,10 @@ def set_edits(engine: Any, edits: dict[str, dict[str, Any]]) -> None:
     """Replace every engine-wide edit (hooks not named go back to identity) from the next forward on: ``{hook_name:
     {"op": op, "value": v, "positions": [p, ...]}}``, op one of ``suppress`` (no value), ``scale``, ``add``,
     ``set``; v a finite number or a float tensor of the row's shape (or flat); positions (optional) need
-    ``enable_position_interventions=True``. ValueError before any rank changes; refused with prefix caching on (edit
-    per request there)."""
+    ``enable_position_interventions=True``. A hook's SAE features (``{hook_name}{SAE_FEATURES}``) take
+    ``{"op", "features": [f, ...], "value": a number or one per feature, "positions"}`` and change the hook's rows by
+    (new_f - old_f) * W_dec[f]. ValueError before any rank changes; refused with prefix caching on (edit per request
+    there)."""
     yield "set_edits", (_edits_to_wire(edits),)
 
 
@@ -2494,7 +2829,10 @@ def reset_edits(engine: Any) -> None:
 
 
 def request_args(
-    config: CaptureConfig, capture: str | list[int] = "all", edits: dict[str, dict[str, Any]] | None = None
+    config: CaptureConfig,
+    capture: str | list[int] = "all",
+    edits: dict[str, dict[str, Any]] | None = None,
+    top_k: dict[str, int] | None = None,
 ) -> dict[str, str]:
     """One request's options in the batched flavour, ``{"tl_vllm_hooks": JSON text}``, for
     ``SamplingParams(extra_args=...)`` (merged with any of your own) or a server's ``extra_body={"vllm_xargs":
@@ -2504,8 +2842,9 @@ def request_args(
     capture: the request's rows ``read_batched`` (or the sink) gets: ``"all"`` (prompt and generated tokens, as
         without options), ``"prompt"``, ``"last_prompt_token"``, ``"none"``, or a list of token positions. Rows not
         kept never leave the device.
-    edits: as in ``set_edits``, at any positions, for this request's rows only; a hook edited here ignores the
-        engine-wide edit on that hook for this request.
+    edits: as in ``set_edits``, at any positions, for this request's rows only; a hook (or its features) edited
+        here ignores the engine-wide edit on it for this request.
+    top_k: ``{features name: k}``: keep only each row's k top features of that SAE (k <= sae_top_k, the default).
 
     Checked here (ValueError naming the problem) and again where vLLM takes the request (a server answers HTTP 400
     with the same message). Where prefix caching was turned on (``llm_kwargs`` and ``serve_args`` turn it off), a
@@ -2517,6 +2856,8 @@ def request_args(
     options: dict[str, Any] = {"capture": list(capture) if isinstance(capture, tuple) else capture}
     if edits:
         options["edits"] = _edits_to_wire(edits)
+    if top_k:
+        options["top_k"] = top_k
     _parse_options(options, config)
     return {_REQUEST_KEY: json.dumps(options)}
 
@@ -2531,23 +2872,16 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
         raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")
     per_rank = []
     for reply in (yield "read_batched", (list(request_ids), socket.gethostname())):
-        encoded = [m for m in reply["rows"].values() if isinstance(m, dict)]
+        encoded = [m["encoded"] for m in reply["rows"].values() if "encoded" in m]
         if any(e["shape"][0] for by_hook in encoded for e in by_hook.values()):
             warnings.warn(
                 "read_batched: rows come through vLLM's RPC, which is slow: a worker runs on another host "
                 "than this driver, or its host has no /dev/shm with room for them",
                 stacklevel=4,  # the user's call: this generator, advance, helper, the caller
             )
-        dtype, layouts = getattr(torch, reply["dtype"]), _row_layouts(reply["hooks"])
-        mapped = [_map_row_file(token, dtype) for token in reply["files"]]
-        rows = {
-            request_id: (
-                _rows_in(mapped, layouts, message, dtype)
-                if isinstance(message, list)
-                else {name: decode_tensor(encoded) for name, encoded in message.items()}
-            )
-            for request_id, message in reply["rows"].items()
-        }
+        layouts, files = _row_layouts(reply["hooks"]), [_map_row_file(token) for token in reply["files"]]
+        mapped = {dtype: [file.view(dtype) for file in files] for dtype in {layout[3] for layout in layouts}}
+        rows = {request_id: _rows_in(mapped, layouts, message) for request_id, message in reply["rows"].items()}
         per_rank.append((reply["shards"], rows))
     if len(per_rank) == 1:  # nothing to join
         return per_rank[0][1]

@@ -42,6 +42,7 @@ import torch
 from tl_vllm_hooks import (
     _FLOAT_DTYPES,
     _VLLM_SUFFIX,
+    SAE_FEATURES,
     SITES,
     CaptureConfig,
     __version__,
@@ -83,7 +84,7 @@ logger = logging.getLogger("tl_vllm_hooks")
 # ---------------------------------------------------------------------------
 
 _MANIFEST_FORMAT = "tl_vllm_hooks.sink/1"
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int32": "I32"}
 _SINK_QUEUE_BYTES = 1 << 30  # finished requests' rows waiting to be written, at most (but one)
 
 
@@ -119,12 +120,12 @@ def _read_manifest(path: str) -> tuple[dict[str, Any] | None, list[dict[str, Any
 
 
 def sink_header(config: CaptureConfig) -> dict[str, Any]:
-    """What every manifest of a sink written with this config agrees on."""
-    return {
-        "format": _MANIFEST_FORMAT,
-        "dtype": _dtype_name(config.dtype),
-        "hooks": {name: list(config.row_shape(name)) for name in config.capture_specs},
-    }
+    """What every manifest of a sink written with this config agrees on: the rows' dtype and each hook's row shape,
+    and each SAE's features as ``{name}.indices`` (int32) and ``.values`` (see SAE_FEATURES), [sae_top_k] a row."""
+    hooks = {name: list(config.row_shape(name)) for name in config.capture_specs}
+    for name in config.saes:
+        hooks.update({f"{name}{SAE_FEATURES}.{part}": [config.sae_top_k] for part in ("indices", "values")})
+    return {"format": _MANIFEST_FORMAT, "dtype": _dtype_name(config.dtype), "hooks": hooks}
 
 
 def check_sink_dir(config: CaptureConfig) -> None:
@@ -159,8 +160,8 @@ class RankSink:
         self.state = state
         tensor_rank, _size, stage = _parallel_ranks()
         shards = state.shards()
-        self.hooks = [name for name in state.hook_names if tensor_rank == 0 or name in shards]
-        self.row_shapes = {name: state.placed[name].row_shape for name in self.hooks}
+        self.sources = [(name, shape) for name, _buffer, shape in state.sources if tensor_rank == 0 or name in shards]
+        self.hooks = [name for name, _shape in self.sources]
         self.writer: ShardWriter | None = None
         if self.hooks:
             writer, config = f"pp{stage}-tp{tensor_rank}", state.config
@@ -204,7 +205,10 @@ class RankSink:
                 positions = (
                     np.concatenate([chunk[3] for chunk in record.chunks]) if record.chunks else np.zeros(0, np.int64)
                 )
-                parts = [(name, [positions.size, *self.row_shapes[name]], record.rows(name)) for name in self.hooks]
+                parts = []
+                for name, row_shape in self.sources:  # (a request keeping fewer features: their first k columns)
+                    k = record.top_k.get(name.rpartition(".")[0])
+                    parts.append((name, [positions.size, *([k] if k else row_shape)], record.rows(name)))
                 entry = {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}
                 self.writer.write(request_id, entry, parts, copied)
 
@@ -298,9 +302,10 @@ class ShardWriter:
         self, request_id: str, entry: dict[str, Any], parts: list[tuple[str, list[int], list]], copied: Any = None
     ) -> None:
         """Queue one request: its manifest entry (prompt token ids, positions) and, per
-        hook, (name, shape [rows, *row shape], host tensors that concatenate to it, left
-        unchanged until written); copied: a CUDA event the tensors hold their rows after,
-        waited for by the writer thread (None: they hold them now)."""
+        hook, (name, shape [rows, *row shape], host tensors [rows, width] that concatenate to
+        it, left unchanged until written, or whose first width columns do); copied: a CUDA event
+        the tensors hold their rows after, waited for by the writer thread (None: they hold
+        them now)."""
         size = sum(chunk.numel() * chunk.element_size() for _name, _shape, chunks in parts for chunk in chunks)
         with self.changed:
             while self.queue and self.queued_bytes + size > _SINK_QUEUE_BYTES:
@@ -408,8 +413,11 @@ class ShardWriter:
             self._open_shard()
         for name, shape, chunks in parts:
             start = self.data_bytes
+            width = math.prod(shape[1:])  # (chunks are [rows, width]; of features, maybe wider than kept)
+            chunks = [chunk if chunk.shape[1] == width else chunk[:, :width].contiguous() for chunk in chunks]
             self.data_bytes += _write_rows(self.fd, chunks)
-            self.tensors[keys[name]] = {"dtype": self.dtype, "shape": shape, "data_offsets": [start, self.data_bytes]}
+            dtype = _SAFETENSORS_DTYPES[_dtype_name(chunks[0].dtype)] if chunks else self.dtype
+            self.tensors[keys[name]] = {"dtype": dtype, "shape": shape, "data_offsets": [start, self.data_bytes]}
         self.header_bytes += needed
         self.requests[request_id] = {**entry, "tensors": keys}
         if self.data_bytes >= self.shard_bytes or self._due():
@@ -481,8 +489,9 @@ class CaptureDataset:
     ``dtype``, ``model`` and ``versions`` (vLLM, torch, tl_vllm_hooks) as written.
 
     ``dataset[request_id]``: ``{hook_name: [rows, *row shape]}`` CPU tensors of the
-    capture dtype, mapped copy-on-write from the shard, so only that request's bytes
-    are read (from disk when first touched). ``dataset.entry(request_id)``:
+    capture dtype (an SAE's features as in read_batched: see SAE_FEATURES), mapped
+    copy-on-write from the shard, so only that request's bytes are read (from disk when
+    first touched). ``dataset.entry(request_id)``:
     ``{"prompt_token_ids": list[int] | None, "positions": [[start, stop], ...]}``,
     the token positions of the rows, in order.
 
@@ -581,7 +590,7 @@ class CaptureDataset:
                         f"{key!r}, which its manifest lists with {num_rows} rows: the manifest does not match its shards"
                     )
                 start, end = (listed["__data_start__"] + offset for offset in tensor["data_offsets"])
-                rows[name] = torch.from_numpy(mapped[start:end]).view(self.dtype).view(tensor["shape"])
+                rows[name] = torch.from_numpy(mapped[start:end]).view(self._dtype_of(name)).view(tensor["shape"])
             per_writer.append((header["shards"], rows))
         return _join_ranks(per_writer)
 
@@ -598,14 +607,18 @@ class CaptureDataset:
                 raise ValueError(f"{shard}: not a shard this module wrote (its safetensors header does not parse)")
             header.pop("__metadata__", None)
             data_bytes = os.path.getsize(shard) - 8 - length
-            item = torch.empty((), dtype=self.dtype).element_size()
-            code = _SAFETENSORS_DTYPES[_dtype_name(self.dtype)]
             for key, tensor in header.items():
                 start, end = tensor["data_offsets"]
+                dtype = self._dtype_of(key)
+                code, item = _SAFETENSORS_DTYPES[_dtype_name(dtype)], dtype.itemsize
                 if tensor["dtype"] != code or end - start != math.prod(tensor["shape"]) * item or end > data_bytes:
                     raise ValueError(f"{shard}: tensor {key!r} ({tensor}) does not fit the shard or its {code} dtype")
             self._shard_headers[shard] = {**header, "__data_start__": 8 + length}
         return self._shard_headers[shard]
+
+    def _dtype_of(self, name: str) -> torch.dtype:
+        """A tensor's dtype: the capture dtype, int32 for SAE feature indices."""
+        return torch.int32 if name.endswith(SAE_FEATURES + ".indices") else self.dtype
 
 
 @_driver_helper
@@ -1148,7 +1161,7 @@ def _compare(args: argparse.Namespace) -> int:
             "pip install transformer-lens==4.3.0"
         ) from None
     dataset = CaptureDataset(args.directory)
-    hooks = list(dataset.hooks)
+    hooks = [name for name in dataset.hooks if SAE_FEATURES not in name]  # (TransformerLens has no SAE here)
     bridge = TransformerBridge.boot_transformers(args.model or dataset.model, dtype=torch.float32, device="cpu")
     worst: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in hooks}
     for index, request_id in enumerate(dataset, 1):
