@@ -2082,6 +2082,22 @@ def test_sink_keeps_features_readable_with_safetensors_alone(models, sae_oracle,
         assert file.get_tensor(key).dtype == torch.int32
 
 
+def test_the_sinks_row_files_are_filled_again_once_written(models, tmp_path):
+    """The writer thread gives a row file back once it has written the rows in it, so later steps fill it again
+    rather than make (and on CUDA pin) a new one: three rounds of 20 MB of rows each, more than the first row file's
+    16 MiB, make files in the first round only. Llama eager in this process."""
+    with engine(models["llama"], in_process=True, eager=True, batching=True, sink_dir=str(tmp_path / "acts")) as llm:
+        made = []
+        for _round in range(3):
+            generate(llm, [BATCH[1]] * 5, 1)  # 1,500 prompt rows of the classic sites' 14 KiB
+            tlh.flush_sink(llm)
+            (files,) = tlh.status(llm)["row_files"]
+            made.append(files["created"])
+        dataset = tlh.CaptureDataset(tmp_path / "acts")
+        assert len(dataset) == 15 and all(dataset[r]["blocks.2.hook_resid_post"].shape == (300, 128) for r in dataset)
+    assert made[0] >= 2 and made[2] == made[1] == made[0], f"row files made by the end of each round: {made}"
+
+
 def write_sae(directory: Path, hook="blocks.0.hook_resid_post", d_in=128, d_sae=64, architecture="standard", **cfg):
     """SAE files written by hand, in SAELens's format, for the checks that need no engine."""
     from safetensors.torch import save_file

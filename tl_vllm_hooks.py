@@ -1663,16 +1663,14 @@ def _sweep_shared_files(own: bool = False) -> None:
 
 @dataclasses.dataclass(eq=False)
 class _RowFile:
-    """One row file as its worker holds it: its pages (uint8, mapped), the bytes filled, the chunks of unread rows in
-    it, the driver mappings of it not yet given back, and whether a sink took rows from it (then it is removed once
-    empty, never filled again: the sink's writer thread reads the pages later)."""
+    """One row file as its worker holds it: its pages (uint8, mapped), the bytes filled, the chunks of rows in it not
+    yet read (or written by a sink's writer thread), and the driver mappings of it not yet given back."""
 
     path: str
     pages: torch.Tensor
     used: int = 0
     held: int = 0
     lent: set[str] = dataclasses.field(default_factory=set)  # a token per read that handed the file to a driver
-    retired: bool = False
 
 
 class _SharedRows:
@@ -1700,9 +1698,7 @@ class _SharedRows:
 
     def _refill(self, nbytes: int) -> _RowFile | None:
         """A file with room for nbytes: an idle one emptied, else a new one (None if /dev/shm cannot hold it)."""
-        previous, self.filling = self.filling, None
-        if previous is not None:
-            self._settle(previous)
+        self.filling = None
         self._take_back()
         idle = next((f for f in self.files.values() if self._idle(f) and f.pages.numel() >= nbytes), None)
         if idle is not None:
@@ -1736,18 +1732,16 @@ class _SharedRows:
         }
 
     def _idle(self, file: _RowFile) -> bool:
-        return not file.held and not file.lent and file is not self.filling and not file.retired
+        return not file.held and not file.lent and file is not self.filling
 
     def hold(self, file: _RowFile | None) -> None:
         if file is not None:
             file.held += 1
 
-    def drop(self, file: _RowFile | None, retire: bool = False) -> None:
-        """A chunk of rows in ``file`` is read or forgotten; ``retire``: by a sink, which reads the pages later."""
+    def drop(self, file: _RowFile | None) -> None:
+        """A chunk of rows in ``file`` is read, written or forgotten."""
         if file is not None:
             file.held -= 1
-            file.retired |= retire
-            self._settle(file)
 
     def lend(self, files: list[_RowFile]) -> list[str]:
         """A token for each file a read hands to a driver (``path#number``), lent until a file of that name exists."""
@@ -1762,11 +1756,6 @@ class _SharedRows:
             for token in [token for token in file.lent if os.path.exists(token)]:
                 os.unlink(token)
                 file.lent.discard(token)
-            self._settle(file)
-
-    def _settle(self, file: _RowFile) -> None:
-        if file.retired and not file.held and not file.lent and file is not self.filling:
-            self._remove(file)
 
     def trim(self) -> None:
         """Remove every file nothing holds (kept until then, to be filled again)."""
@@ -2385,7 +2374,7 @@ class _Batched(_HookState):
     def schedule(self, scheduler_output: Any) -> None:
         """Read the step's new requests' options and every request's first position."""
         finished, new, first_positions = _scheduled(scheduler_output)
-        if self.sink is not None and finished:
+        if self.sink is not None:
             self.sink.write(finished)
         for request_id in finished:
             self.running.pop(request_id, None)

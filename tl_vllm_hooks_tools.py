@@ -17,6 +17,7 @@ import atexit
 import collections
 import contextlib
 import difflib
+import functools
 import glob
 import inspect
 import itertools
@@ -34,6 +35,7 @@ import threading
 import time
 import urllib.request
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -161,6 +163,8 @@ class RankSink:
         tensor_rank, _size, stage = _parallel_ranks()
         shards = state.shards()
         self.sources = [(name, shape) for name, _buffer, shape in state.sources if tensor_rank == 0 or name in shards]
+        # Row files holding rows the writer thread has written, one entry per chunk: the steps may fill them again.
+        self.written: collections.deque = collections.deque()
         self.hooks = [name for name, _shape in self.sources]
         self.writer: ShardWriter | None = None
         if self.hooks:
@@ -184,20 +188,24 @@ class RankSink:
             self.writer.close()
 
     def write(self, request_ids: list[str]) -> None:
-        """Write these finished requests' kept rows (or why they have none) and forget them. The writer thread, not
-        this step, waits for their copies to host memory."""
+        """Write these finished requests' kept rows (or why they have none) and forget them; every step, to give the
+        row files the writer thread is done with back to the steps. The writer thread, not this step, waits for the
+        rows' copies to host memory; their row files stay held until it has written them."""
         state = self.state
-        copied = state._copies_queued()
+        while self.written:
+            state.shared.drop(self.written.popleft())
+        copied = state._copies_queued() if request_ids else None
         for request_id in request_ids:
             reason = state.incomplete.pop(request_id, None)
             record = state.records.pop(request_id, None)
-            for chunk in record.chunks if record is not None else ():  # the writer thread reads the pages later
-                state.shared.drop(chunk[4], retire=True)
+            files = [chunk[4] for chunk in record.chunks] if record is not None else []
             if self.writer is None or not state.warmed_up or (record is None and reason is None):
+                self.written.extend(files)
                 continue
             request = state.running.get(request_id)
             prompt = None if request is None or request.prompt_token_ids is None else list(request.prompt_token_ids)
             if reason is not None:
+                self.written.extend(files)
                 self.writer.write(
                     request_id, {"prompt_token_ids": prompt, "positions": [], "error": reason}, [], copied
                 )
@@ -210,13 +218,14 @@ class RankSink:
                     k = record.top_k.get(name.rpartition(".")[0])
                     parts.append((name, [positions.size, *([k] if k else row_shape)], record.rows(name)))
                 entry = {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}
-                self.writer.write(request_id, entry, parts, copied)
+                self.writer.write(request_id, entry, parts, copied, functools.partial(self.written.extend, files))
 
     def flush(self) -> dict[str, Any] | None:
         """Write every request held (the driver saw them all finish) and close the open
         shard; this rank's writer's status, None where the rank writes nothing."""
         self.write(sorted(set(self.state.records) | set(self.state.incomplete)))
         self.close()
+        self.write([])  # (the row files it wrote from)
         return self.status()
 
 
@@ -281,7 +290,9 @@ class ShardWriter:
         self.requests: dict[str, dict[str, Any]] = {}  # its manifest entries
         self.data_bytes = self.header_bytes = 0
         self.shards, self.written, self.next_number = self._resume(header)
-        self.queue: collections.deque = collections.deque()  # (request id, entry, parts, bytes, copied) or an Event
+        self.queue: collections.deque = (
+            collections.deque()
+        )  # (request id, entry, parts, bytes, copied, written) or an Event
         self.queued_bytes = 0
         self.busy_seconds = 0.0  # spent writing and closing shards
         self.changed = threading.Condition()
@@ -299,18 +310,23 @@ class ShardWriter:
         }
 
     def write(
-        self, request_id: str, entry: dict[str, Any], parts: list[tuple[str, list[int], list]], copied: Any = None
+        self,
+        request_id: str,
+        entry: dict[str, Any],
+        parts: list[tuple[str, list[int], list]],
+        copied: Any = None,
+        written: Callable[[], None] | None = None,
     ) -> None:
         """Queue one request: its manifest entry (prompt token ids, positions) and, per
         hook, (name, shape [rows, *row shape], host tensors [rows, width] that concatenate to
         it, left unchanged until written, or whose first width columns do); copied: a CUDA event
         the tensors hold their rows after, waited for by the writer thread (None: they hold
-        them now)."""
+        them now); written: called by the writer thread once it no longer reads the tensors."""
         size = sum(chunk.numel() * chunk.element_size() for _name, _shape, chunks in parts for chunk in chunks)
         with self.changed:
             while self.queue and self.queued_bytes + size > _SINK_QUEUE_BYTES:
                 self.changed.wait()
-            self.queue.append((request_id, entry, parts, size, copied))
+            self.queue.append((request_id, entry, parts, size, copied, written))
             self.queued_bytes += size
             self.changed.notify_all()
 
@@ -351,6 +367,8 @@ class ShardWriter:
             except Exception as error:  # disk full, directory gone: stop, keep what is whole, say why
                 self._fail(error, also_lost=0 if closing else int(item[0] not in self.requests))
             self.busy_seconds += time.perf_counter() - started
+            if not closing and item[5] is not None:
+                item[5]()
             if item is None:
                 continue
             with self.changed:
