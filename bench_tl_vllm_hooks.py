@@ -75,15 +75,21 @@ CASES = {
     "plain-eager": "plain vLLM, enforce_eager=True",
     "tl-b": "TransformerLens 4.3's own plugin, compiled: resid_post, every layer (its one-prompt capture)",
     "tl-e": "TransformerLens 4.3's own plugin, batched (eager): resid_post, every row of every request",
+    "f1": "(f) at the middle layer only (the SAE cases' dense rows)",
+    "sae16": "batched, compiled: a 16,384-feature SAE at the middle layer's resid_post, top 64 of every prompt token",
+    "sae65": "(sae16) with 65,536 features",
 }
 _SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",),
           "f": ("resid_post",), "g": ("resid_post",), "s": ("resid_post",)}
-_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt"}  # case -> request_args(capture=...)
+_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt", "f1": "prompt", "sae16": "prompt",
+            "sae65": "prompt"}  # case -> request_args(capture=...)
+_SAES = {"sae16": 16384, "sae65": 65536}  # case -> features of its SAE (random, standard), features only, no rows
+_SAE_TOP_K = 64
 _EAGER = ("e", "plain-eager", "tl-e")
 _PLAIN = ("plain", "plain-eager")
 _PEER = ("tl-b", "tl-e")  # TransformerLens's plugin, its four files loaded as the package tl_peer_plugin
 _PEER_FILES = ("plugin.py", "internals.py", "worker_extension.py", "intervention_specs.py")
-_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b")  # hooks at identity: greedy tokens unchanged
+_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b", "f1", "sae16", "sae65")  # hooks at identity
 
 # Llama-3.2-1B's shape, and a tiny one whose head_dim (64) vLLM's CPU attention accepts.
 _FULL_MODEL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -155,6 +161,31 @@ class _SmClockSamples:
         return statistics.median(self.samples) if self.samples else None
 
 
+def _sae_hook(hf_config) -> str:
+    return f"blocks.{hf_config.num_hidden_layers // 2}.hook_resid_post"
+
+
+def _sae_dir(args: argparse.Namespace, d_sae: int) -> str:
+    return f"{args.model}-sae{d_sae}"
+
+
+def _make_sae(directory: str, hf_config, d_sae: int) -> None:
+    """A random standard SAE in SAELens's format at the middle layer's resid_post, about 1 in 16 features firing."""
+    import torch
+    from safetensors.torch import save_file
+
+    d_in = hf_config.hidden_size
+    generator = torch.Generator().manual_seed(d_sae)
+    os.makedirs(directory, exist_ok=True)
+    save_file({"W_enc": torch.randn(d_in, d_sae, generator=generator) / d_in ** 0.5,
+               "W_dec": torch.randn(d_sae, d_in, generator=generator) / d_sae ** 0.5,
+               "b_enc": torch.full((d_sae,), -1.5), "b_dec": torch.zeros(d_in)},
+              os.path.join(directory, "sae_weights.safetensors"))
+    with open(os.path.join(directory, "cfg.json"), "w") as file:
+        json.dump({"architecture": "standard", "d_in": d_in, "d_sae": d_sae, "apply_b_dec_to_input": True,
+                   "normalize_activations": "none", "metadata": {"hook_name": _sae_hook(hf_config)}}, file)
+
+
 def _memory_fraction() -> float:
     """gpu_memory_utilization for an engine that has the device to itself; on the CPU, where
     vLLM reads it as a fraction of RAM, a small one."""
@@ -210,20 +241,36 @@ class _Engine:
                             for i in range(hf_config.num_hidden_layers)},
                            args.max_num_batched_tokens, dtype, enable_batching=name == "tl-e")
             engine_args["worker_extension_cls"] = "tl_peer_plugin.worker_extension.TLWorkerExtension"
-        if self.sites:
-            config = self.config = tl.configure(tl.capture_specs(hf_config, sites=self.sites), dtype=dtype,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_batching=name in _BATCHED, sink_dir=self.sink_dir)
+        middle = hf_config.num_hidden_layers // 2
+        if self.sites or name in _SAES or name == "f1":
+            if name in _SAES:
+                specs, saes = {}, {_sae_hook(hf_config): _sae_dir(args, _SAES[name])}
+            else:
+                layers = [middle] if name == "f1" else None
+                specs, saes = tl.capture_specs(hf_config, sites=self.sites or ("resid_post",), layers=layers), {}
+            config = self.config = tl.configure(specs, dtype=dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+                                                enable_batching=name in _BATCHED, sink_dir=self.sink_dir, saes=saes,
+                                                sae_top_k=_SAE_TOP_K)
             engine_args.update(config.llm_kwargs)
             if name in _BATCHED:
                 extra_args = tl.request_args(config, capture=_BATCHED[name])
         self.params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
                                      detokenize=False, extra_args=extra_args)
+        # TransformerLens's batched flavour reads the V1 model runner's input_batch, which vLLM 0.24's default
+        # runner (V2) has not; its engine core starts with V1's (an environment variable it reads at start).
+        runner = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if name == "tl-e" else {}
+        saved = {key: os.environ.get(key) for key in runner}
+        os.environ.update(runner)
         try:
             self.llm = LLM(**engine_args)
         finally:
             if name in _PEER:
                 peer.clear_config()  # its channel is an environment variable: no later engine inherits it
+            for key, value in saved.items():
+                if value is None:
+                    del os.environ[key]
+                else:
+                    os.environ[key] = value
         # register() had run in this process (configure() or vLLM's plugin loader): False for plain.
         self.load_model_wrapped = hasattr(Worker.load_model, "__wrapped__")
         if name == "d":
@@ -332,7 +379,9 @@ def _rows_read(captured: dict[str, dict], read_s: float) -> tuple[int, str]:
     """(bytes, a line saying what) of a batched read: {request: {hook: rows}} in read_s seconds."""
     rows = sorted({t.shape[0] for hooks in captured.values() for t in hooks.values()})
     read_bytes = sum(t.numel() * t.element_size() for hooks in captured.values() for t in hooks.values())
+    tokens = sum(next(iter(hooks.values())).shape[0] for hooks in captured.values())
     return read_bytes, (f"{len(captured)} requests x {len(next(iter(captured.values())))} hooks, rows {rows}, "
+                        f"{read_bytes / tokens:.0f} B a token, "
                         f"read {read_bytes / 1e6:.0f} MB at {read_bytes / read_s / 1e9:.2f} GB/s")
 
 
@@ -690,6 +739,11 @@ def main() -> None:
         os.makedirs(args.sink_dir, exist_ok=True)
         disk = _disk_write_speed(args.sink_dir) if "s" in cases else None
         _make_model(args.model, shape)
+        if set(cases) & set(_SAES):
+            from transformers import AutoConfig
+
+            for name in set(cases) & set(_SAES):
+                _make_sae(_sae_dir(args, _SAES[name]), AutoConfig.from_pretrained(args.model), _SAES[name])
         runs = _run_rounds(cases, args)
         results, token_groups = _summarise(runs), _token_groups(runs)
     first = next((r for r in results.values() if "error" not in r), {})
