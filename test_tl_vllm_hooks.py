@@ -24,6 +24,7 @@ import contextlib
 import copy
 import gc
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -144,6 +145,8 @@ class Model:
 
     @property
     def classic_sites(self) -> tuple[str, ...]:
+        if importlib.util.find_spec("transformer_lens") is None:  # (the GPU machine): those transformers' taps place
+            return tuple(site for site in CLASSIC_SITES if site in TRANSFORMERS_TAPS.get(self.family, {}))
         return tuple(site for site in self.sites if site in CLASSIC_SITES)
 
     def reference(self, token_ids, names, edits=None):
@@ -2099,14 +2102,17 @@ def test_the_sinks_row_files_are_filled_again_once_written(models, tmp_path):
 
 
 def write_sae(directory: Path, hook="blocks.0.hook_resid_post", d_in=128, d_sae=64, architecture="standard", **cfg):
-    """SAE files written by hand, in SAELens's format, for the checks that need no engine."""
+    """A random SAE written by hand in SAELens's format, where sae-lens is not at hand (the checks that need no
+    engine, the GPU machine)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    weights = {"W_enc": torch.zeros(d_in, d_sae), "W_dec": torch.zeros(d_sae, d_in), "b_enc": torch.zeros(d_sae),
-               "b_dec": torch.zeros(d_in)}
+    generator = torch.Generator().manual_seed(d_sae)
+    weights = {"W_enc": torch.randn(d_in, d_sae, generator=generator) / d_in**0.5,
+               "W_dec": torch.randn(d_sae, d_in, generator=generator) / 4, "b_enc": torch.full((d_sae,), -0.5),
+               "b_dec": 0.1 * torch.randn(d_in, generator=generator)}
     if architecture == "jumprelu":
-        weights["threshold"] = torch.zeros(d_sae)
+        weights["threshold"] = torch.full((d_sae,), 0.2)
     save_file(weights, str(directory / "sae_weights.safetensors"))
     config = {"architecture": architecture, "d_in": d_in, "d_sae": d_sae, "apply_b_dec_to_input": True,
               "normalize_activations": "none", "metadata": {"hook_name": hook}, **cfg}
@@ -2470,6 +2476,42 @@ def test_cuda_sink_writes_what_transformers_computes(models, tmp_path):
         expected = {output.request_id for output, (_p, capture, _e) in zip(outputs, requests) if capture != "none"}
         assert written == expected, f"only in the dataset: {sorted(written - expected)[:10]}"
         assert len(manifest_lines(sink_dir)) > 2
+
+
+@CUDA
+class TestCudaSAEs:
+    """SAE features and a feature edit per request under vLLM's default CUDA graphs and Model Runner V2, bf16 (the
+    GPU machine has no sae-lens: the reference is SAELens's formula, which the CPU tests check against sae-lens,
+    on the engine's own rows of that hook)."""
+
+    def test_features_and_a_feature_edit_match_the_formula(self, models, tmp_path):
+        from safetensors.torch import load_file
+
+        hook = "blocks.1.hook_resid_post"
+        directory = write_sae(tmp_path / "sae", hook, d_sae=256)
+        edit = {features(hook): {"op": "set", "features": [3, 17], "value": [4.0, 0.0]}}
+        with engine(
+            models["llama"], sites=("resid_post",), in_process=False, eager=False, batching=True, dtype="bfloat16",
+            environment=RUNNERS["v2"], saes={hook: directory}, sae_top_k=16,
+        ) as llm:
+            extra = [None, tlh.request_args(llm.config, edits=edit)] * 4
+            outputs = generate(llm, [p for p in MANY_PROMPTS[8:12] for _twice in range(2)], 1, extra)
+            read = tlh.read_batched(llm, [o.request_id for o in outputs])
+        w = load_file(str(Path(directory) / "sae_weights.safetensors"))
+        for i, output in enumerate(outputs):
+            rows = read[output.request_id]
+            if i % 2:  # the edited rows, against the unedited ones of the same prompt
+                before = read[outputs[i - 1].request_id][hook].float()
+                pre = (before - w["b_dec"]) @ w["W_enc"] + w["b_enc"]
+                old = pre.relu()[:, [3, 17]]
+                expected = before + (torch.tensor([4.0, 0.0]) - old) @ w["W_dec"][[3, 17]]
+                assert relative_error(rows[hook].float(), expected) <= BF16_TOLERANCE, f"request {i}"
+                continue
+            activations = ((rows[hook].float() - w["b_dec"]) @ w["W_enc"] + w["b_enc"]).relu()
+            values = rows[features(hook) + ".values"].float()
+            named = activations.gather(1, rows[features(hook) + ".indices"].long())
+            assert relative_error(values, named) <= BF16_ROW_TOLERANCE, f"request {i}"
+            assert relative_error(values, activations.topk(16).values) <= BF16_ROW_TOLERANCE, f"request {i}"
 
 
 @CUDA

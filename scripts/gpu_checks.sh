@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with NVIDIA GPUs and vLLM. Run from the project root:
 #   bash scripts/gpu_checks.sh tests [CLASS...]  # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
-#                                         # both flavours, Llama and Gemma 2 (TestCudaGraphs TestCudaBatched
-#                                         # TestCudaGemma2, or those named); one class per GPU when there are enough
+#                                         # both flavours, Llama and Gemma 2, SAEs (TestCudaGraphs TestCudaBatched
+#                                         # TestCudaGemma2 TestCudaSAEs, or those named); one class per GPU when
+#                                         # there are enough
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
 #                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code", or
@@ -36,7 +37,7 @@ status=0
 case "$what" in
   tests)  # the test classes named after "tests", or both; one GPU each while there are enough
     classes=("${@:2}")
-    [[ ${#classes[@]} -gt 0 ]] || classes=(TestCudaGraphs TestCudaBatched TestCudaGemma2)
+    [[ ${#classes[@]} -gt 0 ]] || classes=(TestCudaGraphs TestCudaBatched TestCudaGemma2 TestCudaSAEs)
     pids=()
     for i in "${!classes[@]}"; do
       if [[ $gpus -ge ${#classes[@]} && ${#classes[@]} -ge 2 ]]; then
