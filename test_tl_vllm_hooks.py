@@ -2701,6 +2701,29 @@ class TestTensorParallel:
             check_batched(llm, model, prompts=BATCH[:2])
             check_every_site_edit_per_request(llm, model)
 
+    def test_saes_on_replicated_hooks_under_tensor_parallelism(self, models, sae_oracle):
+        """Tensor parallel 2 on two CPU workers, eager: each rank encodes a replicated hook's rows with its own copy
+        of the SAE; the features come from rank 0, a feature edit changes both ranks' rows alike."""
+        if torch.cuda.is_available() or len(os.sched_getaffinity(0)) < 2:
+            pytest.skip("two CPU workers need two cores")
+        model, hook = models["llama"], "blocks.0.hook_mlp_out"
+        saes = {h: d for h, d in sae_oracle.saes().items() if h != "blocks.2.attn.hook_z"}  # (split: refused)
+        edit = {"op": "scale", "features": [0, 7, 9], "value": 3.0}
+        with engine(
+            model, sites=("resid_post",), in_process=False, eager=True, batching=True, tensor_parallel_size=2,
+            environment=(("VLLM_CPU_OMP_THREADS_BIND", "0|1"),), saes=saes, sae_top_k=SAE_TOP_K,
+        ) as llm:
+            extra = [None, tlh.request_args(llm.config, edits={features(hook): edit})]
+            outputs = generate(llm, SAE_PROMPTS[:2], 1, extra)
+            read = tlh.read_batched(llm, [o.request_id for o in outputs])
+        unedited, edited = (read[o.request_id] for o in outputs)
+        for name in saes:
+            got = unedited[features(name) + ".indices"], unedited[features(name) + ".values"]
+            assert_features(*got, sae_oracle.features[name][0], SAE_TOP_K, f"tp2 {name}")
+        assert_matches({n: unedited[n] for n in llm.hook_names}, model.reference(SAE_PROMPTS[0], llm.hook_names))
+        expected = model.reference(SAE_PROMPTS[1], llm.hook_names, {hook: sae_oracle.steered(1, hook, edit)})
+        assert_matches({n: edited[n] for n in llm.hook_names}, expected, "tp2 feature edit")
+
     def test_preempted_requests_come_back_without_duplicated_or_missing_rows(self, models):
         """A KV cache of 10 blocks of 32 tokens cannot hold four 100-token prompts
         growing by 40 tokens each: vLLM preempts requests and recomputes them."""
