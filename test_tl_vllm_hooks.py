@@ -398,6 +398,7 @@ def engine(
     shard_bytes=1 << 30,
     saes=None,
     sae_top_k=64,
+    sae_chosen_features=0,
     **llm_kwargs,
 ):
     """An LLM with hooks on every layer's `sites` (default: all the family has); shut down
@@ -415,6 +416,7 @@ def engine(
         shard_bytes=shard_bytes,
         saes=saes or {},
         sae_top_k=sae_top_k,
+        sae_chosen_features=sae_chosen_features,
     )
     layout = "0" if in_process else "1"
     with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING=layout, **dict(environment)):
@@ -1965,7 +1967,7 @@ class TestSAEs:
     def llm(self, models, sae_oracle):
         with engine(
             models["llama"], sites=("resid_post",), in_process=False, eager=False, batching=True,
-            saes=sae_oracle.saes(), sae_top_k=SAE_TOP_K,
+            saes=sae_oracle.saes(), sae_top_k=SAE_TOP_K, sae_chosen_features=4,
         ) as llm:
             llm.model = models["llama"]
             yield llm
@@ -1978,8 +1980,10 @@ class TestSAEs:
         worst = 0.0
         for i, output in enumerate(outputs):
             rows = read[output.request_id]
-            expected_names = {*llm.hook_names, *(features(h) + part for h in SAE_KINDS for part in (".indices", ".values"))}
+            parts = (".indices", ".values", ".chosen")
+            expected_names = {*llm.hook_names, *(features(h) + part for h in SAE_KINDS for part in parts)}
             assert set(rows) == expected_names, "every layer's rows, each SAE's features, no rows of hook_mlp_out"
+            assert all(rows[features(h) + ".chosen"].shape == (len(SAE_PROMPTS[i]), 0) for h in SAE_KINDS)
             for hook in SAE_KINDS:
                 k = (top_k[i] or {}).get(features(hook), SAE_TOP_K)
                 got = rows[features(hook) + ".indices"], rows[features(hook) + ".values"]
@@ -1991,6 +1995,22 @@ class TestSAEs:
                 assert relative_error(dense, sae_oracle.features["blocks.2.attn.hook_z"][i]) <= TOLERANCE
             assert_matches({n: rows[n] for n in llm.hook_names}, llm.model.reference(SAE_PROMPTS[i], llm.hook_names))
         print(f"\n{request.node.name}: worst relative error {worst:.2e}")
+
+    def test_chosen_features_are_read_densely_in_the_order_asked(self, llm, sae_oracle):
+        chosen = [{features("blocks.1.hook_resid_post"): [200, 3, 17, 0], features("blocks.0.hook_mlp_out"): [9]},
+                  None, {features("blocks.2.attn.hook_z"): [255, 1]}]
+        edit = {features("blocks.1.hook_resid_post"): {"op": "scale", "features": [3], "value": 0.5, "positions": [1]}}
+        extra = [tlh.request_args(llm.config, features=chosen[0], edits=edit), None,
+                 tlh.request_args(llm.config, features=chosen[2])]
+        outputs = generate(llm, SAE_PROMPTS, 1, extra)
+        read = tlh.read_batched(llm, [o.request_id for o in outputs])
+        for i, output in enumerate(outputs):
+            for hook in SAE_KINDS:
+                listed = (chosen[i] or {}).get(features(hook), [])
+                got = read[output.request_id][features(hook) + ".chosen"]
+                expected = sae_oracle.features[hook][i][:, listed]
+                assert got.shape == expected.shape and relative_error(got, expected) <= TOLERANCE, f"{i} {hook}"
+        # (the edit at position 1 does not move the features it reads: they are the hook's input's)
 
     def test_feature_edits_per_request_match_transformer_lens(self, llm, sae_oracle):
         edits = [
@@ -2176,14 +2196,33 @@ class TestSAEChecks:
             (dict(top_k={"F": 0}), r"must be an int in \[1, 16\] \(sae_top_k\)"),
             (dict(top_k={"F": 17}), r"must be an int in \[1, 16\]"),
             (dict(top_k={"blocks.1.hook_resid_post.hook_sae_acts_post": 3}), "features name: k"),
+            (dict(features={"F": [1, 2, 3, 4, 5]}), r"up to 4 \(sae_chosen_features\) distinct feature indices in \[0, 64\)"),
+            (dict(features={"F": [64]}), r"distinct feature indices in \[0, 64\)"),
+            (dict(features={"F": [2, 2]}), "distinct feature indices"),
+            (dict(features={"F": [-1]}), "distinct feature indices"),
+            (dict(features={"F": 3}), "distinct feature indices"),
+            (dict(features={"blocks.1.hook_resid_post.hook_sae_acts_post": [1]}), r"features name: \[feature, ...\]"),
         ],
     )
     def test_bad_feature_options_are_refused_in_the_driver(self, tmp_path, options, message):
-        config = tlh.configure({self.HOOK: 128}, enable_batching=True, saes={self.HOOK: write_sae(tmp_path / "s")}, sae_top_k=16)
+        config = tlh.configure(
+            {self.HOOK: 128}, enable_batching=True, saes={self.HOOK: write_sae(tmp_path / "s")}, sae_top_k=16,
+            sae_chosen_features=4,
+        )
         name = features(self.HOOK)
         options = {key: {name if k == "F" else k: v for k, v in value.items()} for key, value in options.items()}
         with pytest.raises(ValueError, match=message):
             tlh.request_args(config, **options)
+
+    def test_chosen_features_need_the_batched_flavour_and_room(self, tmp_path):
+        saes = {self.HOOK: write_sae(tmp_path / "s")}
+        with pytest.raises(ValueError, match="above 0 only with enable_batching=True"):
+            tlh.configure({}, saes=saes, sae_chosen_features=2)
+        with pytest.raises(ValueError, match="sae_chosen_features: 65 is more than the 64 features"):
+            tlh.configure({}, saes=saes, enable_batching=True, sae_chosen_features=65)
+        config = tlh.configure({}, saes=saes, enable_batching=True)
+        with pytest.raises(ValueError, match=r"configured with sae_chosen_features > 0 \(here 0\)"):
+            tlh.request_args(config, features={features(self.HOOK): [1]})
 
     def test_the_config_travels_with_its_saes(self, tmp_path):
         config = tlh.CaptureConfig({}, saes={self.HOOK: write_sae(tmp_path / "s")}, sae_top_k=8, enable_batching=True)

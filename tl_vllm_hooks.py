@@ -497,6 +497,8 @@ class CaptureConfig:
         forward. Their features are read as ``{hook_name}.hook_sae_acts_post`` (see SAE_FEATURES) and edited
         under that name; a hook named here but not in capture_specs keeps its features and no rows.
     sae_top_k: features kept per token and SAE, the highest first (a batched request may keep fewer).
+    sae_chosen_features: batched flavour: the most features of each SAE a request may choose to read densely,
+        ``{features name}.chosen`` (see request_args); 0, none.
     """
 
     capture_specs: dict[str, tuple[int, ...] | tuple[str, int]]
@@ -509,6 +511,7 @@ class CaptureConfig:
     shard_seconds: float | None = None
     saes: dict[str, str] = dataclasses.field(default_factory=dict)
     sae_top_k: int = 64
+    sae_chosen_features: int = 0
 
     def __post_init__(self) -> None:
         specs, saes = self.capture_specs, self.saes
@@ -521,6 +524,11 @@ class CaptureConfig:
         object.__setattr__(self, "capture_specs", {n: _checked_spec(n, s) for n, s in specs.items()})
         if not _int_at_least(self.sae_top_k, 1):
             raise ValueError(f"sae_top_k: must be a positive int, got {self.sae_top_k!r}")
+        if not _int_at_least(self.sae_chosen_features, 0) or self.sae_chosen_features and not self.enable_batching:
+            raise ValueError(
+                "sae_chosen_features: an int >= 0, and above 0 only with enable_batching=True (a request chooses "
+                f"them), got {self.sae_chosen_features!r}"
+            )
         object.__setattr__(self, "saes", {n: os.path.abspath(d) if isinstance(d, str) else d for n, d in saes.items()})
         object.__setattr__(self, "_sae_specs", {n: _read_sae(n, d, self) for n, d in self.saes.items()})
         for field in ("max_num_batched_tokens", "shard_bytes"):
@@ -688,7 +696,9 @@ SAE_FEATURES = ".hook_sae_acts_post"
 has features ``blocks.6.hook_resid_post.hook_sae_acts_post``, which edits name. Reads give ``{that}.indices``
 (int32) and ``{that}.values`` (the capture dtype), each ``[rows, k]``: per token its k highest features, highest
 first, so ``torch.zeros(rows, d_sae).scatter_(1, indices.long(), values)`` is SAELens's ``sae.encode(rows)``
-wherever at most k features fire (a value 0 is a feature that did not)."""
+wherever at most k features fire (a value 0 is a feature that did not). With ``sae_chosen_features``,
+``{that}.chosen`` holds the activations of the features a request chose, in its order (``[rows, 0]`` for one that
+chose none)."""
 
 _SAE_WEIGHTS = {  # architecture -> its tensors in sae_weights.safetensors
     "standard": ("W_enc", "W_dec", "b_enc", "b_dec"),
@@ -755,8 +765,9 @@ def _read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
         raise ValueError(f"{where}: {directory}/cfg.json must give d_in and d_sae (and k for topk) as positive ints")
     if name in config.capture_specs and config.width(name) != d_in:
         raise ValueError(f"{where}: the SAE reads rows of {d_in}, but the hook's rows are {config.width(name)} wide")
-    if config.sae_top_k > d_sae:
-        raise ValueError(f"sae_top_k: {config.sae_top_k} is more than the {d_sae} features of {where}")
+    for field in ("sae_top_k", "sae_chosen_features"):
+        if getattr(config, field) > d_sae:
+            raise ValueError(f"{field}: {getattr(config, field)} is more than the {d_sae} features of {where}")
     shapes = {"W_enc": [d_in, d_sae], "W_dec": [d_sae, d_in], "b_enc": [d_sae], "b_dec": [d_in], "threshold": [d_sae]}
     path = os.path.join(directory, "sae_weights.safetensors")
     try:
@@ -1063,7 +1074,8 @@ class _HookState:
         vllm_config = worker.vllm_config
         self.config, self.placed, self.hook_names, self.absent = config, placed, list(placed), absent
         # What edits target, each with its lane of the flavour's row_index: the hooks, then their SAEs' features.
-        self.lanes = [*placed, *(name + SAE_FEATURES for name in placed if name in config.saes)]
+        saes = [name + SAE_FEATURES for name in placed if name in config.saes]
+        self.lanes = [*placed, *saes, *(name + ".chosen" for name in saes if config.sae_chosen_features)]
         self.hf_config, self.payload = vllm_config.model_config.hf_config, config.to_json()  # options checked against
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
@@ -1086,18 +1098,24 @@ class _HookState:
     @functools.cached_property
     def targets(self) -> dict[str, Any]:
         """Each lane's name -> what holds its edit tables (a _Hook, or its _SAE), once the hooks are bound."""
-        return {**self.placed, **{name + SAE_FEATURES: hook.sae for name, hook in self.placed.items() if hook.sae}}
+        saes = {name + SAE_FEATURES: hook.sae for name, hook in self.placed.items() if hook.sae}
+        chosen = {name + ".chosen": sae.chosen for name, sae in saes.items() if sae.chosen is not None}
+        return {**self.placed, **saes, **chosen}
 
     @functools.cached_property
     def sources(self) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
         """What a forward keeps, as (name, device buffer [max_rows, ...], one row's shape): each hook's rows (whose
-        rows are kept), then each SAE's features as ``{features name}.indices`` and ``.values`` (see SAE_FEATURES)."""
+        rows are kept), then each SAE's features as ``{features name}.indices``, ``.values`` (and ``.chosen``; see
+        SAE_FEATURES)."""
         sources = [(name, hook.buffer, hook.row_shape) for name, hook in self.placed.items() if hook.keeps_rows]
         for name, hook in self.placed.items():
             if hook.sae is not None:
                 k = (self.config.sae_top_k,)
                 sources += [(name + SAE_FEATURES + ".indices", hook.sae.indices, k)]
                 sources += [(name + SAE_FEATURES + ".values", hook.sae.values, k)]
+                if hook.sae.chosen is not None:
+                    chosen = hook.sae.chosen_values
+                    sources += [(name + SAE_FEATURES + ".chosen", chosen, (chosen.shape[1],))]
         return sources
 
     def shards(self) -> dict[str, int]:
@@ -1429,6 +1447,12 @@ class _SAE:
         self.scale = torch.ones(shape, dtype=dtype, device=device)
         self.bias = torch.zeros(shape, dtype=dtype, device=device)
         self.row_index, self.state = state.row_index(lane), state
+        self.chosen = None  # with sae_chosen_features: the features each request reads densely, by its own lane
+        if config.sae_chosen_features:
+            width = (rows, config.sae_chosen_features)
+            self.chosen = _ChosenFeatures(torch.zeros(state.table_rows, width[1], dtype=torch.int64, device=device))
+            self.chosen_values = torch.zeros(width, dtype=dtype, device=device)
+            self.chosen_index = state.row_index(state.lanes.index(hook.name + SAE_FEATURES + ".chosen"))
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """SAELens's ``encode`` of rows [n, d_in]: their feature activations, [n, d_sae] in the capture dtype."""
@@ -1449,8 +1473,12 @@ class _SAE:
         activations, num_rows = self.encode(rows), rows.shape[0]
         values, indices = activations.topk(self.values.shape[1], dim=-1)
         closed = self.hook.flag.bool()  # (the hook's keep closes it after this)
-        for kept, new in ((self.values, values), (self.indices, indices.to(torch.int32))):
-            kept.narrow(0, 0, num_rows).copy_(torch.where(closed, kept.narrow(0, 0, num_rows), new))
+        kept = [(self.values, values), (self.indices, indices.to(torch.int32))]
+        if self.chosen is not None:
+            (chosen,) = _rows_of_tables((self.chosen.table,), self.chosen_index, num_rows)
+            kept.append((self.chosen_values, activations.gather(1, chosen)))
+        for buffer, new in kept:
+            buffer.narrow(0, 0, num_rows).copy_(torch.where(closed, buffer.narrow(0, 0, num_rows), new))
         features, scale, bias = _rows_of_tables((self.features, self.scale, self.bias), self.row_index, num_rows)
         features, scale, bias = (t.expand(num_rows, _FEATURE_EDITS) for t in (features, scale, bias))
         old = activations.gather(1, features)
@@ -1464,6 +1492,20 @@ class _SAE:
     def write_edit(self, row: int, rows: tuple[torch.Tensor, ...]) -> None:
         for table, value in zip((self.features, self.scale, self.bias), rows):
             table[row].copy_(value)
+
+
+@dataclasses.dataclass
+class _ChosenFeatures:
+    """An SAE's table of the features each batched request reads densely: int64 [table_rows,
+    sae_chosen_features], a request's slot row holding its choice (padded with feature 0)."""
+
+    table: torch.Tensor
+
+    def set_engine_wide(self, _tables: None) -> None:
+        """(A choice is a request's own.)"""
+
+    def write_edit(self, row: int, rows: tuple[torch.Tensor]) -> None:
+        self.table[row].copy_(rows[0])
 
 
 def _router_hooks(site: _Hook) -> None:
@@ -1818,7 +1860,7 @@ def _rows_in(
     """``{name: [rows, *row shape]}`` of one request from its read message: encoded, or its pieces in the row files
     (mapped: each file viewed as each dtype), one per step that kept rows: [file, rows, then per source, in
     ``layouts`` order (see _row_layouts), the element offset of the first row]; a view of the file where a source's
-    rows are one piece, else joined. Features past the request's top_k are left out (a view)."""
+    rows are one piece, else joined; of a source the request keeps fewer columns of, those (a view)."""
     if "encoded" in message:
         rows = {name: decode_tensor(encoded) for name, encoded in message["encoded"].items()}
     else:
@@ -1830,9 +1872,8 @@ def _rows_in(
                 rows[name] = parts[0]
             else:
                 rows[name] = torch.cat(parts) if parts else torch.empty([0, *row_shape], dtype=dtype)
-    for features, k in message.get("top_k", {}).items():
-        for part in (".indices", ".values"):
-            rows[features + part] = rows[features + part][:, :k]
+    for name, columns in message.get("columns", {}).items():
+        rows[name] = rows[name][:, :columns]
     return rows
 
 
@@ -2007,13 +2048,20 @@ class _RequestOptions:
     capture: one of _CAPTURE_MODES, or the positions kept, sorted int64.
     edits: hook or features name -> (its table rows (see _parse_edit), sorted int64 positions or None).
     digest: of the edits ("" without): the request's prefix-cache salt.
-    top_k: features name -> how many of each kept row's top features it keeps, where fewer than sae_top_k.
+    chosen: ``{features name}.chosen`` -> (its features, int64 [sae_chosen_features], None): read densely.
+    columns: source name (see _HookState.sources) -> the first columns of it the request keeps, where fewer.
     """
 
     capture: str | np.ndarray = "all"
     edits: dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]] = dataclasses.field(default_factory=dict)
     digest: str = ""
-    top_k: dict[str, int] = dataclasses.field(default_factory=dict)
+    chosen: dict[str, tuple[tuple[torch.Tensor], None]] = dataclasses.field(default_factory=dict)
+    columns: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def slot_tables(self) -> dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]]:
+        """What a slot of the batched edit tables holds for the request: its edits and chosen features."""
+        return {**self.edits, **self.chosen}
 
     def kept_range(self, prompt_len: int) -> tuple[int, int]:
         """(first, last) position kept; first is -1 for a list of positions."""
@@ -2047,9 +2095,10 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
             options = json.loads(options)
         except json.JSONDecodeError as error:
             raise ValueError(f"request options: not valid JSON ({error}); write them with request_args") from None
-    if not isinstance(options, dict) or not set(options) <= {"capture", "edits", "top_k"}:
+    if not isinstance(options, dict) or not set(options) <= {"capture", "edits", "top_k", "features"}:
         raise ValueError(
-            f"request options: expected a dict with keys 'capture', 'edits' and 'top_k', got {options!r:.200}"
+            f"request options: expected a dict with keys 'capture', 'edits', 'top_k' and 'features', got "
+            f"{options!r:.200}"
         )
     capture = options.get("capture", "all")
     if isinstance(capture, (list, tuple)):
@@ -2074,7 +2123,29 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
     for name, k in top_k.items():
         if not _int_at_least(k, 1) or k > config.sae_top_k:
             raise ValueError(f"top_k[{name!r}]: must be an int in [1, {config.sae_top_k}] (sae_top_k), got {k!r}")
-    return _RequestOptions(capture, parsed, digest, {n: k for n, k in top_k.items() if k < config.sae_top_k})
+    columns = {n + part: k for n, k in top_k.items() if k < config.sae_top_k for part in (".indices", ".values")}
+    chosen, most = options.get("features") or {}, config.sae_chosen_features
+    if not isinstance(chosen, dict) or not all(name in features for name in chosen) or chosen and not most:
+        raise ValueError(
+            f"features: expected a dict {{features name: [feature, ...]}} of names in {features}, on an engine "
+            f"configured with sae_chosen_features > 0 (here {most}), got {chosen!r:.200}"
+        )
+    parsed_chosen = {}
+    for name in features if most else ():
+        listed, d_sae = chosen.get(name, []), config.sae(name.removesuffix(SAE_FEATURES)).d_sae
+        if not (isinstance(listed, (list, tuple)) and len(listed) <= most and len(set(listed)) == len(listed)):
+            listed = None
+        if listed is None or not all(_int_at_least(f, 0) and f < d_sae for f in listed):
+            raise ValueError(
+                f"features[{name!r}]: up to {most} (sae_chosen_features) distinct feature indices in [0, {d_sae}), "
+                f"got {chosen[name]!r:.200}"
+            )
+        columns[name + ".chosen"] = len(listed)
+        if listed:
+            row = torch.zeros(most, dtype=torch.int64)
+            row[: len(listed)] = torch.tensor(listed)
+            parsed_chosen[name + ".chosen"] = ((row,), None)
+    return _RequestOptions(capture, parsed, digest, parsed_chosen, columns)
 
 
 @functools.lru_cache(maxsize=256)
@@ -2287,7 +2358,7 @@ class _RequestRows:
     """What one request kept so far: per step that kept rows, (that step's host rows by hook, first row, end row,
     their positions, int64, and the row file holding them or None), sliced only when read."""
 
-    top_k: dict[str, int]  # the request's (see _RequestOptions)
+    columns: dict[str, int]  # the request's (see _RequestOptions)
     chunks: list[tuple[dict[str, torch.Tensor], int, int, np.ndarray, _RowFile | None]] = dataclasses.field(
         default_factory=list
     )
@@ -2385,9 +2456,9 @@ class _Batched(_HookState):
             if problem is not None:
                 self.incomplete[request_id] = problem
             self.running[request_id] = _RunningRequest(options, prompt_len, prompt_token_ids)
-            self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.edits))
+            self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.slot_tables))
             if not (isinstance(options.capture, str) and options.capture == "none"):
-                self.records.setdefault(request_id, _RequestRows(options.top_k))  # read_batched knows it from now on
+                self.records.setdefault(request_id, self._record(options))  # read_batched knows it from now on
             first_positions[request_id] = first_position
         self.first_positions = first_positions
         self.capture_flags.zero_()  # this step's forward writes its rows
@@ -2422,7 +2493,7 @@ class _Batched(_HookState):
         lanes = self.lanes
         index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(lanes), 0)
         for i in edited:
-            edits = self.running[request_ids[i]].options.edits
+            edits = self.running[request_ids[i]].options.slot_tables
             slot_row = self._slot_row(request_ids[i], edits, request_ids)
             rows = slice(starts[i], starts[i + 1])
             for k, name in enumerate(lanes):
@@ -2541,16 +2612,20 @@ class _Batched(_HookState):
                 self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
         if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
             request = self.running.get(request_id)
-            record = self.records.setdefault(request_id, _RequestRows(request.options.top_k if request else {}))
+            record = self.records.setdefault(request_id, self._record(request.options if request else _KEEP_ALL))
             record.chunks.append(chunk)
             self.shared.hold(chunk[4])
+
+    def _record(self, options: _RequestOptions) -> _RequestRows:
+        """A new record of a request's rows: of its SAEs' chosen features, none unless it chose some."""
+        return _RequestRows({**{name: 0 for name, *_ in self.sources if name.endswith(".chosen")}, **options.columns})
 
     def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
         """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "files", "rows": {user id:
         message}}``, the requests then forgotten (each id must match one captured request, or nothing is read). For a
         driver on this host, a request's message holds ``"pieces"``, where its rows are in the row ``files`` (tokens;
         see _map_row_file and _rows_in), one message per request, as a read of many requests of one row each costs
-        per message; else ``"encoded"``, {name: encoded rows}; and ``"top_k"``, where it keeps fewer features.
+        per message; else ``"encoded"``, {name: encoded rows}; and ``"columns"``, where it keeps fewer features.
         Replicated hooks come from the first tensor-parallel rank only."""
         reply = {"shards": self.shards(), "hooks": [], "files": [], "rows": {}}
         if self.config.sink_dir is not None:
@@ -2572,7 +2647,7 @@ class _Batched(_HookState):
         same_host, files, firsts = driver_host == socket.gethostname(), {}, {}  # firsts: per step, see below
         for user_id, worker_id in matches.items():
             record = self.records.pop(worker_id)
-            message = reply["rows"][user_id] = {"top_k": record.top_k} if record.top_k else {}
+            message = reply["rows"][user_id] = {"columns": record.columns} if record.columns else {}
             if same_host and all(chunk[4] is not None for chunk in record.chunks):
                 pieces = message["pieces"] = []
                 for step_rows, start, end, _positions, file in record.chunks:
@@ -2822,6 +2897,7 @@ def request_args(
     capture: str | list[int] = "all",
     edits: dict[str, dict[str, Any]] | None = None,
     top_k: dict[str, int] | None = None,
+    features: dict[str, list[int]] | None = None,
 ) -> dict[str, str]:
     """One request's options in the batched flavour, ``{"tl_vllm_hooks": JSON text}``, for
     ``SamplingParams(extra_args=...)`` (merged with any of your own) or a server's ``extra_body={"vllm_xargs":
@@ -2834,6 +2910,8 @@ def request_args(
     edits: as in ``set_edits``, at any positions, for this request's rows only; a hook (or its features) edited
         here ignores the engine-wide edit on it for this request.
     top_k: ``{features name: k}``: keep only each row's k top features of that SAE (k <= sae_top_k, the default).
+    features: ``{features name: [f, ...]}``: read these features of that SAE densely, as ``{features name}.chosen``
+        (at most sae_chosen_features).
 
     Checked here (ValueError naming the problem) and again where vLLM takes the request (a server answers HTTP 400
     with the same message). Where prefix caching was turned on (``llm_kwargs`` and ``serve_args`` turn it off), a
@@ -2847,6 +2925,8 @@ def request_args(
         options["edits"] = _edits_to_wire(edits)
     if top_k:
         options["top_k"] = top_k
+    if features:
+        options["features"] = features
     _parse_options(options, config)
     return {_REQUEST_KEY: json.dumps(options)}
 

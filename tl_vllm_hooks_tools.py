@@ -127,6 +127,8 @@ def sink_header(config: CaptureConfig) -> dict[str, Any]:
     hooks = {name: list(config.row_shape(name)) for name in config.capture_specs}
     for name in config.saes:
         hooks.update({f"{name}{SAE_FEATURES}.{part}": [config.sae_top_k] for part in ("indices", "values")})
+        if config.sae_chosen_features:
+            hooks[f"{name}{SAE_FEATURES}.chosen"] = [config.sae_chosen_features]
     return {"format": _MANIFEST_FORMAT, "dtype": _dtype_name(config.dtype), "hooks": hooks}
 
 
@@ -214,9 +216,10 @@ class RankSink:
                     np.concatenate([chunk[3] for chunk in record.chunks]) if record.chunks else np.zeros(0, np.int64)
                 )
                 parts = []
-                for name, row_shape in self.sources:  # (a request keeping fewer features: their first k columns)
-                    k = record.top_k.get(name.rpartition(".")[0])
-                    parts.append((name, [positions.size, *([k] if k else row_shape)], record.rows(name)))
+                for name, row_shape in self.sources:  # (a source a request keeps fewer columns of: those)
+                    columns = record.columns.get(name)
+                    shape = [positions.size, *(row_shape if columns is None else [columns])]
+                    parts.append((name, shape, record.rows(name)))
                 entry = {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}
                 self.writer.write(request_id, entry, parts, copied, functools.partial(self.written.extend, files))
 
