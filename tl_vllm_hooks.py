@@ -553,12 +553,18 @@ class CaptureConfig:
 
     def row_shape(self, name: str) -> tuple[int, ...]:
         """The shape of one row of hook ``name``: ``(width,)`` or ``(n_heads, d_head)``."""
-        spec = self.capture_specs[name]
-        return (spec[1],) if isinstance(spec[0], str) else spec
+        return _row_shape(self.capture_specs[name])
 
     def sae(self, name: str) -> _SAESpec:
         """The SAE encoding hook ``name`` (a key of ``saes``), as its files describe it."""
         return self._sae_specs[name]
+
+    def feature_rows(self, name: str) -> dict[str, tuple[int]]:
+        """What a forward keeps of hook ``name``'s SAE, each with one row's shape: ``{name}{SAE_FEATURES}.indices``,
+        ``.values`` (and ``.chosen``)."""
+        features, top = name + SAE_FEATURES, (self.sae_top_k,)
+        chosen = {features + ".chosen": (self.sae_chosen_features,)} if self.sae_chosen_features else {}
+        return {features + ".indices": top, features + ".values": top, **chosen}
 
     def width(self, name: str) -> int:
         """Elements in one row of hook ``name``."""
@@ -652,6 +658,11 @@ def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
             f"{sorted(SITES.values())}" + (f"; close matches: {close}" if close else "")
         )
     return tuple(shape)
+
+
+def _row_shape(spec: tuple[int, ...] | tuple[str, int]) -> tuple[int, ...]:
+    """One row's shape under a (checked) capture spec."""
+    return (spec[1],) if isinstance(spec[0], str) else tuple(spec)
 
 
 def _int_at_least(value: Any, least: int) -> bool:
@@ -1110,12 +1121,11 @@ class _HookState:
         sources = [(name, hook.buffer, hook.row_shape) for name, hook in self.placed.items() if hook.keeps_rows]
         for name, hook in self.placed.items():
             if hook.sae is not None:
-                k = (self.config.sae_top_k,)
-                sources += [(name + SAE_FEATURES + ".indices", hook.sae.indices, k)]
-                sources += [(name + SAE_FEATURES + ".values", hook.sae.values, k)]
+                buffers = {"indices": hook.sae.indices, "values": hook.sae.values}
                 if hook.sae.chosen is not None:
-                    chosen = hook.sae.chosen_values
-                    sources += [(name + SAE_FEATURES + ".chosen", chosen, (chosen.shape[1],))]
+                    buffers["chosen"] = hook.sae.chosen_values
+                rows = self.config.feature_rows(name).items()
+                sources += [(source, buffers[source.rpartition(".")[2]], shape) for source, shape in rows]
         return sources
 
     def shards(self) -> dict[str, int]:
@@ -1240,7 +1250,7 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
                     f"{path} ({type(module).__name__}) takes {names}: its input {argument!r} is not at "
                     f"position {position}, where this module's table for this vLLM expects it"
                 )
-        row_shape = (spec[1],) if isinstance(spec[0], str) else tuple(spec)
+        row_shape = _row_shape(spec)
         width = math.prod(row_shape)
         start, columns = _tensor_parallel_share(module, tap, width) or (0, width)
         if name in config.saes and (width != config.sae(name).d_in or columns != width):
@@ -1900,23 +1910,7 @@ def _parse_edit(edit: Any, name: str, config: CaptureConfig) -> tuple[tuple[torc
     width = math.prod(row_shape)
     shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
     valid = f"a finite number, or finite numbers of shape {' or '.join(map(str, map(list, shapes)))}"
-    value = torch.zeros(width, dtype=torch.float64)
-    if _EDIT_OPS[op]:
-        raw = edit["value"]
-        try:
-            if _holds_bool(raw):
-                raise TypeError("a bool is not a number")
-            vector = torch.tensor(raw, dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
-        if vector.dim() == 0:
-            vector = vector.expand(width)
-        if tuple(vector.shape) not in shapes:
-            raise ValueError(f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)}")
-        value = vector.reshape(width).to(torch.float64)
-        if not torch.isfinite(value).all():
-            raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
-    keeps, adds = _EDIT_FORM[op](value)
+    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, shapes, valid))
     scale_row = torch.zeros(width, dtype=torch.float64).add_(keeps)
     bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
     return (scale_row, bias_row), _edit_positions(edit, name)
@@ -1928,6 +1922,29 @@ _EDIT_FORM = {  # op -> (scale, bias) of its value
     "add": lambda value: (1, value),
     "set": lambda value: (0, value),
 }
+
+
+def _edit_value(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> torch.Tensor:
+    """An edit's value, float64 [the first shape's elements] (zeros for an op that takes none): one number for every
+    element, or finite numbers of one of ``shapes``; ValueError saying ``valid`` otherwise."""
+    width = math.prod(shapes[0])
+    if not _EDIT_OPS[edit["op"]]:
+        return torch.zeros(width, dtype=torch.float64)
+    raw = edit["value"]
+    try:
+        if _holds_bool(raw):
+            raise TypeError("a bool is not a number")
+        vector = torch.tensor(raw, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
+    if vector.dim() == 0:
+        vector = vector.expand(width)
+    if tuple(vector.shape) not in shapes:
+        raise ValueError(f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)}")
+    value = vector.reshape(width)
+    if not torch.isfinite(value).all():
+        raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
+    return value
 
 
 def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
@@ -1969,19 +1986,8 @@ def _parse_feature_edit(
             f"edits[{name!r}]: 'features' must list 1 to {_FEATURE_EDITS} distinct feature indices in [0, {d_sae}) "
             f"(d_sae), got {features!r:.200}"
         )
-    value = torch.zeros(len(features), dtype=torch.float64)
-    if _EDIT_OPS[op]:
-        raw = edit["value"]
-        valid = f"a finite number or a list of {len(features)}, one per feature"
-        try:
-            if _holds_bool(raw):
-                raise TypeError("a bool is not a number")
-            value = torch.tensor(raw, dtype=torch.float64).expand(len(features)).clone()
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
-        if not torch.isfinite(value).all():
-            raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
-    keeps, adds = _EDIT_FORM[op](value)
+    valid = f"a finite number or a list of {len(features)}, one per feature"
+    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, [(len(features),)], valid))
     rows = _identity_rows(name, _FEATURE_EDITS)
     rows[0][: len(features)] = torch.tensor(features)
     rows[1][: len(features)], rows[2][: len(features)] = keeps, adds

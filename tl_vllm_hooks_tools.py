@@ -126,9 +126,7 @@ def sink_header(config: CaptureConfig) -> dict[str, Any]:
     and each SAE's features as ``{name}.indices`` (int32) and ``.values`` (see SAE_FEATURES), [sae_top_k] a row."""
     hooks = {name: list(config.row_shape(name)) for name in config.capture_specs}
     for name in config.saes:
-        hooks.update({f"{name}{SAE_FEATURES}.{part}": [config.sae_top_k] for part in ("indices", "values")})
-        if config.sae_chosen_features:
-            hooks[f"{name}{SAE_FEATURES}.chosen"] = [config.sae_chosen_features]
+        hooks.update({source: list(shape) for source, shape in config.feature_rows(name).items()})
     return {"format": _MANIFEST_FORMAT, "dtype": _dtype_name(config.dtype), "hooks": hooks}
 
 
@@ -293,9 +291,8 @@ class ShardWriter:
         self.requests: dict[str, dict[str, Any]] = {}  # its manifest entries
         self.data_bytes = self.header_bytes = 0
         self.shards, self.written, self.next_number = self._resume(header)
-        self.queue: collections.deque = (
-            collections.deque()
-        )  # (request id, entry, parts, bytes, copied, written) or an Event
+        # (request id, entry, parts, bytes, copied, written) or an Event
+        self.queue: collections.deque = collections.deque()
         self.queued_bytes = 0
         self.busy_seconds = 0.0  # spent writing and closing shards
         self.changed = threading.Condition()
