@@ -822,6 +822,32 @@ def test_with_prefix_caching_a_request_keeps_rows_only_if_asked_and_marked():
 
 
 @NO_ENGINE
+def test_row_files_fit_steps_of_about_their_size_and_small_idle_ones_go():
+    """A step larger than the files held makes one file of the next power of two: later steps of about that size fill
+    it again (on an H200 a step's rows are 0.5-1 GB, more than the doubling's 256 MB, and vary from step to step),
+    and the idle files too small for it are removed rather than kept beside it."""
+    shared = tlh._SharedRows(pin=False, wait=None)
+    mb = 1 << 20
+    try:
+        first, pages = shared.region(10 * mb)
+        assert pages.numel() == 10 * mb and shared.status() == {"files": 1, "bytes": 16 * mb, "created": 1}
+        for nbytes, files in [(40 * mb, 64 * mb), (60 * mb, 64 * mb), (33 * mb, 64 * mb), (300 * mb, 512 * mb)]:
+            file, pages = shared.region(nbytes)
+            shared.hold(file)  # rows of this step, until read
+            assert pages.numel() == nbytes and pages.data_ptr() % 64 == 0
+            assert shared.status()["bytes"] == files and shared.status()["files"] == 1, (nbytes, shared.status())
+            shared.drop(file)
+        assert shared.status()["created"] == 3, "40, 60 and 33 MB steps share one 64 MB file"
+        held, _pages = shared.region(400 * mb)
+        shared.hold(held)  # a held file stays, and the next step needs a file of its own
+        file, _pages = shared.region(200 * mb)
+        assert file is not held and shared.status() == {"files": 2, "bytes": 768 * mb, "created": 4}
+    finally:
+        shared.close()
+    assert shared.status()["files"] == 0 and not glob.glob(f"/dev/shm/tl_vllm_hooks-{os.getpid()}-*")
+
+
+@NO_ENGINE
 def test_request_table_reuses_entries_and_keeps_values_as_it_grows():
     table = tlh._RequestTable()
     ids = [f"r{i}" for i in range(150)]  # past the first 64 entries and the next 64

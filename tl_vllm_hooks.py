@@ -1749,15 +1749,18 @@ class _SharedRows:
         return file, file.pages[start : start + nbytes]
 
     def _refill(self, nbytes: int) -> _RowFile | None:
-        """A file with room for nbytes: an idle one emptied, else a new one (None if /dev/shm cannot hold it)."""
+        """A file with room for nbytes: an idle one emptied, else a new one (None if /dev/shm cannot hold it) sized
+        to a power of two, so that steps of about this size fill it again; idle files too small for it are removed."""
         self.filling = None
         self._take_back()
-        idle = next((f for f in self.files.values() if self._idle(f) and f.pages.numel() >= nbytes), None)
-        if idle is not None:
-            idle.used = 0
-            return idle
+        for file in (idle := [f for f in self.files.values() if self._idle(f)]):
+            if file.pages.numel() >= nbytes:
+                file.used = 0
+                return file
+        for file in idle:
+            self._remove(file)
         path = os.path.join(_SHARED_DIR, f"{_SHARED_PREFIX}{os.getpid()}-{next(_shared_file_numbers)}")
-        size = max(nbytes, min(_SHARED_FILE_BYTES[0] << self.created, _SHARED_FILE_BYTES[1]))
+        size = max(1 << (nbytes - 1).bit_length(), min(_SHARED_FILE_BYTES[0] << self.created, _SHARED_FILE_BYTES[1]))
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not later with SIGBUS on a page
@@ -1777,11 +1780,8 @@ class _SharedRows:
 
     def status(self) -> dict[str, int]:
         """``{"files", "bytes", "created"}``: the row files held now, their size, and how many were made so far."""
-        return {
-            "files": len(self.files),
-            "bytes": sum(f.pages.numel() for f in self.files.values()),
-            "created": self.created,
-        }
+        files = self.files.values()
+        return {"files": len(files), "bytes": sum(f.pages.numel() for f in files), "created": self.created}
 
     def _idle(self, file: _RowFile) -> bool:
         return not file.held and not file.lent and file is not self.filling
