@@ -2580,6 +2580,47 @@ class TestCudaSAEs:
 
 
 @CUDA
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (the test extra)")
+class TestCudaRay:
+    """Ray's executor at tensor parallel 1 (vLLM's CPU build refuses Ray): the config reaches Ray's actor through
+    config.llm_kwargs alone (no TL_VLLM_HOOKS_CONFIG), and rows, an edit included, equal the multiprocessing
+    executor's bit for bit (the same GPU, kernels and graphs) and transformers within BF16_TOLERANCE."""
+
+    @pytest.mark.parametrize("batching", [False, True], ids=["one-prompt", "batched"])
+    def test_rays_rows_equal_the_multiprocessing_executors(self, models, batching, request):
+        assert "TL_VLLM_HOOKS_CONFIG" not in os.environ
+        reference = bf16_reference(models["llama"])
+        edit = {"blocks.1.hook_resid_post": {"op": "scale", "value": 0.5, "positions": [2, 5]}}
+        rows = {}
+        for backend in ("mp", "ray"):
+            with engine(
+                models["llama"], in_process=False, eager=False, batching=batching, dtype="bfloat16",
+                environment=RUNNERS["v2"], distributed_executor_backend=backend,
+            ) as llm:
+                if batching:
+                    prompts = MANY_PROMPTS[4:10]
+                    extra = [None, tlh.request_args(llm.config, edits=edit)] * 3
+                    outputs = generate(llm, prompts, 3, extra)
+                    read = tlh.read_batched(llm, [o.request_id for o in outputs])
+                    rows[backend] = [read[o.request_id] for o in outputs]
+                    worst = check_batched(llm, reference, max_tokens=3, tolerance=BF16_TOLERANCE)
+                else:
+                    rows[backend] = [capture(llm, PROMPT)]
+                    tlh.set_edits(llm, edit)
+                    try:
+                        rows[backend].append(capture(llm, PROMPT))
+                    finally:
+                        tlh.reset_edits(llm)
+                    expected = reference.reference(PROMPT, llm.hook_names, edit)
+                    worst = assert_matches(rows[backend][1], expected, f"{backend}, edited", BF16_TOLERANCE)
+                print(f"\n{request.node.name} {backend}: worst relative error {worst:.2e}")
+        for i, (by_mp, by_ray) in enumerate(zip(rows["mp"], rows["ray"], strict=True)):
+            assert by_mp.keys() == by_ray.keys() and by_mp, f"request {i}: hooks {sorted(by_ray)}"
+            for name in by_mp:
+                assert torch.equal(by_mp[name], by_ray[name]), f"request {i}, {name}: Ray's rows differ"
+
+
+@CUDA
 class TestCudaGemma2:
     """A family other than Llama on the GPU: both flavours, Model Runner V2, vLLM's default
     FULL_AND_PIECEWISE graphs, where vLLM's fused add+norm kernels work in place."""

@@ -3,7 +3,8 @@
 #   bash scripts/gpu_checks.sh tests [CLASS...]  # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
 #                                         # both flavours, Llama and Gemma 2, SAEs (TestCudaGraphs TestCudaBatched
 #                                         # TestCudaGemma2 TestCudaSAEs, or those named); one class per GPU when
-#                                         # there are enough
+#                                         # there are enough; TestCudaRay (Ray's executor, staged by
+#                                         # scripts/stage_ray.sh) only when named
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
 #                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code", or
