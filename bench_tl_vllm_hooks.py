@@ -393,6 +393,21 @@ def _say_run(label: str, run: tuple) -> None:
     print(f"{_PROGRESS}[{label}] generate {run[1]:.3f} s{read}{check}", flush=True)
 
 
+def _say_paired(round_index: int, runs: dict[str, list[tuple]]) -> None:
+    """The paired ratios over the rounds done so far, by the summary's rule (the median of plain's seconds over the
+    case's, round by round): a run stopped by a time limit still says them."""
+    plain = [run[1] for run in runs["plain"]]
+    said = []
+    for name, case_runs in runs.items():
+        if name == "plain":
+            continue
+        said.append(f"{name} {statistics.median(p / run[1] for p, run in zip(plain, case_runs)):.3f}")
+        if case_runs[-1][5] is not None:  # it read rows
+            in_hand = statistics.median(p / (run[1] + run[2]) for p, run in zip(plain, case_runs))
+            said[-1] += f" (rows in hand {in_hand:.3f})"
+    print(f"{_PROGRESS}[paired, rounds 0-{round_index}] {', '.join(said)}", flush=True)
+
+
 def _run_case(name: str, args: argparse.Namespace) -> dict:
     """Build one engine, warm up, time ``repeats`` generates; the result the parent parses."""
     engine = _Engine(name, args, _memory_fraction())
@@ -429,6 +444,8 @@ def _run_side_by_side(cases: list[str], args: argparse.Namespace) -> list[dict]:
         for name in cases if round_index % 2 == 0 else cases[::-1]:
             runs[name].append(engines[name].generate())
             _say_run(f"{name} round {round_index}", runs[name][-1])
+        if "plain" in runs:
+            _say_paired(round_index, runs)
     results = []
     for name in cases:
         result = engines[name].result(runs[name], alone=False)
