@@ -2227,6 +2227,8 @@ class TestSAEChecks:
             (dict(features={"F": [2, 2]}), "distinct feature indices"),
             (dict(features={"F": [-1]}), "distinct feature indices"),
             (dict(features={"F": 3}), "distinct feature indices"),
+            (dict(features={"F": [[1]]}), "distinct feature indices"),
+            (dict(features={"F": [True]}), "distinct feature indices"),
             (dict(features={"blocks.1.hook_resid_post.hook_sae_acts_post": [1]}), r"features name: \[feature, ...\]"),
         ],
     )

@@ -1968,6 +1968,16 @@ def _edit_positions(edit: dict[str, Any], name: str) -> list[int] | None:
     return None if positions is None else list(positions)
 
 
+def _lists_features(features: Any, least: int, most: int, d_sae: int) -> bool:
+    """Whether ``features`` is a list of ``least`` to ``most`` distinct feature indices (ints) in [0, d_sae)."""
+    return (
+        isinstance(features, (list, tuple))
+        and least <= len(features) <= most
+        and all(_int_at_least(f, 0) and f < d_sae for f in features)
+        and len(set(features)) == len(features)
+    )
+
+
 def _parse_feature_edit(
     edit: Any, name: str, config: CaptureConfig
 ) -> tuple[tuple[torch.Tensor, ...], list[int] | None]:
@@ -1976,12 +1986,7 @@ def _parse_feature_edit(
     [_FEATURE_EDITS], padded with feature 0 left as it is."""
     _check_edit_keys(edit, name, {"op", "features", "value", "positions"})
     d_sae, op, features = config.sae(name.removesuffix(SAE_FEATURES)).d_sae, edit["op"], edit.get("features")
-    if not (
-        isinstance(features, (list, tuple))
-        and 0 < len(features) <= _FEATURE_EDITS
-        and all(_int_at_least(f, 0) and f < d_sae for f in features)
-        and len(set(features)) == len(features)
-    ):
+    if not _lists_features(features, 1, _FEATURE_EDITS, d_sae):
         raise ValueError(
             f"edits[{name!r}]: 'features' must list 1 to {_FEATURE_EDITS} distinct feature indices in [0, {d_sae}) "
             f"(d_sae), got {features!r:.200}"
@@ -2139,17 +2144,14 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
     parsed_chosen = {}
     for name in features if most else ():
         listed, d_sae = chosen.get(name, []), config.sae(name.removesuffix(SAE_FEATURES)).d_sae
-        if not (isinstance(listed, (list, tuple)) and len(listed) <= most and len(set(listed)) == len(listed)):
-            listed = None
-        if listed is None or not all(_int_at_least(f, 0) and f < d_sae for f in listed):
+        if not _lists_features(listed, 0, most, d_sae):
             raise ValueError(
                 f"features[{name!r}]: up to {most} (sae_chosen_features) distinct feature indices in [0, {d_sae}), "
-                f"got {chosen[name]!r:.200}"
+                f"got {listed!r:.200}"
             )
         columns[name + ".chosen"] = len(listed)
         if listed:
-            row = torch.zeros(most, dtype=torch.int64)
-            row[: len(listed)] = torch.tensor(listed)
+            row = torch.tensor([*listed, *[0] * (most - len(listed))], dtype=torch.int64)  # padded with feature 0
             parsed_chosen[name + ".chosen"] = ((row,), None)
     return _RequestOptions(capture, parsed, digest, parsed_chosen, columns)
 
