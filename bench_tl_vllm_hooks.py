@@ -366,7 +366,7 @@ class _Engine:
             "kv_blocks": self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
             "read_s": read_s, "capture_check": check, "read_bytes": read_bytes, "writer_busy_s": busy,
             # Rows in the user's hands (in memory, or on disk for "s"): generate, then read.
-            "in_hand_seconds_each": [run[1] + (run[2] if run[5] is not None else 0.0) for run in runs],
+            "in_hand_seconds_each": [_in_hand_seconds(run) for run in runs],
             "in_process": _IN_PROCESS,
             "load_model_wrapped": self.load_model_wrapped,
             # Forwards each hook saw in our generates; 0 would mean a hook never ran.
@@ -393,6 +393,11 @@ def _say_run(label: str, run: tuple) -> None:
     print(f"{_PROGRESS}[{label}] generate {run[1]:.3f} s{read}{check}", flush=True)
 
 
+def _in_hand_seconds(run: tuple) -> float:
+    """Seconds from a generate's start to its rows in hand (generate()'s tuple): with the read, where it read rows."""
+    return run[1] + (run[2] if run[5] is not None else 0.0)
+
+
 def _say_paired(round_index: int, runs: dict[str, list[tuple]]) -> None:
     """The paired ratios over the rounds done so far, by the summary's rule (the median of plain's seconds over the
     case's, round by round): a run stopped by a time limit still says them."""
@@ -403,7 +408,7 @@ def _say_paired(round_index: int, runs: dict[str, list[tuple]]) -> None:
             continue
         said.append(f"{name} {statistics.median(p / run[1] for p, run in zip(plain, case_runs)):.3f}")
         if case_runs[-1][5] is not None:  # it read rows
-            in_hand = statistics.median(p / (run[1] + run[2]) for p, run in zip(plain, case_runs))
+            in_hand = statistics.median(p / _in_hand_seconds(run) for p, run in zip(plain, case_runs))
             said[-1] += f" (rows in hand {in_hand:.3f})"
     print(f"{_PROGRESS}[paired, rounds 0-{round_index}] {', '.join(said)}", flush=True)
 
