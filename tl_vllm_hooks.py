@@ -63,14 +63,15 @@ logger = logging.getLogger(__name__)
 
 
 def _tools() -> Any:
-    """The companion module (the sink, CaptureDataset, tiny_model, the command line), imported when asked for."""
+    """The companion module (the sink, CaptureDataset, SAELens's files, tiny_model, the command line), imported when
+    asked for."""
     try:
         import tl_vllm_hooks_tools
     except ModuleNotFoundError as error:
         if error.name != "tl_vllm_hooks_tools":
             raise
         raise ModuleNotFoundError(
-            "sink_dir, CaptureDataset, tiny_model and the command line live in tl_vllm_hooks_tools.py: "
+            "sink_dir, saes, CaptureDataset, tiny_model and the command line live in tl_vllm_hooks_tools.py: "
             f"copy it from the project beside {__file__}"
         ) from None
     return tl_vllm_hooks_tools
@@ -91,8 +92,9 @@ SITES = {
     "attn_rot_q": "blocks.{i}.attn.hook_rot_q", "attn_rot_k": "blocks.{i}.attn.hook_rot_k",
     "attn_z": "blocks.{i}.attn.hook_z", "attn_out": "blocks.{i}.hook_attn_out",
     "resid_mid": "blocks.{i}.hook_resid_mid", "ln2": "blocks.{i}.ln2.hook_normalized",
-    "mlp_pre": "blocks.{i}.mlp.hook_pre", "expert_weights": "blocks.{i}.mlp.hook_expert_weights",
-    "expert_indices": "blocks.{i}.mlp.hook_expert_indices", "mlp_post": "blocks.{i}.mlp.hook_post",
+    "mlp_in": "blocks.{i}.mlp.hook_in", "mlp_pre": "blocks.{i}.mlp.hook_pre",
+    "expert_weights": "blocks.{i}.mlp.hook_expert_weights", "expert_indices": "blocks.{i}.mlp.hook_expert_indices",
+    "mlp_post": "blocks.{i}.mlp.hook_post",
     "mlp_out": "blocks.{i}.hook_mlp_out", "resid_post": "blocks.{i}.hook_resid_post",
     "final_norm": "ln_final.hook_normalized",
 }
@@ -105,7 +107,8 @@ activation's input, its gate on gated ones, and the down projection's input); on
 mixture-of-experts blocks mlp_pre and mlp_post are the block's input and output, and the
 router's choice is expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen)
 and expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both
-read-only). ln1, ln2 and final_norm are a norm's input normalized, before weight and bias."""
+read-only). ln1, ln2 and final_norm are a norm's input normalized, before weight and bias; mlp_in is the MLP's
+own input (its norm's output, weight and bias applied)."""
 
 _READ_ONLY_SITES = ("expert_weights", "expert_indices")  # vLLM's fused MoE routes inside its kernel
 
@@ -204,6 +207,7 @@ def _fused_residual_taps(
         "attn_out": _Tap(layer + (attn_out or attention), _OUTPUT),
         "resid_mid": _Tap(layer + ln2, _NORM_INPUT, _NORM_PAIR, norm),
         "ln2": _Tap(layer + ln2, _NORMALIZED, _NORM_PAIR, norm),
+        "mlp_in": _Tap(layer + ".mlp", _INPUT, _X_INPUT),
         "mlp_pre": _Tap(layer + ".mlp.gate_up_proj", _OUTPUT, part="gate"),
         "mlp_post": _Tap(layer + ".mlp.down_proj", _INPUT, _LINEAR_INPUT),
         "mlp_out": _Tap(layer + mlp_out, _OUTPUT),
@@ -228,12 +232,12 @@ def _stream_taps(
     norm_inputs: tuple[tuple[str, int], ...] = _X_INPUT, layer_input: tuple[tuple[str, int], ...] = _LAYER_INPUT,
     attention: str = ".self_attn", qkv: str = ".qkv_proj", o_proj: str = ".o_proj", rotary: bool = True,
     first_norm: str = ".input_layernorm", second_norm: str = ".post_attention_layernorm", mlp: str = ".mlp",
-    mlp_in: str = ".gate_up_proj", mlp_proj: str = ".down_proj", multiplier: str = "", bias_apart: bool = False,
-    **places: _Tap | None,
+    mlp_up: str = ".gate_up_proj", mlp_proj: str = ".down_proj", mlp_input: tuple[tuple[str, int], ...] = _X_INPUT,
+    multiplier: str = "", bias_apart: bool = False, **places: _Tap | None,
 ) -> dict[str, _Tap]:
     """Models whose decoder layers take and return the residual stream itself, each branch added inside the layer,
-    norms of one input. mlp_in ``.gate_up_proj`` is a gated MLP's, gate first. embed and final_norm: module paths,
-    or taps; ``places`` replaces a site's tap, or drops it with None."""
+    norms of one input. mlp_up ``.gate_up_proj`` is a gated MLP's, gate first; mlp_input, the MLP's argument. embed
+    and final_norm: module paths, or taps; ``places`` replaces a site's tap, or drops it with None."""
     taps = {
         "embed": _Tap(embed, _OUTPUT) if isinstance(embed, str) else embed,
         "resid_pre": _Tap(layer, _INPUT, layer_input),
@@ -242,8 +246,9 @@ def _stream_taps(
         "attn_out": _Tap(layer + attention, _OUTPUT, multiplier=multiplier, bias_apart=bias_apart),
         "resid_mid": _Tap(layer + second_norm, _INPUT, norm_inputs),
         "ln2": _Tap(layer + second_norm, _NORMALIZED, norm_inputs, norm),
+        "mlp_in": _Tap(layer + mlp, _INPUT, mlp_input),
         "mlp_pre": _Tap(
-            layer + mlp + mlp_in, _OUTPUT, part="gate" if mlp_in == ".gate_up_proj" else "", bias_apart=bias_apart
+            layer + mlp + mlp_up, _OUTPUT, part="gate" if mlp_up == ".gate_up_proj" else "", bias_apart=bias_apart
         ),
         "mlp_post": _Tap(layer + mlp + mlp_proj, _INPUT, _LINEAR_INPUT),
         "mlp_out": _Tap(layer + mlp, _OUTPUT, multiplier=multiplier, bias_apart=bias_apart),
@@ -262,9 +267,10 @@ def _moe_taps(
     taps: dict[str, _Tap], block: str, renormalize: str, router: str = ".gate", block_input: str = "hidden_states"
 ) -> dict[str, _Tap]:
     """taps with a mixture-of-experts block at ``block`` as the MLP: mlp.hook_pre and
-    mlp.hook_post are its input and output (hook_mlp_out too), the choice its router's."""
+    mlp.hook_post are its input and output (mlp.hook_in and hook_mlp_out too), the choice its router's."""
     return {
         **taps,
+        "mlp_in": _Tap(_LAYER + block, _INPUT, ((block_input, 0),)),
         "mlp_pre": _Tap(_LAYER + block, _INPUT, ((block_input, 0),)),
         "expert_weights": _Tap(_LAYER + block + router, _ROUTER, part="weights", renormalize=renormalize),
         "expert_indices": _Tap(_LAYER + block + router, _ROUTER, part="indices", renormalize=renormalize),
@@ -317,30 +323,32 @@ _ARCHITECTURES = {  # transformers architecture: its taps in vLLM's model class 
     # GPT-2's MLP norm reads the mid-stream while the block keeps its own copy for the skip.
     "GPT2LMHeadModel": _stream_taps(
         _H_LAYER, "transformer.wte", "transformer.ln_f", "layer", layer_input=_HIDDEN_INPUT, attention=".attn",
-        qkv=".c_attn", o_proj=".c_proj", rotary=False, first_norm=".ln_1", second_norm=".ln_2", mlp_in=".c_fc",
-        mlp_proj=".c_proj", pos_embed=_Tap("transformer.wpe", _OUTPUT)),
+        qkv=".c_attn", o_proj=".c_proj", rotary=False, first_norm=".ln_1", second_norm=".ln_2", mlp_up=".c_fc",
+        mlp_proj=".c_proj", mlp_input=_HIDDEN_INPUT, pos_embed=_Tap("transformer.wpe", _OUTPUT)),
     # GPT-J's block takes (position_ids, hidden_states).
     "GPTJForCausalLM": _stream_taps(
         _H_LAYER, "transformer.wte", "transformer.ln_f", "layer", attention=".attn", o_proj=".out_proj", rotary=False,
-        first_norm=".ln_1", mlp_in=".fc_in", mlp_proj=".fc_out", **_PARALLEL),
+        first_norm=".ln_1", mlp_up=".fc_in", mlp_proj=".fc_out", mlp_input=_HIDDEN_INPUT, **_PARALLEL),
     # OPT (norms before each branch, do_layer_norm_before): its layer holds the MLP's two linear layers itself, so
-    # the second's output is hook_mlp_out.
+    # the first's input is mlp.hook_in and the second's output hook_mlp_out.
     "OPTForCausalLM": _stream_taps(
         "model.decoder.layers.{i}", "model.decoder.embed_tokens", "model.decoder.final_layer_norm", "layer",
         layer_input=_HIDDEN_INPUT, o_proj=".out_proj", rotary=False, first_norm=".self_attn_layer_norm",
-        second_norm=".final_layer_norm", mlp="", mlp_in=".fc1", mlp_proj=".fc2",
-        pos_embed=_Tap("model.decoder.embed_positions", _OUTPUT), mlp_out=_Tap("model.decoder.layers.{i}.fc2", _OUTPUT)),
+        second_norm=".final_layer_norm", mlp="", mlp_up=".fc1", mlp_proj=".fc2",
+        pos_embed=_Tap("model.decoder.embed_positions", _OUTPUT),
+        mlp_in=_Tap("model.decoder.layers.{i}.fc1", _INPUT, _LINEAR_INPUT),
+        mlp_out=_Tap("model.decoder.layers.{i}.fc2", _OUTPUT)),
     # BLOOM (residual from before each norm, apply_residual_connection_post_layernorm off) normalizes its embedding
     # once before layer 0: that is hook_embed. ALiBi, no rotary.
     "BloomForCausalLM": _stream_taps(
         _H_LAYER, _Tap("transformer.h.0", _INPUT, _LAYER_INPUT), "transformer.ln_f", "layer", _TORCH_NORM_INPUT,
-        attention=".self_attention", qkv=".query_key_value", o_proj=".dense", rotary=False, mlp_in=".dense_h_to_4h",
+        attention=".self_attention", qkv=".query_key_value", o_proj=".dense", rotary=False, mlp_up=".dense_h_to_4h",
         mlp_proj=".dense_4h_to_h"),
     # Falcon (7B's layout: parallel_attn, one norm, no new_decoder_architecture): the output projections leave the
     # bias for the layer to add once both are summed.
     "FalconForCausalLM": _stream_taps(
         _H_LAYER, "transformer.word_embeddings", "transformer.ln_f", "layer", _TORCH_NORM_INPUT,
-        attention=".self_attention", qkv=".query_key_value", o_proj=".dense", rotary=False, mlp_in=".dense_h_to_4h",
+        attention=".self_attention", qkv=".query_key_value", o_proj=".dense", rotary=False, mlp_up=".dense_h_to_4h",
         mlp_proj=".dense_4h_to_h", bias_apart=True, **_PARALLEL),
     # OLMo's LayerNorm has no weight and no bias (transformers' own module, which vLLM keeps); TransformerLens 4.3's
     # bridge fails on a hook at its hook_normalized ("has no attribute 'weight'"), so ln1, ln2 and ln_final are not
@@ -351,14 +359,15 @@ _ARCHITECTURES = {  # transformers architecture: its taps in vLLM's model class 
     "Olmo2ForCausalLM": _stream_taps(_LAYER, **_BACKEND, norm="rms", **_POST_NORMS),
     "PhiForCausalLM": _stream_taps(
         _LAYER, **{**_BACKEND, "final_norm": _Tap("model.final_layernorm", _NORMALIZED, _X_INPUT, "layer")},
-        norm="layer", o_proj=".dense", mlp_in=".fc1", mlp_proj=".fc2", **_PARALLEL),
-    "Starcoder2ForCausalLM": _stream_taps(_LAYER, **_BACKEND, norm="layer", mlp_in=".c_fc", mlp_proj=".c_proj"),
+        norm="layer", o_proj=".dense", mlp_up=".fc1", mlp_proj=".fc2", mlp_input=_HIDDEN_INPUT, **_PARALLEL),
+    "Starcoder2ForCausalLM": _stream_taps(
+        _LAYER, **_BACKEND, norm="layer", mlp_up=".c_fc", mlp_proj=".c_proj", mlp_input=_HIDDEN_INPUT),
     # GPT-NeoX: its fused query_key_value interleaves q, k and v per head, which no part here describes.
     "GPTNeoXForCausalLM": _stream_taps(
         _LAYER, **{**_BACKEND, "embed": "model.embed_in",
                    "final_norm": _Tap("model.final_layer_norm", _NORMALIZED, _X_INPUT, "layer")},
-        norm="layer", attention=".attention", o_proj=".dense", mlp_in=".dense_h_to_4h", mlp_proj=".dense_4h_to_h",
-        attn_q=None, attn_k=None, attn_v=None, resid_mid=None),
+        norm="layer", attention=".attention", o_proj=".dense", mlp_up=".dense_h_to_4h", mlp_proj=".dense_4h_to_h",
+        mlp_input=_HIDDEN_INPUT, attn_q=None, attn_k=None, attn_v=None, resid_mid=None),
 }
 # fmt: on
 """Every entry checked against TransformerLens 4.3 on vLLM 0.32 (CPU); Llama and Gemma 2
@@ -495,7 +504,9 @@ class CaptureConfig:
     saes: ``{hook_name: directory}`` of sparse autoencoders saved in SAELens's format (``cfg.json`` and
         ``sae_weights.safetensors``; architectures standard, jumprelu and topk) that encode the hook's rows in every
         forward. Their features are read as ``{hook_name}.hook_sae_acts_post`` (see SAE_FEATURES) and edited
-        under that name; a hook named here but not in capture_specs keeps its features and no rows.
+        under that name; a hook named here but not in capture_specs keeps its features and no rows. Transcoders
+        (transcoder, skip_transcoder, jumprelu_transcoder, jumprelu_skip_transcoder) go under the hook they read,
+        Gemma Scope 2's under ``blocks.L.mlp.hook_in``; their feature edits change the same layer's hook_mlp_out.
     sae_top_k: features kept per token and SAE, the highest first (a batched request may keep fewer).
     sae_chosen_features: batched flavour: the most features of each SAE a request may choose to read densely,
         ``{features name}.chosen`` (see request_args); 0, none.
@@ -530,7 +541,7 @@ class CaptureConfig:
                 f"them), got {self.sae_chosen_features!r}"
             )
         object.__setattr__(self, "saes", {n: os.path.abspath(d) if isinstance(d, str) else d for n, d in saes.items()})
-        object.__setattr__(self, "_sae_specs", {n: _read_sae(n, d, self) for n, d in self.saes.items()})
+        object.__setattr__(self, "_sae_specs", {n: _tools().read_sae(n, d, self) for n, d in self.saes.items()})
         for field in ("max_num_batched_tokens", "shard_bytes"):
             if not _int_at_least(getattr(self, field), 1):
                 raise ValueError(f"{field}: must be a positive int, got {getattr(self, field)!r}")
@@ -698,8 +709,9 @@ def _disabled() -> bool:
 # SAEs. A sparse autoencoder in SAELens's on-disk format encodes a hook's rows inside the graph, in every forward:
 # each token's top-k features are kept beside (or instead of) its rows, and an edit of features f changes the
 # stream by (new_f - old_f) * W_dec[f] alone, so the SAE's reconstruction error stays in it and an unedited row is
-# left as it was. The driver checks the files when the config is made (cfg.json and the weights' header, against
-# the hook); each worker loads the weights onto its device before the first forward.
+# left as it was. A transcoder encodes the rows of one hook, and its edits change those of its layer's hook_mlp_out.
+# The companion reads SAELens's files (tl_vllm_hooks_tools.read_sae, when the config is made and checked against the
+# hook); each worker loads the weights onto its device before the first forward.
 # ---------------------------------------------------------------------------
 
 SAE_FEATURES = ".hook_sae_acts_post"
@@ -711,10 +723,18 @@ wherever at most k features fire (a value 0 is a feature that did not). With ``s
 ``{that}.chosen`` holds the activations of the features a request chose, in its order (``[rows, 0]`` for one that
 chose none)."""
 
-_SAE_WEIGHTS = {  # architecture -> its tensors in sae_weights.safetensors
-    "standard": ("W_enc", "W_dec", "b_enc", "b_dec"),
-    "jumprelu": ("W_enc", "W_dec", "b_enc", "b_dec", "threshold"),
-    "topk": ("W_enc", "W_dec", "b_enc", "b_dec"),
+_SAE_WEIGHTS = {  # architecture -> the tensors of sae_weights.safetensors it encodes and steers with (a skip
+    # transcoder's W_skip, its linear path from input to output, does not change with its features)
+    name: ("W_enc", "W_dec", "b_enc", "b_dec", *(("threshold",) if "jumprelu" in name else ()))
+    for name in (
+        "standard",
+        "jumprelu",
+        "topk",
+        "transcoder",
+        "skip_transcoder",
+        "jumprelu_transcoder",
+        "jumprelu_skip_transcoder",
+    )
 }
 # Sites whose hooks can add a feature edit's change to the stream: not the norms' (whose edits reach the norm's output
 # as edited * weight + bias), not the router's (read-only).
@@ -724,7 +744,8 @@ _FEATURE_EDITS = 8  # the most features one edit changes at a hook: the width of
 
 @dataclasses.dataclass(frozen=True)
 class _SAESpec:
-    """An SAE as its cfg.json and the header of its weights file describe it; k: a topk SAE's features per token."""
+    """An SAE as its cfg.json and the header of its weights file describe it; k: a topk SAE's features per token;
+    writes: the hook a transcoder writes (its layer's hook_mlp_out), decoding to rows of d_out, else None."""
 
     directory: str
     architecture: str
@@ -732,69 +753,8 @@ class _SAESpec:
     d_sae: int
     apply_b_dec_to_input: bool
     k: int | None
-
-
-def _read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
-    """Check one ``saes`` entry against its files and the config; ValueError naming the problem."""
-    where = f"saes[{name!r}]"
-    site = (_parse_hook_name(name) if isinstance(name, str) else None) or (None,)
-    if site[0] not in _SAE_SITES:
-        raise ValueError(
-            f"{where}: an SAE reads a TransformerLens hook whose rows this module can edit, one of "
-            f"{[SITES[s] for s in _SAE_SITES]}; got {name!r}"
-        )
-    if not isinstance(directory, str) or not os.path.isdir(directory):
-        raise ValueError(
-            f"{where}: expected a directory holding cfg.json and sae_weights.safetensors, got {directory!r}"
-        )
-    try:
-        with open(os.path.join(directory, "cfg.json")) as file:
-            cfg = json.load(file)
-        if not isinstance(cfg, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{where}: {directory}/cfg.json: {error}") from None
-    architecture = cfg.get("architecture", "standard")
-    if architecture not in _SAE_WEIGHTS:
-        raise ValueError(
-            f"{where}: architecture {architecture!r} is not implemented here; implemented: {list(_SAE_WEIGHTS)}"
-        )
-    # (SAELens before 6 wrote normalize_activations as a bool, the hook name at the top level, as hook_point too)
-    implemented = {  # key -> (values implemented, as said)
-        "normalize_activations": ((None, "none", False), "'none'"),
-        "reshape_activations": ((None, "none", "hook_z"), "'none' and 'hook_z'"),
-        "rescale_acts_by_decoder_norm": ((None, False), "false"),
-    }
-    for key, (allowed, said) in implemented.items():
-        if cfg.get(key) not in allowed:
-            raise ValueError(f"{where}: {key} {cfg.get(key)!r} is not implemented here, only {said}")
-    trained_on = (cfg.get("metadata") or {}).get("hook_name", cfg.get("hook_name", cfg.get("hook_point")))
-    if trained_on is not None and trained_on != name:
-        raise ValueError(f"{where}: the SAE in {directory} was trained on {trained_on!r}, not {name!r}")
-    d_in, d_sae, k = cfg.get("d_in"), cfg.get("d_sae"), cfg.get("k")
-    if not (_int_at_least(d_in, 1) and _int_at_least(d_sae, 1)) or architecture == "topk" and not _int_at_least(k, 1):
-        raise ValueError(f"{where}: {directory}/cfg.json must give d_in and d_sae (and k for topk) as positive ints")
-    if name in config.capture_specs and config.width(name) != d_in:
-        raise ValueError(f"{where}: the SAE reads rows of {d_in}, but the hook's rows are {config.width(name)} wide")
-    for field in ("sae_top_k", "sae_chosen_features"):
-        if getattr(config, field) > d_sae:
-            raise ValueError(f"{field}: {getattr(config, field)} is more than the {d_sae} features of {where}")
-    shapes = {"W_enc": [d_in, d_sae], "W_dec": [d_sae, d_in], "b_enc": [d_sae], "b_dec": [d_in], "threshold": [d_sae]}
-    path = os.path.join(directory, "sae_weights.safetensors")
-    try:
-        import safetensors
-
-        with safetensors.safe_open(path, framework="pt") as weights:
-            found = {key: weights.get_slice(key).get_shape() for key in weights.keys()}
-    except Exception as error:  # a missing or damaged file: safetensors' own error types differ by version
-        raise ValueError(f"{where}: {path} is not a readable safetensors file ({error})") from None
-    for key in _SAE_WEIGHTS[architecture]:
-        if found.get(key) != shapes[key]:
-            raise ValueError(
-                f"{where}: {path} must hold {key} of shape {shapes[key]} (d_in {d_in}, d_sae {d_sae}), "
-                f"found {found.get(key, 'none')}"
-            )
-    return _SAESpec(directory, architecture, d_in, d_sae, bool(cfg.get("apply_b_dec_to_input", True)), k)
+    writes: str | None
+    d_out: int
 
 
 # ---------------------------------------------------------------------------
@@ -1206,8 +1166,9 @@ def _uninstall(worker: Any) -> None:
 def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) -> tuple[dict[str, _Hook], list[str]]:
     """This rank's hooks in forward order (the order hooks on one module run in), and those on other pipeline ranks."""
     modules = dict(model.named_modules())
-    # An SAE's hook is placed whether or not its rows are kept (see _Hook.keeps_rows).
-    hook_names = [*config.capture_specs, *(name for name in config.saes if name not in config.capture_specs)]
+    # An SAE's hook, and the hook a transcoder writes, are placed whether or not their rows are kept (_Hook.keeps_rows).
+    writes = [config.sae(name).writes for name in config.saes]
+    hook_names = list(dict.fromkeys([*config.capture_specs, *config.saes, *filter(None, writes)]))
     sites = {_parse_hook_name(name)[0] for name in hook_names if "hook_" in name}
     if sites:
         taps, shapes = _taps(hf_config, sites), _site_shapes(hf_config)
@@ -1253,12 +1214,14 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
         row_shape = _row_shape(spec)
         width = math.prod(row_shape)
         start, columns = _tensor_parallel_share(module, tap, width) or (0, width)
-        if name in config.saes and (width != config.sae(name).d_in or columns != width):
-            raise ValueError(
-                f"saes[{name!r}]: the SAE reads rows of {config.sae(name).d_in}, but this model's rows there are "
-                f"{width} wide"
-                + (f", split across tensor-parallel ranks ({columns} on each)" if columns != width else "")
-            )
+        for sae in config.saes:  # those that read or write this hook
+            verb, expected = ("reads", config.sae(sae).d_in) if sae == name else ("writes", config.sae(sae).d_out)
+            if name in (sae, config.sae(sae).writes) and (width != expected or columns != width):
+                raise ValueError(
+                    f"saes[{sae!r}]: the SAE {verb} rows of {expected} at {name}, but this model's rows there are "
+                    f"{width} wide"
+                    + (f", split across tensor-parallel ranks ({columns} on each)" if columns != width else "")
+                )
         row_shape = (row_shape[0] * columns // width, *row_shape[1:])
         placed[name] = _Hook(name, module, tap, row_shape, (start, start + columns), _qkv_columns(module, tap.part))
         output_width = _output_width(module) if tap.kind == _OUTPUT and not tap.part else None
@@ -1327,6 +1290,7 @@ class _Hook:
     row_shape: tuple[int, ...]
     columns: tuple[int, int]
     part_columns: tuple[int, int] | None = None  # a part's columns in the module's tensor
+    transcoder: _SAE | None = None  # the transcoder that writes this hook, once bound
 
     @property
     def width(self) -> int:
@@ -1359,9 +1323,18 @@ class _Hook:
 
     def steer(self, activation: torch.Tensor, into: torch.Tensor, factor: float | None = None) -> None:
         """With an SAE here: keep the features of ``activation`` (the edited rows) and add the feature edits' change
-        of it to ``into``, the module's rows that carry it (times ``factor`` where they carry activation * factor)."""
+        of it to ``into``, the module's rows that carry it (times ``factor`` where they carry activation * factor). A
+        transcoder's change waits in its ``pending`` rows for the hook it writes, which adds it there."""
+        changes = []
         if self.sae is not None:
             change = self.sae.change(activation)
+            if self.sae.pending is None:
+                changes.append(change)
+            else:
+                self.sae.pending.narrow(0, 0, change.shape[0]).copy_(change)
+        if self.transcoder is not None:
+            changes.append(self.transcoder.pending.narrow(0, 0, into.shape[0]).to(into.dtype))
+        for change in changes:
             into.add_(change if factor is None else change * factor)
 
     def local(self, row: torch.Tensor) -> torch.Tensor:
@@ -1435,21 +1408,26 @@ def _set_engine_wide(tables: tuple, values: tuple | None, identity: tuple, state
 
 
 class _SAE:
-    """A hook's SAE on its worker's device, its weights in the capture dtype: each forward's top features (kept as
-    the hook keeps its rows: the first forward after an open wins) and the tables of feature edits, rows picked by
-    the features' own lane of the flavour's row_index: the features edited, int64 [.., _FEATURE_EDITS], and each
-    one's new activation as old * scale + bias."""
+    """A hook's SAE (or transcoder) on its worker's device, its weights in the capture dtype: each forward's top
+    features (kept as the hook keeps its rows: the first forward after an open wins) and the tables of feature
+    edits, rows picked by the features' own lane of the flavour's row_index: the features edited, int64 [..,
+    _FEATURE_EDITS], and each one's new activation as old * scale + bias."""
 
     def __init__(self, hook: _Hook, state: _HookState, lane: int):
-        import safetensors.torch  # (vLLM brings it)
+        import safetensors  # (vLLM brings it)
 
         config, device, dtype = state.config, state.device, state.config.dtype
         self.spec, self.hook = config.sae(hook.name), hook
         path = os.path.join(self.spec.directory, "sae_weights.safetensors")
-        weights = {name: w.to(dtype) for name, w in safetensors.torch.load_file(path, device=str(device)).items()}
+        with safetensors.safe_open(path, framework="pt", device=str(device)) as file:
+            weights = {name: file.get_tensor(name).to(dtype) for name in _SAE_WEIGHTS[self.spec.architecture]}
         self.W_enc, self.W_dec, self.b_enc, self.b_dec = (weights[n] for n in ("W_enc", "W_dec", "b_enc", "b_dec"))
         self.threshold = weights.get("threshold")
         rows = config.max_num_batched_tokens
+        self.pending = None  # a transcoder's change of the hook it writes, [rows, d_out], until that hook runs
+        if self.spec.writes is not None:
+            self.pending = torch.zeros(rows, self.spec.d_out, dtype=dtype, device=device)
+            state.placed[self.spec.writes].transcoder = self
         self.indices = torch.zeros(rows, config.sae_top_k, dtype=torch.int32, device=device)
         self.values = torch.zeros(rows, config.sae_top_k, dtype=dtype, device=device)
         shape = (*filter(None, (state.table_rows,)), _FEATURE_EDITS)
@@ -1470,7 +1448,7 @@ class _SAE:
         if self.spec.apply_b_dec_to_input:
             x = x - self.b_dec
         pre = x @ self.W_enc + self.b_enc
-        if self.spec.architecture == "jumprelu":
+        if self.threshold is not None:  # (jumprelu, and its transcoders)
             return pre.relu() * (pre > self.threshold)
         if self.spec.architecture == "topk":
             values, indices = pre.topk(self.spec.k, dim=-1)
@@ -1479,7 +1457,8 @@ class _SAE:
 
     def change(self, rows: torch.Tensor) -> torch.Tensor:
         """Keep the top features of rows ([n, d_in], the hook's edited rows) and return what the feature edits add
-        to them, the sum over edited f of (new_f - old_f) * W_dec[f]: [n, d_in], rows' dtype; exact zeros unedited."""
+        to the rows it writes, the sum over edited f of (new_f - old_f) * W_dec[f]: [n, d_out], rows' dtype; exact
+        zeros unedited."""
         activations, num_rows = self.encode(rows), rows.shape[0]
         values, indices = activations.topk(self.values.shape[1], dim=-1)
         closed = self.hook.flag.bool()  # (the hook's keep closes it after this)
