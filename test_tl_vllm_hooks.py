@@ -199,6 +199,7 @@ _DECODER = {
     "attn_z": ("model.layers.{i}.self_attn.o_proj", "input"),
     "attn_out": ("model.layers.{i}.self_attn", "output"),
     "resid_mid": ("model.layers.{i}.post_attention_layernorm", "input"),
+    "mlp_in": ("model.layers.{i}.mlp", "input"),
     "mlp_post": ("model.layers.{i}.mlp.down_proj", "input"),
     "mlp_out": ("model.layers.{i}.mlp", "output"),
     "resid_post": ("model.layers.{i}", "output"),
@@ -220,6 +221,7 @@ TRANSFORMERS_TAPS = {
         "attn_z": ("transformer.h.{i}.attn.c_proj", "input"),
         "attn_out": ("transformer.h.{i}.attn", "output"),
         "resid_mid": ("transformer.h.{i}.ln_2", "input"),
+        "mlp_in": ("transformer.h.{i}.mlp", "input"),
         "mlp_post": ("transformer.h.{i}.mlp.c_proj", "input"),
         "mlp_out": ("transformer.h.{i}.mlp", "output"),
         "resid_post": ("transformer.h.{i}", "output"),
@@ -230,6 +232,7 @@ TRANSFORMERS_TAPS = {
         "resid_pre": ("gpt_neox.layers.{i}", "input"),
         "attn_z": ("gpt_neox.layers.{i}.attention.dense", "input"),
         "attn_out": ("gpt_neox.layers.{i}.attention", "output"),
+        "mlp_in": ("gpt_neox.layers.{i}.mlp", "input"),
         "mlp_post": ("gpt_neox.layers.{i}.mlp.dense_4h_to_h", "input"),
         "mlp_out": ("gpt_neox.layers.{i}.mlp", "output"),
         "resid_post": ("gpt_neox.layers.{i}", "output"),
@@ -1890,7 +1893,12 @@ SAE_KINDS = {
     "blocks.0.hook_mlp_out": ("jumprelu", 384, None),
     "blocks.1.hook_resid_post": ("standard", 256, None),
     "blocks.2.attn.hook_z": ("topk", 256, 12),
+    # Transcoders: Gemma Scope 2's kind (JumpReLU, with the affine skip) and a plain one, each reading its layer's
+    # MLP input and writing its hook_mlp_out.
+    "blocks.1.mlp.hook_in": ("jumprelu_skip_transcoder", 256, None),
+    "blocks.2.mlp.hook_in": ("transcoder", 192, None),
 }
+TRANSCODES = {"blocks.1.mlp.hook_in": "blocks.1.hook_mlp_out", "blocks.2.mlp.hook_in": "blocks.2.hook_mlp_out"}
 SAE_TOP_K = 16  # fewer than the standard and jumprelu SAEs fire here (a third of their features); more than topk's 12
 SAE_PROMPTS = [PROMPT[:23], PROMPT[5:36], PROMPT[11:19]]
 
@@ -1930,6 +1938,7 @@ class SAEOracle:
                 ["make", "--architecture", architecture, "--d-in", "128", "--d-sae", str(d_sae), "--hook-name", hook,
                  "--input-scale", str(scale), "--seed", str(d_sae), "--out", str(self.directories[hook])]
                 + (["--k", str(k)] if k else [])
+                + (["--d-out", "128", "--hook-name-out", TRANSCODES[hook]] if hook in TRANSCODES else [])
             )
             jobs.append(["encode", "--sae", str(self.directories[hook]), "--acts", str(root / f"{hook}.rows.safetensors"),
                          "--out", str(root / f"{hook}.features.safetensors")])
@@ -1948,10 +1957,10 @@ class SAEOracle:
     def saes(self) -> dict[str, str]:
         return {hook: str(directory) for hook, directory in self.directories.items()}
 
-    def steered(self, prompt_index: int, hook: str, edit: dict):
-        """The hook's rows -> those rows with a feature edit applied as the module defines it, rows + (new_f -
-        old_f) @ W_dec[f] (old: sae-lens's features of the unedited rows, which an edit at this hook leaves as
-        they are), for TransformerLens's run_with_hooks."""
+    def steered(self, prompt_index: int, hook: str, edit: dict) -> dict:
+        """{the hook the SAE writes: its rows -> those rows with a feature edit applied as the module defines it,
+        rows + (new_f - old_f) @ W_dec[f]} (old: sae-lens's features of the unedited rows, which an edit at this hook
+        leaves as they are; a transcoder writes its layer's hook_mlp_out), for TransformerLens's run_with_hooks."""
         old_all = self.features[hook][prompt_index]
         chosen = edit["features"]
         value = torch.tensor(edit.get("value", 0.0), dtype=torch.float32).expand(len(chosen))
@@ -1964,7 +1973,13 @@ class SAEOracle:
                 delta[[p for p in range(len(rows)) if p not in edit["positions"]]] = 0.0
             return rows + delta.reshape(rows.shape)
 
-        return change
+        return {TRANSCODES.get(hook, hook): change}
+
+
+def fired(oracle: SAEOracle, hook: str, count: int) -> list[int]:
+    """The ``count`` features of the hook's SAE that fire most on SAE_PROMPTS (sae-lens's encode), so that an edit of
+    them changes something."""
+    return torch.cat(oracle.features[hook]).sum(0).topk(count).indices.tolist()
 
 
 def assert_features(indices, values, expected, k, context):
@@ -2053,18 +2068,42 @@ class TestSAEs:
             ((name, feature_edit),) = edit.items()
             hook = name.removesuffix(tlh.SAE_FEATURES)
             plain = llm.model.reference(SAE_PROMPTS[i], llm.hook_names)
-            steer = {hook: sae_oracle.steered(i, hook, feature_edit)}
-            expected = llm.model.reference(SAE_PROMPTS[i], llm.hook_names, steer)
+            expected = llm.model.reference(SAE_PROMPTS[i], llm.hook_names, sae_oracle.steered(i, hook, feature_edit))
             rows = {n: read[output.request_id][n] for n in llm.hook_names}
             assert_matches(rows, expected, f"request {i}, {name} edited")
             changed = max(relative_error(rows[n], plain[n]) for n in llm.hook_names)
             assert changed > 1e-3, f"request {i}: the edit changed nothing ({changed:.1e})"
 
+    def test_transcoder_feature_edits_change_hook_mlp_out_as_in_transformer_lens(self, llm, sae_oracle):
+        """A transcoder's feature edit, per request, at some positions or all: its layer's hook_mlp_out gets (new_f -
+        old_f) @ W_dec[f], old_f sae-lens's features of the MLP's input; a third request, unedited, as without."""
+        hooks = list(TRANSCODES)
+        edits = [
+            {features(hooks[0]): {"op": "set", "features": fired(sae_oracle, hooks[0], 2), "value": [5.0, 0.0], "positions": [1, 6]}},
+            {features(hooks[1]): {"op": "scale", "features": fired(sae_oracle, hooks[1], 3), "value": 3.0}},
+            None,
+        ]
+        names = [*llm.hook_names, *TRANSCODES.values()]
+        outputs = generate(llm, SAE_PROMPTS, 1, [e and tlh.request_args(llm.config, edits=e) for e in edits])
+        read = tlh.read_batched(llm, [o.request_id for o in outputs])
+        for i, (output, edit) in enumerate(zip(outputs, edits)):
+            rows = {n: read[output.request_id][n] for n in llm.hook_names}
+            plain = llm.model.reference(SAE_PROMPTS[i], names)
+            if edit is None:
+                assert_matches(rows, {n: plain[n] for n in llm.hook_names}, "unedited beside transcoder edits")
+                continue
+            ((name, feature_edit),) = edit.items()
+            hook = name.removesuffix(tlh.SAE_FEATURES)
+            expected = llm.model.reference(SAE_PROMPTS[i], names, sae_oracle.steered(i, hook, feature_edit))
+            assert_matches(rows, {n: expected[n] for n in llm.hook_names}, f"request {i}, {name} edited")
+            assert relative_error(expected[TRANSCODES[hook]], plain[TRANSCODES[hook]]) > 1e-3, f"{name}: no change"
+
     def test_an_unedited_request_is_bit_exact_beside_feature_edits(self, llm):
         prompt = SAE_PROMPTS[0]
         (alone,) = generate(llm, [prompt], 2)
         before = tlh.read_batched(llm, [alone.request_id])[alone.request_id]
-        edit = {features("blocks.1.hook_resid_post"): {"op": "set", "features": [3], "value": 9.0, "positions": [200]}}
+        edit = {features("blocks.1.hook_resid_post"): {"op": "set", "features": [3], "value": 9.0, "positions": [200]},
+                features("blocks.1.mlp.hook_in"): {"op": "set", "features": [3], "value": 9.0, "positions": [200]}}
         (beside,) = generate(llm, [prompt], 2, [tlh.request_args(llm.config, edits=edit)])  # (past its rows)
         after = tlh.read_batched(llm, [beside.request_id])[beside.request_id]
         assert all(torch.equal(before[name], after[name]) for name in before), "a feature edit elsewhere changes no bit"
@@ -2098,9 +2137,16 @@ class TestSAEsOnePrompt:
         edit = {"op": "add", "features": [1, 2], "value": [2.0, -1.5], "positions": [1, 3]}
         tlh.set_edits(llm, {features("blocks.2.attn.hook_z"): edit})
         steered = capture(llm, prompt)
-        expected = llm.model.reference(prompt, llm.hook_names, {"blocks.2.attn.hook_z": sae_oracle.steered(1, "blocks.2.attn.hook_z", edit)})
+        expected = llm.model.reference(prompt, llm.hook_names, sae_oracle.steered(1, "blocks.2.attn.hook_z", edit))
         assert_matches({n: steered[n] for n in llm.hook_names}, expected, "engine-wide feature edit")
         assert not torch.equal(steered["blocks.2.hook_resid_post"], first["blocks.2.hook_resid_post"])
+        hook = "blocks.1.mlp.hook_in"  # a transcoder's, engine-wide: its layer's hook_mlp_out changes
+        edit = {"op": "add", "features": fired(sae_oracle, hook, 2), "value": [3.0, -1.0], "positions": [0, 2]}
+        tlh.set_edits(llm, {features(hook): edit})
+        transcoded = capture(llm, prompt)
+        expected = llm.model.reference(prompt, llm.hook_names, sae_oracle.steered(1, hook, edit))
+        assert_matches({n: transcoded[n] for n in llm.hook_names}, expected, "engine-wide transcoder feature edit")
+        assert not torch.equal(transcoded["blocks.1.hook_resid_post"], first["blocks.1.hook_resid_post"])
         tlh.reset_edits(llm)
         again = capture(llm, prompt)
         assert all(torch.equal(first[n], again[n]) for n in first), "reset: every row and feature as before, bit for bit"
@@ -2149,18 +2195,22 @@ def test_the_sinks_row_files_are_filled_again_once_written(models, tmp_path):
 
 def write_sae(directory: Path, hook="blocks.0.hook_resid_post", d_in=128, d_sae=64, architecture="standard", **cfg):
     """A random SAE written by hand in SAELens's format, where sae-lens is not at hand (the checks that need no
-    engine, the GPU machine)."""
+    engine, the GPU machine); a transcoder's decodes to rows of cfg's d_out (default d_in)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(d_sae)
+    transcoder = "transcoder" in architecture
+    d_out = (cfg.setdefault("d_out", d_in) or d_in) if transcoder else d_in  # (d_out=None: a cfg.json without one)
     weights = {"W_enc": torch.randn(d_in, d_sae, generator=generator) / d_in**0.5,
-               "W_dec": torch.randn(d_sae, d_in, generator=generator) / 4, "b_enc": torch.full((d_sae,), -0.5),
-               "b_dec": 0.1 * torch.randn(d_in, generator=generator)}
-    if architecture == "jumprelu":
+               "W_dec": torch.randn(d_sae, d_out, generator=generator) / 4, "b_enc": torch.full((d_sae,), -0.5),
+               "b_dec": 0.1 * torch.randn(d_out, generator=generator)}
+    if "jumprelu" in architecture:
         weights["threshold"] = torch.full((d_sae,), 0.2)
+    if "skip" in architecture:
+        weights["W_skip"] = 0.01 * torch.randn(d_out, d_in, generator=generator)
     save_file(weights, str(directory / "sae_weights.safetensors"))
-    config = {"architecture": architecture, "d_in": d_in, "d_sae": d_sae, "apply_b_dec_to_input": True,
+    config = {"architecture": architecture, "d_in": d_in, "d_sae": d_sae, "apply_b_dec_to_input": not transcoder,
               "normalize_activations": "none", "metadata": {"hook_name": hook}, **cfg}
     (directory / "cfg.json").write_text(json.dumps(config))
     return str(directory)
@@ -2175,11 +2225,11 @@ class TestSAEChecks:
     @pytest.mark.parametrize(
         "change, message",
         [
-            (dict(architecture="gated"), r"architecture 'gated' is not implemented here; implemented: \['standard', 'jumprelu', 'topk'\]"),
+            (dict(architecture="gated"), r"architecture 'gated' is not implemented here; implemented: \['standard', 'jumprelu', 'topk', 'transcoder', "),
             (dict(normalize_activations="layer_norm"), "normalize_activations 'layer_norm' is not implemented here, only 'none'"),
             (dict(rescale_acts_by_decoder_norm=True), "rescale_acts_by_decoder_norm True is not implemented here"),
             (dict(metadata={"hook_name": "blocks.3.hook_resid_post"}), "trained on 'blocks.3.hook_resid_post'"),
-            (dict(d_in=64), "reads rows of 64, but the hook's rows are 128 wide"),
+            (dict(d_in=64), "reads rows of 64 at blocks.0.hook_resid_post, but its rows are 128 wide"),
             (dict(architecture="topk"), "k for topk"),
         ],
     )
@@ -2241,6 +2291,36 @@ class TestSAEChecks:
         options = {key: {name if k == "F" else k: v for k, v in value.items()} for key, value in options.items()}
         with pytest.raises(ValueError, match=message):
             tlh.request_args(config, **options)
+
+    def test_gemma_scope_2_transcoders_read_the_mlps_input(self, tmp_path):
+        """SAELens names Gemma Scope 2's transcoders' input blocks.L.hook_mlp_in, which TransformerLens 4.3 means as
+        ln2's input; their hf_hook_name, the pre-MLP norm's output, is mlp.hook_in, where they are taken."""
+        hook, out = "blocks.0.mlp.hook_in", "blocks.0.hook_mlp_out"
+        metadata = {"hook_name": "blocks.0.hook_mlp_in", "hook_name_out": out,
+                    "hf_hook_name": "model.layers.0.pre_feedforward_layernorm.output"}
+        directory = write_sae(tmp_path / "gs2", architecture="jumprelu_skip_transcoder", metadata=metadata)
+        spec = tlh.configure({out: 128}, saes={hook: directory}).sae(hook)
+        assert (spec.writes, spec.d_out, spec.apply_b_dec_to_input) == (out, 128, False)
+        del metadata["hf_hook_name"]
+        undescribed = write_sae(tmp_path / "plain", architecture="jumprelu_transcoder", metadata=metadata)
+        with pytest.raises(ValueError, match="trained on 'blocks.0.hook_mlp_in', not 'blocks.0.mlp.hook_in'"):
+            tlh.configure({}, saes={hook: undescribed})
+
+    @pytest.mark.parametrize(
+        "hook, change, message",
+        [
+            ("blocks.0.mlp.hook_in", dict(metadata={"hook_name": "blocks.0.mlp.hook_in", "hook_name_out": "blocks.1.hook_mlp_out"}),
+             "reads 'blocks.0.mlp.hook_in' and writes 'blocks.1.hook_mlp_out'"),
+            ("blocks.0.hook_resid_post", {}, "a transcoder reads a hook of a layer before its hook_mlp_out"),
+            ("blocks.0.mlp.hook_in", dict(apply_b_dec_to_input=True), "a transcoder's b_dec is of its output"),
+            ("blocks.0.mlp.hook_in", dict(d_out=None), r"d_out for a transcoder"),
+            ("blocks.0.mlp.hook_in", dict(d_out=64), "writes rows of 64 at blocks.0.hook_mlp_out, but its rows are 128"),
+        ],
+    )
+    def test_a_transcoder_that_does_not_write_its_layers_mlp_output_is_refused(self, tmp_path, hook, change, message):
+        directory = write_sae(tmp_path / "t", hook, architecture="transcoder", **change)
+        with pytest.raises(ValueError, match=message):
+            tlh.configure({"blocks.0.hook_mlp_out": 128}, saes={hook: directory})
 
     def test_chosen_features_need_the_batched_flavour_and_room(self, tmp_path):
         saes = {self.HOOK: write_sae(tmp_path / "s")}
@@ -2547,38 +2627,53 @@ def test_cuda_sink_writes_what_transformers_computes(models, tmp_path):
 
 @CUDA
 class TestCudaSAEs:
-    """SAE features and a feature edit per request under vLLM's default CUDA graphs and Model Runner V2, bf16 (the
-    GPU machine has no sae-lens: the reference is SAELens's formula, which the CPU tests check against sae-lens,
-    on the engine's own rows of that hook)."""
+    """SAE and transcoder features and a feature edit of each per request under vLLM's default CUDA graphs and Model
+    Runner V2, bf16 (the GPU machine has no sae-lens: the reference is SAELens's formula, which the CPU tests check
+    against sae-lens, on the engine's own rows of those hooks)."""
 
     def test_features_and_a_feature_edit_match_the_formula(self, models, tmp_path):
         from safetensors.torch import load_file
 
-        hook = "blocks.1.hook_resid_post"
-        directory = write_sae(tmp_path / "sae", hook, d_sae=256)
-        edit = {features(hook): {"op": "set", "features": [3, 17], "value": [4.0, 0.0]}}
+        hook, tc, out = "blocks.1.hook_resid_post", "blocks.1.mlp.hook_in", "blocks.1.hook_mlp_out"
+        saes = {hook: write_sae(tmp_path / "sae", hook, d_sae=256),
+                tc: write_sae(tmp_path / "tc", tc, d_sae=256, architecture="jumprelu_skip_transcoder")}
+        edits = {hook: {features(hook): {"op": "set", "features": [3, 17], "value": [4.0, 0.0]}},
+                 tc: {features(tc): {"op": "scale", "features": [5, 9], "value": 3.0}}}
         with engine(
-            models["llama"], sites=("resid_post",), in_process=False, eager=False, batching=True, dtype="bfloat16",
-            environment=RUNNERS["v2"], saes={hook: directory}, sae_top_k=16,
+            models["llama"], sites=("mlp_in", "mlp_out", "resid_post"), in_process=False, eager=False,
+            batching=True, dtype="bfloat16", environment=RUNNERS["v2"], saes=saes, sae_top_k=16,
         ) as llm:
-            extra = [None, tlh.request_args(llm.config, edits=edit)] * 4
+            extra = [None, tlh.request_args(llm.config, edits=edits[hook]), None,
+                     tlh.request_args(llm.config, edits=edits[tc])] * 2
             outputs = generate(llm, [p for p in MANY_PROMPTS[8:12] for _twice in range(2)], 1, extra)
             read = tlh.read_batched(llm, [o.request_id for o in outputs])
-        w = load_file(str(Path(directory) / "sae_weights.safetensors"))
+        w = {name: load_file(str(Path(d) / "sae_weights.safetensors")) for name, d in saes.items()}
+        reference = bf16_reference(models["llama"])
+
+        def activations(name, rows):  # SAELens's encode: b_dec off the input for the SAE, not the transcoder
+            pre = (rows.float() - (w[name]["b_dec"] if name == hook else 0)) @ w[name]["W_enc"] + w[name]["b_enc"]
+            return pre.relu() * (pre > w[name]["threshold"]) if name == tc else pre.relu()
+
         for i, output in enumerate(outputs):
             rows = read[output.request_id]
             if i % 2:  # the edited rows, against the unedited ones of the same prompt
-                before = read[outputs[i - 1].request_id][hook].float()
-                pre = (before - w["b_dec"]) @ w["W_enc"] + w["b_enc"]
-                old = pre.relu()[:, [3, 17]]
-                expected = before + (torch.tensor([4.0, 0.0]) - old) @ w["W_dec"][[3, 17]]
-                assert relative_error(rows[hook].float(), expected) <= BF16_TOLERANCE, f"request {i}"
+                before = read[outputs[i - 1].request_id]
+                name, changed, (edit,) = (hook, hook, edits[hook].values()) if i % 4 == 1 else (tc, out, edits[tc].values())
+                old = activations(name, before[name])[:, edit["features"]]
+                new = torch.tensor(edit["value"]).expand_as(old) * (old if edit["op"] == "scale" else 1)
+                expected = before[changed].float() + (new - old) @ w[name]["W_dec"][edit["features"]]
+                assert relative_error(rows[changed].float(), expected) <= BF16_TOLERANCE, f"request {i} {name}"
+                assert relative_error(expected, before[changed].float()) > 2 * BF16_TOLERANCE, f"{name}: no change"
                 continue
-            activations = ((rows[hook].float() - w["b_dec"]) @ w["W_enc"] + w["b_enc"]).relu()
-            values = rows[features(hook) + ".values"].float()
-            named = activations.gather(1, rows[features(hook) + ".indices"].long())
-            assert relative_error(values, named) <= BF16_ROW_TOLERANCE, f"request {i}"
-            assert relative_error(values, activations.topk(16).values) <= BF16_ROW_TOLERANCE, f"request {i}"
+            names = llm.hook_names  # (mlp.hook_in, hook_mlp_out and hook_resid_post of every layer)
+            expected = reference.reference(MANY_PROMPTS[8 + i // 2], names)
+            assert_matches({n: rows[n] for n in names}, expected, f"request {i}", BF16_TOLERANCE)
+            for name in saes:
+                values = rows[features(name) + ".values"].float()
+                dense = activations(name, rows[name])
+                named = dense.gather(1, rows[features(name) + ".indices"].long())
+                assert relative_error(values, named) <= BF16_ROW_TOLERANCE, f"request {i} {name}"
+                assert relative_error(values, dense.topk(16).values) <= BF16_ROW_TOLERANCE, f"request {i} {name}"
 
 
 @CUDA
@@ -2811,26 +2906,29 @@ class TestTensorParallel:
 
     def test_saes_on_replicated_hooks_under_tensor_parallelism(self, models, sae_oracle):
         """Tensor parallel 2 on two CPU workers, eager: each rank encodes a replicated hook's rows with its own copy
-        of the SAE; the features come from rank 0, a feature edit changes both ranks' rows alike."""
+        of the SAE; the features come from rank 0, a feature edit (of an SAE, of a transcoder) changes both ranks'
+        rows alike."""
         if torch.cuda.is_available() or len(os.sched_getaffinity(0)) < 2:
             pytest.skip("two CPU workers need two cores")
-        model, hook = models["llama"], "blocks.0.hook_mlp_out"
+        model = models["llama"]
         saes = {h: d for h, d in sae_oracle.saes().items() if h != "blocks.2.attn.hook_z"}  # (split: refused)
-        edit = {"op": "scale", "features": [0, 7, 9], "value": 3.0}
+        edits = {"blocks.0.hook_mlp_out": {"op": "scale", "features": [0, 7, 9], "value": 3.0},
+                 "blocks.1.mlp.hook_in": {"op": "add", "features": fired(sae_oracle, "blocks.1.mlp.hook_in", 2), "value": 2.0}}
         with engine(
             model, sites=("resid_post",), in_process=False, eager=True, batching=True, tensor_parallel_size=2,
             environment=(("VLLM_CPU_OMP_THREADS_BIND", "0|1"),), saes=saes, sae_top_k=SAE_TOP_K,
         ) as llm:
-            extra = [None, tlh.request_args(llm.config, edits={features(hook): edit})]
-            outputs = generate(llm, SAE_PROMPTS[:2], 1, extra)
+            extra = [None, *(tlh.request_args(llm.config, edits={features(h): e}) for h, e in edits.items())]
+            outputs = generate(llm, SAE_PROMPTS, 1, extra)
             read = tlh.read_batched(llm, [o.request_id for o in outputs])
-        unedited, edited = (read[o.request_id] for o in outputs)
+        unedited, *edited = (read[o.request_id] for o in outputs)
         for name in saes:
             got = unedited[features(name) + ".indices"], unedited[features(name) + ".values"]
             assert_features(*got, sae_oracle.features[name][0], SAE_TOP_K, f"tp2 {name}")
         assert_matches({n: unedited[n] for n in llm.hook_names}, model.reference(SAE_PROMPTS[0], llm.hook_names))
-        expected = model.reference(SAE_PROMPTS[1], llm.hook_names, {hook: sae_oracle.steered(1, hook, edit)})
-        assert_matches({n: edited[n] for n in llm.hook_names}, expected, "tp2 feature edit")
+        for i, (rows, (hook, edit)) in enumerate(zip(edited, edits.items()), 1):
+            expected = model.reference(SAE_PROMPTS[i], llm.hook_names, sae_oracle.steered(i, hook, edit))
+            assert_matches({n: rows[n] for n in llm.hook_names}, expected, f"tp2 feature edit at {hook}")
 
     def test_preempted_requests_come_back_without_duplicated_or_missing_rows(self, models):
         """A KV cache of 10 blocks of 32 tokens cannot hold four 100-token prompts
