@@ -2225,7 +2225,7 @@ class TestSAEChecks:
     @pytest.mark.parametrize(
         "change, message",
         [
-            (dict(architecture="gated"), r"architecture 'gated' is not implemented here; implemented: \['standard', 'jumprelu', 'topk', 'transcoder', "),
+            (dict(architecture="gated"), r"architecture 'gated' is not implemented here; implemented: \['standard', 'jumprelu', 'topk', 'transcoder', 'skip_transcoder', 'jumprelu_transcoder', 'jumprelu_skip_transcoder'\]"),
             (dict(normalize_activations="layer_norm"), "normalize_activations 'layer_norm' is not implemented here, only 'none'"),
             (dict(rescale_acts_by_decoder_norm=True), "rescale_acts_by_decoder_norm True is not implemented here"),
             (dict(metadata={"hook_name": "blocks.3.hook_resid_post"}), "trained on 'blocks.3.hook_resid_post'"),
@@ -2312,6 +2312,7 @@ class TestSAEChecks:
             ("blocks.0.mlp.hook_in", dict(metadata={"hook_name": "blocks.0.mlp.hook_in", "hook_name_out": "blocks.1.hook_mlp_out"}),
              "reads 'blocks.0.mlp.hook_in' and writes 'blocks.1.hook_mlp_out'"),
             ("blocks.0.hook_resid_post", {}, "a transcoder reads a hook of a layer before its hook_mlp_out"),
+            ("hook_embed", {}, "this one reads 'hook_embed'"),
             ("blocks.0.mlp.hook_in", dict(apply_b_dec_to_input=True), "a transcoder's b_dec is of its output"),
             ("blocks.0.mlp.hook_in", dict(d_out=None), r"d_out for a transcoder"),
             ("blocks.0.mlp.hook_in", dict(d_out=64), "writes rows of 64 at blocks.0.hook_mlp_out, but its rows are 128"),

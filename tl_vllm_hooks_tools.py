@@ -723,7 +723,8 @@ def read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
     writes = None
     if transcoder:  # it reads a hook of a layer before that layer's MLP output, and writes that output
         writes, wrote = SITES["mlp_out"].format(i=site[1]), metadata.get("hook_name_out", cfg.get("hook_name_out"))
-        if list(SITES).index(site[0]) >= list(SITES).index("mlp_out") or wrote not in (None, writes):
+        layer_before_mlp_out = site[1] is not None and list(SITES).index(site[0]) < list(SITES).index("mlp_out")
+        if not layer_before_mlp_out or wrote not in (None, writes):
             raise ValueError(
                 f"{where}: a transcoder reads a hook of a layer before its hook_mlp_out and writes that hook_mlp_out; "
                 f"this one reads {name!r} and writes {wrote!r}"
