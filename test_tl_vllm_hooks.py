@@ -50,29 +50,21 @@ TOLERANCE = 1e-5
 NO_ENGINE = pytest.mark.no_engine  # the inner loop's tier: pytest -m no_engine
 MAX_TOKENS_PER_FORWARD = 128
 HERE = Path(__file__).resolve().parent
-# Every family the module claims, written out here rather than read from the module.
-FAMILIES = (
-    "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "olmo", "olmo2", "phi", "phi3", "granite",
-    "stablelm", "starcoder2", "cohere", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gpt2",
-    "gpt_neox", "gptj", "opt", "bloom", "falcon",
-)
+# Every family the module claims: one per record, read from the records (never typed here).
+FAMILIES = tuple(tlh._FAMILIES)
 # The sites the flavour, sink and serving tests hook on every layer (the first release's).
 CLASSIC_SITES = (
     "embed", "pos_embed", "resid_pre", "attn_z", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post",
     "final_norm",
 )
-# Sites TransformerLens's bridge runs that the module does not place, and why; it must
-# refuse each by name. Every other site the bridge runs on a family is compared with it.
-NOT_PLACED = {
-    # TransformerLens 4.3 fails on a hook at OLMo's weightless norms ("no attribute 'weight'").
-    "olmo": {"ln1", "ln2", "final_norm", "attn_rot_q", "attn_rot_k"},
-    # vLLM's Transformers backend applies rotary inside transformers' attention: no module holds it.
-    "olmo2": {"attn_rot_q", "attn_rot_k"},
-    "phi": {"attn_rot_q", "attn_rot_k"},
-    "starcoder2": {"attn_rot_q", "attn_rot_k"},
-    # ... and GPT-NeoX's fused query_key_value interleaves q, k and v per head.
-    "gpt_neox": {"attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k"},
-}
+SITE_OF = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"\d+") + "$"): site for site, name in tlh.SITES.items()}
+
+
+def site_of(hook_name: str) -> str | None:
+    """The site of a TransformerLens hook name of tlh.SITES, else None."""
+    return next((site for pattern, site in SITE_OF.items() if pattern.match(hook_name)), None)
+
+
 # The router's choice: vLLM's fused mixture of experts routes inside its kernel, so
 # these are read, never edited (the module refuses edits of them).
 READ_ONLY = ("mlp.hook_expert_weights", "mlp.hook_expert_indices")
@@ -104,6 +96,14 @@ def apply_edit(rows: torch.Tensor, edit: dict) -> torch.Tensor:
     return rows
 
 
+def forward_position(hook_name: str, order: dict) -> tuple:
+    """Where a forward reaches a hook: the embeddings, each layer's sites in tlh.SITES order, the final norm."""
+    layer = re.match(r"blocks\.(\d+)\.", hook_name)
+    template = re.sub(r"^blocks\.\d+\.", "blocks.{i}.", hook_name)
+    final = hook_name.startswith("ln_final.")
+    return (final, -1 if layer is None else int(layer.group(1)), order[template])
+
+
 class Model:
     """A tiny random model saved to disk, its transformers module, and TransformerLens
     4.3's bridge on a copy of it (booted on first use; the bridge rewires the module
@@ -118,7 +118,7 @@ class Model:
         for module in self.hf.modules():
             module.do_not_compile = True
         self._bridge = None
-        self._sites = None
+        self._expected = None
 
     @property
     def bridge(self):
@@ -131,17 +131,29 @@ class Model:
         return self._bridge
 
     @property
-    def sites(self) -> tuple[str, ...]:
-        """The sites whose hook TransformerLens's bridge runs in a forward of this model
-        (layer 0's), in forward order, less those the module does not place."""
-        if self._sites is None:
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        """{hook name: row shape} of every hook of tlh.SITES that TransformerLens's bridge runs in a forward of this
+        model, on every layer, in forward order, less the sites its record refuses (each with its reason). The test's
+        own account of what the module must place, from the bridge alone."""
+        if self._expected is None:
             with torch.no_grad():
                 _logits, cache = self.bridge.run_with_cache(torch.tensor([PROMPT[:8]]))
-            self._sites = tuple(
-                site for site, name in tlh.SITES.items()
-                if name.format(i=0) in cache and site not in NOT_PLACED.get(self.family, ())
-            )
-        return self._sites
+            refused = tlh._FAMILIES[self.family].refused
+            found = {}
+            for name, tensor in cache.items():
+                site = site_of(name)
+                if site is not None and site not in refused:
+                    rows = tensor if tensor.shape[0] == 8 else tensor[0]  # (a router's and OPT's ln2 drop the batch)
+                    found[name] = tuple(rows.shape[1:])
+            order = {name: n for n, name in enumerate(tlh.SITES.values())}
+            self._expected = dict(sorted(found.items(), key=lambda item: forward_position(item[0], order)))
+        return self._expected
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        """The sites of ``expected``, in tlh.SITES order."""
+        present = {site_of(name) for name in self.expected}
+        return tuple(site for site in tlh.SITES if site in present)
 
     @property
     def classic_sites(self) -> tuple[str, ...]:
@@ -601,16 +613,16 @@ def test_capture_specs_names_follow_transformer_lens():
 
 @NO_ENGINE
 def test_capture_specs_refuse_what_the_architecture_lacks():
-    from transformers import GPTNeoXConfig, MambaConfig, MixtralConfig, OPTConfig
+    from transformers import GPTNeoXConfig, MixtralConfig, OPTConfig
 
     neox = GPTNeoXConfig(num_hidden_layers=2)
     neox.architectures = ["GPTNeoXForCausalLM"]
     with pytest.raises(ValueError, match=r"GPTNeoXForCausalLM has no \['blocks.{i}.hook_resid_mid'\] \(attention and MLP"):
         tlh.capture_specs(neox, sites=("resid_post", "resid_mid"))
-    mamba = MambaConfig(num_hidden_layers=2)
-    mamba.architectures = ["MambaForCausalLM"]
-    with pytest.raises(ValueError, match=r"architecture MambaForCausalLM: .* no table for it; supported: \['BloomForCausalLM'"):
-        tlh.capture_specs(mamba)
+    unknown = GPTNeoXConfig(num_hidden_layers=2)
+    unknown.architectures = ["ToyForCausalLM"]
+    with pytest.raises(ValueError, match=r"architecture ToyForCausalLM: .* no record for it; supported: \['BloomForCausalLM'"):
+        tlh.capture_specs(unknown)
     opt = OPTConfig(num_hidden_layers=2, do_layer_norm_before=False)
     opt.architectures = ["OPTForCausalLM"]
     with pytest.raises(ValueError, match=r"OPTForCausalLM with do_layer_norm_before=False: .* describes OPTForCausalLM with do_layer_norm_before=True"):
@@ -746,7 +758,7 @@ def test_step_collection_keeps_each_requests_rows():
     worker = types.SimpleNamespace(
         model_runner=types.SimpleNamespace(get_model=lambda: model),
         vllm_config=types.SimpleNamespace(
-            model_config=types.SimpleNamespace(hf_config=None),
+            model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(get_text_config=lambda: None)),
             cache_config=types.SimpleNamespace(enable_prefix_caching=False),
             scheduler_config=types.SimpleNamespace(max_num_seqs=8),
         ),
@@ -889,13 +901,17 @@ def site_edits(specs: dict[str, tuple[int, ...]]) -> dict[str, dict]:
     edits = {}
     for n, (name, shape) in enumerate(specs.items()):
         vector = torch.linspace(-1.0, 1.0, int(torch.Size(shape).numel())).reshape(shape)
+        if name.endswith("hook_scale"):  # a norm's divisor: kept well away from 0, where normalizing blows up
+            vector = torch.full(shape, 1.5)
         edits[name] = [
-            {"op": "suppress"},
+            {"op": "scale" if name.endswith("hook_scale") else "suppress", "value": 2.0},
             {"op": "scale", "value": 0.5},
             {"op": "add", "value": vector},
             {"op": "set", "value": vector},
             {"op": "scale", "value": vector + 1.5, "positions": [2, 30]},
         ][n % 5]
+        if edits[name]["op"] == "suppress":
+            del edits[name]["value"]
     return edits
 
 
@@ -1001,25 +1017,27 @@ class TestFamiliesOnePromptFlavour:
 
 
 @NO_ENGINE
-def test_each_family_places_every_site_transformer_lens_runs(models):
-    """No engine: capture_specs places every site the bridge runs on each family, with
-    TransformerLens's row shapes, and refuses by name every other site (those of
-    NOT_PLACED, and those the bridge does not run there)."""
-    for family in FAMILIES:
-        model = models[family]
-        specs = tlh.capture_specs(model.hf.config, sites=model.sites, layers=[0])
-        with torch.no_grad():
-            _logits, cache = model.bridge.run_with_cache(torch.tensor([PROMPT[:8]]))
-        for name, shape in specs.items():
-            assert tuple(cache[name].shape[-len(shape):]) == shape, f"{family} {name}"
-        for name in specs:
-            if name.endswith(READ_ONLY):
-                with pytest.raises(ValueError, match="read-only"):
-                    tlh.request_args(tlh.configure(specs, 64, enable_batching=True), "all", {name: {"op": "suppress"}})
-        for site in tlh.SITES:
-            if site not in model.sites:  # not run by TransformerLens here, or in NOT_PLACED
-                with pytest.raises(ValueError, match=re.escape(tlh.SITES[site])):
-                    tlh.capture_specs(model.hf.config, sites=(site,))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_places_exactly_the_hooks_transformer_lens_runs(models, family):
+    """No engine: capture_specs of every site gives exactly the hooks the bridge runs on every
+    layer, with TransformerLens's row shapes and in forward order, less those the record refuses,
+    each of which is refused by name with its reason; every other site is refused by name."""
+    model = models[family]
+    record = tlh._FAMILIES[family]
+    assert tlh.capture_specs(model.hf.config, sites=model.sites) == model.expected
+    assert not set(record.refused) & set(model.sites), "a site is both placed and refused"
+    for site, reason in record.refused.items():
+        with pytest.raises(ValueError, match=re.escape(tlh.SITES[site]) + ".*" + re.escape(reason[:40])):
+            tlh.capture_specs(model.hf.config, sites=(site,))
+    for site in tlh.SITES:
+        if site not in model.sites and site not in record.refused:  # the bridge runs it on no layer
+            with pytest.raises(ValueError, match=re.escape(tlh.SITES[site])):
+                tlh.capture_specs(model.hf.config, sites=(site,))
+    specs = model.expected
+    for name in specs:
+        if name.endswith(READ_ONLY):
+            with pytest.raises(ValueError, match="read-only"):
+                tlh.request_args(tlh.configure(specs, 64, enable_batching=True), "all", {name: {"op": "suppress"}})
 
 
 @NO_ENGINE

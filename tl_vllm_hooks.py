@@ -78,39 +78,47 @@ def _tools() -> Any:
 
 
 # ---------------------------------------------------------------------------
-# Hook names and architectures. What a TransformerLens hook name means is fixed by TransformerLens 4.3's
-# TransformerBridge; where that tensor lives depends on the model class vLLM instantiates, so every architecture has
-# its own table of taps, checked against the bridge on the same weights. A name this table does not place for the
-# loaded architecture is refused, never guessed.
+# Hook names and families. What a TransformerLens hook name means is fixed by TransformerLens 4.3's
+# TransformerBridge; where that tensor lives depends on the model class vLLM instantiates. Each family is one record
+# (_Family), the one owner of what the module knows of it: module paths, norms, residual layout, multipliers, routing,
+# its config's settings and its tiny test model. _taps reads a record and places every site of one layer. The records
+# drive tiny_model, the tests and the README's table; an architecture no record describes is refused, with the
+# measured reason where _REFUSED holds one, never guessed.
 # ---------------------------------------------------------------------------
 
 # fmt: off
 SITES = {
     "embed": "hook_embed", "pos_embed": "hook_pos_embed",
-    "resid_pre": "blocks.{i}.hook_resid_pre", "ln1": "blocks.{i}.ln1.hook_normalized",
+    "resid_pre": "blocks.{i}.hook_resid_pre", "ln1_scale": "blocks.{i}.ln1.hook_scale",
+    "ln1": "blocks.{i}.ln1.hook_normalized",
     "attn_q": "blocks.{i}.attn.hook_q", "attn_k": "blocks.{i}.attn.hook_k", "attn_v": "blocks.{i}.attn.hook_v",
     "attn_rot_q": "blocks.{i}.attn.hook_rot_q", "attn_rot_k": "blocks.{i}.attn.hook_rot_k",
     "attn_z": "blocks.{i}.attn.hook_z", "attn_out": "blocks.{i}.hook_attn_out",
-    "resid_mid": "blocks.{i}.hook_resid_mid", "ln2": "blocks.{i}.ln2.hook_normalized",
+    "resid_mid": "blocks.{i}.hook_resid_mid", "ln2_scale": "blocks.{i}.ln2.hook_scale",
+    "ln2": "blocks.{i}.ln2.hook_normalized",
     "mlp_in": "blocks.{i}.mlp.hook_in", "mlp_pre": "blocks.{i}.mlp.hook_pre",
+    "mlp_pre_linear": "blocks.{i}.mlp.hook_pre_linear",
     "expert_weights": "blocks.{i}.mlp.hook_expert_weights", "expert_indices": "blocks.{i}.mlp.hook_expert_indices",
     "mlp_post": "blocks.{i}.mlp.hook_post",
     "mlp_out": "blocks.{i}.hook_mlp_out", "resid_post": "blocks.{i}.hook_resid_post",
-    "final_norm": "ln_final.hook_normalized",
+    "final_norm_scale": "ln_final.hook_scale", "final_norm": "ln_final.hook_normalized",
 }
 # fmt: on
 """site -> TransformerLens hook name, in forward order; ``{i}`` is the layer. Rows are
 ``[d_model]`` but ``[n_heads, d_head]`` at attn_q, attn_rot_q and attn_z (per head, the
 output projection's input), ``[n_kv_heads, d_head]`` at attn_k, attn_v and attn_rot_k (q
-and k before rotary, then after it), ``[d_mlp]`` at mlp_pre and mlp_post on dense MLPs (the
-activation's input, its gate on gated ones, and the down projection's input); on
-mixture-of-experts blocks mlp_pre and mlp_post are the block's input and output, and the
-router's choice is expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen)
-and expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both
-read-only). ln1, ln2 and final_norm are a norm's input normalized, before weight and bias; mlp_in is the MLP's
-own input (its norm's output, weight and bias applied)."""
+and k before rotary, then after it), ``[d_mlp]`` at mlp_pre, mlp_pre_linear and mlp_post on
+dense MLPs (the activation's input, its gate on gated ones; a gated MLP's linear (up)
+projection; the down projection's input); on mixture-of-experts layers mlp_pre and mlp_post
+are the block's input and output, and the router's choice is expert_weights ``[n_experts]``
+(each expert's weight, 0 if not chosen) and expert_indices ``[top_k]`` (highest weight
+first, in the capture dtype; both read-only). ln1, ln2 and final_norm are a norm's input
+normalized, before weight and bias, and their ``*_scale`` the divisor, ``[1]``:
+sqrt(mean(x**2) + eps) of the (mean-centred, for LayerNorm) input; mlp_in is the MLP's own
+input (its norm's output, weight and bias applied)."""
 
 _READ_ONLY_SITES = ("expert_weights", "expert_indices")  # vLLM's fused MoE routes inside its kernel
+_NORM_SITES = ("ln1_scale", "ln1", "ln2_scale", "ln2", "final_norm_scale", "final_norm")
 
 _HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
@@ -130,6 +138,7 @@ _OUTPUT_PAIR = "output_pair"  # the sum of the (hidden, residual) a fused-residu
 _INPUT = "input"  # one input of the module, which runs on the edited input
 _INPUT_PAIR = "input_pair"  # the sum of (hidden, residual) inputs, residual None in the first layer
 _NORM_INPUT = "norm_input"  # the sum of a fused add-and-norm's inputs; the edit reaches its output only (hook_resid_mid is ln2's input)
+_NORM_SCALE = "norm_scale"  # a norm's divisor; an edit reaches its output as input / edited * weight + bias
 _NORMALIZED = "normalized"  # a norm's input (or sum of two) normalized; an edit reaches it as edited * weight + bias
 _ROUTER = "router"  # a mixture of experts' choice per token, from its router's logits (read-only)
 
@@ -143,12 +152,12 @@ class _Tap:
     norm: ``rms``, ``rms_offset`` (weight applied as 1 + weight, Gemma) or ``layer`` (mean-centred, with a bias
         where it has one).
     part: the site's columns of the tensor: ``q``, ``k`` or ``v``, those heads of a fused qkv projection's output;
-        ``gate``, the first half of a gated activation's input; for _ROUTER, ``indices`` (top-k experts) or
-        ``weights`` (over all experts: softmax, top-k, then renormalized where ``renormalize`` says: ``always``, or
-        a config attribute).
+        ``gate`` and ``up``, the first and second half of a gated activation's input; for _ROUTER, ``indices``
+        (top-k experts) or ``weights`` (over all experts).
     multiplier: a config attribute the module's output is multiplied by where the branch joins the stream (Granite's
         residual_multiplier): the product is TransformerLens's tensor and carries the edit. bias_apart: the module
         returns (output, bias) for its caller to add (skip_bias_add, Falcon's): the sum carries the edit.
+    moe: for _ROUTER, the block whose routing it reads.
     """
 
     module: str
@@ -158,7 +167,7 @@ class _Tap:
     part: str = ""
     multiplier: str = ""
     bias_apart: bool = False
-    renormalize: str = ""
+    moe: _MoE | None = None
 
 
 _LAYER_PAIR = (("hidden_states", 1), ("residual", 2))  # vLLM's fused-residual decoder layers
@@ -170,273 +179,314 @@ _TORCH_NORM_INPUT = (("input", 0),)  # torch.nn.LayerNorm
 _LINEAR_INPUT = (("input_", 0),)  # vLLM's RowParallelLinear
 _QUERY, _KEY = (("query", 0),), (("key", 1),)  # vLLM's Attention(query, key, value)
 
-
-def _attention_taps(
-    attention: str, qkv: str = ".qkv_proj", o_proj: str = ".o_proj", rotary: bool = True, bias_apart: bool = False
-) -> dict[str, _Tap]:
-    """q, k, v as heads of the fused qkv projection's output; after rotary, what vLLM's
-    Attention receives; z, the output projection's input."""
-    taps = {
-        "attn_q": _Tap(attention + qkv, _OUTPUT, part="q", bias_apart=bias_apart),
-        "attn_k": _Tap(attention + qkv, _OUTPUT, part="k", bias_apart=bias_apart),
-        "attn_v": _Tap(attention + qkv, _OUTPUT, part="v", bias_apart=bias_apart),
-        "attn_z": _Tap(attention + o_proj, _INPUT, _LINEAR_INPUT),
-    }
-    if rotary:
-        taps.update(
-            attn_rot_q=_Tap(attention + ".attn", _INPUT, _QUERY), attn_rot_k=_Tap(attention + ".attn", _INPUT, _KEY)
-        )
-    return taps
+_MOE_LAYERS = {  # how a config says which layers hold the mixture of experts (the others a dense MLP)
+    "every": lambda config, i: True,
+    "sparse_step": lambda config, i: (  # Qwen2-MoE's
+        i not in (getattr(config, "mlp_only_layers", None) or []) and (i + 1) % config.decoder_sparse_step == 0
+    ),
+}
 
 
-# fmt: off
-def _fused_residual_taps(
-    norm: str, attn_out: str = "", ln2: str = ".post_attention_layernorm", mlp_out: str = ".mlp",
-    embed_scaled: bool = False, embed: str = "model.embed_tokens", attention: str = ".self_attn",
-    layer_pair: tuple[tuple[str, int], ...] = _LAYER_PAIR,
-) -> dict[str, _Tap]:
-    """vLLM's native Llama-style models: decoder layers take and return (hidden, residual),
-    each pre-norm adds the two (RMSNorm(x, residual)). Gemma scales the embedding after
-    embed_tokens (embed_scaled): hook_embed is the scaled one, layer 0's input."""
-    layer = "model.layers.{i}"
-    return {
-        "embed": _Tap("model.layers.0", _INPUT, _LAYER_INPUT) if embed_scaled else _Tap(embed, _OUTPUT),
-        "resid_pre": _Tap(layer, _INPUT_PAIR, layer_pair),
-        "ln1": _Tap(layer + ".input_layernorm", _NORMALIZED, _NORM_PAIR, norm),
-        **_attention_taps(layer + attention),
-        "attn_out": _Tap(layer + (attn_out or attention), _OUTPUT),
-        "resid_mid": _Tap(layer + ln2, _NORM_INPUT, _NORM_PAIR, norm),
-        "ln2": _Tap(layer + ln2, _NORMALIZED, _NORM_PAIR, norm),
-        "mlp_in": _Tap(layer + ".mlp", _INPUT, _X_INPUT),
-        "mlp_pre": _Tap(layer + ".mlp.gate_up_proj", _OUTPUT, part="gate"),
-        "mlp_post": _Tap(layer + ".mlp.down_proj", _INPUT, _LINEAR_INPUT),
-        "mlp_out": _Tap(layer + mlp_out, _OUTPUT),
-        "resid_post": _Tap(layer, _OUTPUT_PAIR),
-        "final_norm": _Tap("model.norm", _NORMALIZED, _NORM_PAIR, norm),
-    }
-# fmt: on
+@dataclasses.dataclass(frozen=True)
+class _MoE:
+    """A mixture-of-experts block in place of a layer's MLP: its input is mlp.hook_in and mlp.hook_pre, its output
+    mlp.hook_post and hook_mlp_out, and the router's choice comes from its logits, as vLLM's fused kernel routes.
+
+    block: its path under the layer; block_input: its forward's input argument; router: the path under the block of
+    the layer whose output is the logits; renormalize: ``always`` when the top-k softmax weights are divided by their
+    sum, or the config attribute that says; layers: a key of _MOE_LAYERS.
+    """
+
+    block: str = ".mlp"
+    block_input: str = "hidden_states"
+    router: str = ".gate"
+    renormalize: str = "norm_topk_prob"
+    layers: str = "every"
 
 
-_LLAMA_TAPS = _fused_residual_taps("rms")
-_GEMMA_TAPS = _fused_residual_taps("rms_offset", embed_scaled=True)
-# Gemma 2 and 3 normalize each branch again before adding it (post-attention and post-feedforward norms, which
-# TransformerLens's attn_out and mlp_out follow); the MLP's pre-norm is pre_feedforward_layernorm.
-_GEMMA2_TAPS = _fused_residual_taps(
-    "rms_offset", ".post_attention_layernorm", ".pre_feedforward_layernorm", ".post_feedforward_layernorm", True
-)
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """One family: where the model class vLLM runs it with holds each TransformerLens tensor, and what else the module
+    knows of it. Read by _taps and _row_shapes, by tiny_model, the tests and the README's table.
+
+    name: its short name (tiny_model's); architecture: transformers' (``config.architectures[0]``); vllm_class: the
+        vLLM model class the record was checked with ("": named as the architecture).
+    residual: ``pair`` where vLLM's decoder layers take and return (hidden, residual) and each pre-norm adds the two
+        (fused add+norm), ``stream`` where a layer takes and returns the residual stream itself.
+    Paths, those under a layer starting with ``.``: ``layer`` ({i} the layer), ``embed``, ``pos_embed`` (""),
+        ``final_norm``, ``attention`` (its ``qkv`` projection, ``o_proj``), ``ln1`` and ``ln2`` (the attention's and
+        the MLP's pre-norms; "" where there are none), ``post_norms`` (each branch's norm before it joins the stream,
+        which hook_attn_out and hook_mlp_out follow), ``mlp`` (its ``mlp_up``, gated with the gate first where it is
+        ``.gate_up_proj``, and ``mlp_down``).
+    parallel: attention and MLP read the same stream (no hook_resid_mid). embed_at_layer0: hook_embed is what layer 0
+        receives (Gemma's sqrt(d_model) scale, Granite's multiplier and BLOOM's norm come after the embedding).
+    layer_inputs, norm_inputs, mlp_inputs: (argument, position) of the inputs a layer, a norm and the MLP take; ()
+        for the residual layout's (pair: (hidden_states, residual), x and residual; stream: hidden_states, x).
+    norm: the kind of its norms (see _Tap). rotary: vLLM's Attention receives q and k after rotary, which
+        TransformerLens hooks as hook_rot_q and hook_rot_k. multiplier, bias_apart: see _Tap. d_mlp: the config
+        attribute of a dense MLP's width ("": the first of the usual names). moe: its mixture-of-experts block.
+    taps: taps replacing those the fields give. refused: {site: why it is not placed} for sites TransformerLens runs
+        on the family. settings: {config attribute: the value the record describes}; other values are refused.
+    multimodal: the checkpoint's text model is laid out as this record says, under a prefix found in vLLM's tree, with
+        the shapes of ``config.get_text_config()``.
+    tiny: the tiny test model's config beside tiny_model's common shape.
+    """
+
+    name: str
+    architecture: str
+    vllm_class: str = ""
+    residual: str = "pair"
+    layer: str = "model.layers.{i}"
+    embed: str = "model.embed_tokens"
+    pos_embed: str = ""
+    final_norm: str = "model.norm"
+    attention: str = ".self_attn"
+    qkv: str = ".qkv_proj"
+    o_proj: str = ".o_proj"
+    ln1: str = ".input_layernorm"
+    ln2: str = ".post_attention_layernorm"
+    post_norms: tuple[str, str] | None = None
+    mlp: str = ".mlp"
+    mlp_up: str = ".gate_up_proj"
+    mlp_down: str = ".down_proj"
+    parallel: bool = False
+    embed_at_layer0: bool = False
+    layer_inputs: tuple[tuple[str, int], ...] = ()
+    norm_inputs: tuple[tuple[str, int], ...] = ()
+    mlp_inputs: tuple[tuple[str, int], ...] = _X_INPUT
+    norm: str = "rms"
+    rotary: bool = True
+    multiplier: str = ""
+    bias_apart: bool = False
+    d_mlp: str = ""
+    moe: _MoE | None = None
+    taps: dict[str, _Tap] = dataclasses.field(default_factory=dict)
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    multimodal: bool = False
+    tiny: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-# fmt: off
-def _stream_taps(
-    layer: str, embed: str | _Tap, final_norm: str | _Tap | None, norm: str,
-    norm_inputs: tuple[tuple[str, int], ...] = _X_INPUT, layer_input: tuple[tuple[str, int], ...] = _LAYER_INPUT,
-    attention: str = ".self_attn", qkv: str = ".qkv_proj", o_proj: str = ".o_proj", rotary: bool = True,
-    first_norm: str = ".input_layernorm", second_norm: str = ".post_attention_layernorm", mlp: str = ".mlp",
-    mlp_up: str = ".gate_up_proj", mlp_proj: str = ".down_proj", mlp_input: tuple[tuple[str, int], ...] = _X_INPUT,
-    multiplier: str = "", bias_apart: bool = False, **places: _Tap | None,
-) -> dict[str, _Tap]:
-    """Models whose decoder layers take and return the residual stream itself, each branch added inside the layer,
-    norms of one input. mlp_up ``.gate_up_proj`` is a gated MLP's, gate first; mlp_input, the MLP's argument. embed
-    and final_norm: module paths, or taps; ``places`` replaces a site's tap, or drops it with None."""
-    taps = {
-        "embed": _Tap(embed, _OUTPUT) if isinstance(embed, str) else embed,
-        "resid_pre": _Tap(layer, _INPUT, layer_input),
-        "ln1": _Tap(layer + first_norm, _NORMALIZED, norm_inputs, norm),
-        **_attention_taps(layer + attention, qkv, o_proj, rotary, bias_apart),
-        "attn_out": _Tap(layer + attention, _OUTPUT, multiplier=multiplier, bias_apart=bias_apart),
-        "resid_mid": _Tap(layer + second_norm, _INPUT, norm_inputs),
-        "ln2": _Tap(layer + second_norm, _NORMALIZED, norm_inputs, norm),
-        "mlp_in": _Tap(layer + mlp, _INPUT, mlp_input),
-        "mlp_pre": _Tap(
-            layer + mlp + mlp_up, _OUTPUT, part="gate" if mlp_up == ".gate_up_proj" else "", bias_apart=bias_apart
-        ),
-        "mlp_post": _Tap(layer + mlp + mlp_proj, _INPUT, _LINEAR_INPUT),
-        "mlp_out": _Tap(layer + mlp, _OUTPUT, multiplier=multiplier, bias_apart=bias_apart),
-        "resid_post": _Tap(layer, _OUTPUT),
-        "final_norm": _Tap(final_norm, _NORMALIZED, norm_inputs, norm) if isinstance(final_norm, str) else final_norm,
-        **places,
-    }
-    return {site: taps[site] for site in SITES if taps.get(site) is not None}
-# fmt: on
-
-
-_LAYER = "model.layers.{i}"
-
-
-def _moe_taps(
-    taps: dict[str, _Tap], block: str, renormalize: str, router: str = ".gate", block_input: str = "hidden_states"
-) -> dict[str, _Tap]:
-    """taps with a mixture-of-experts block at ``block`` as the MLP: mlp.hook_pre and
-    mlp.hook_post are its input and output (mlp.hook_in and hook_mlp_out too), the choice its router's."""
-    return {
-        **taps,
-        "mlp_in": _Tap(_LAYER + block, _INPUT, ((block_input, 0),)),
-        "mlp_pre": _Tap(_LAYER + block, _INPUT, ((block_input, 0),)),
-        "expert_weights": _Tap(_LAYER + block + router, _ROUTER, part="weights", renormalize=renormalize),
-        "expert_indices": _Tap(_LAYER + block + router, _ROUTER, part="indices", renormalize=renormalize),
-        "mlp_post": _Tap(_LAYER + block, _OUTPUT),
-        "mlp_out": _Tap(_LAYER + block, _OUTPUT),
-    }
-
-
-# fmt: off
+_BACKEND_ROTARY = "vLLM's Transformers backend applies rotary inside transformers' attention, on no module"
+# vLLM's Transformers backend: transformers' module tree with vLLM's linear layers, norms and attention.
+_BACKEND = _Family(
+    "", "", "TransformersForCausalLM", "stream", layer_inputs=_HIDDEN_INPUT, rotary=False,
+    refused=dict.fromkeys(("attn_rot_q", "attn_rot_k"), _BACKEND_ROTARY),
+)  # fmt: skip
 _H_LAYER = "transformer.h.{i}"
-# A norm after each branch, before adding it, and none before (OLMo 2, EXAONE 4): attention reads the stream itself,
-# and the MLP reads the mid-stream.
-_POST_NORMS = {
-    "ln1": None, "ln2": None, "attn_out": _Tap(_LAYER + ".post_attention_layernorm", _OUTPUT),
-    "resid_mid": _Tap(_LAYER + ".mlp", _INPUT, _X_INPUT), "mlp_out": _Tap(_LAYER + ".post_feedforward_layernorm", _OUTPUT),
-}
-# Parallel residual (Cohere, GPT-J, Falcon, Phi, GPT-NeoX): attention and MLP both read the one norm's output
-# (GPT-NeoX: the block's input), so there is no mid-stream and no hook_resid_mid, as in TransformerLens.
-_PARALLEL = {"resid_mid": None, "ln2": None}
-_BACKEND_ARCHITECTURES = ("OlmoForCausalLM", "Olmo2ForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM", "GPTNeoXForCausalLM")
-_BACKEND = {  # vLLM's Transformers backend: rotary inside transformers' attention, where no module holds it
-    "embed": "model.embed_tokens", "final_norm": "model.norm", "layer_input": _HIDDEN_INPUT, "rotary": False,
-}
+_KV1 = dict(num_key_value_heads=1)  # one key-value head (grouped queries) where the family has them
+_UNTIED = dict(num_key_value_heads=1, tie_word_embeddings=False)
+_MOE4 = dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
 
-_ARCHITECTURES = {  # transformers architecture: its taps in vLLM's model class (_VLLM_CLASSES)
-    "LlamaForCausalLM": _LLAMA_TAPS,
-    "MistralForCausalLM": _LLAMA_TAPS,
-    "Qwen2ForCausalLM": _LLAMA_TAPS,
-    "Qwen3ForCausalLM": _LLAMA_TAPS,
-    "Phi3ForCausalLM": {site: tap for site, tap in _LLAMA_TAPS.items() if site not in ("attn_rot_q", "attn_rot_k")},
-    "GemmaForCausalLM": _GEMMA_TAPS,
-    "Gemma2ForCausalLM": _GEMMA2_TAPS,
-    "Gemma3ForCausalLM": _GEMMA2_TAPS,
-    "MixtralForCausalLM": _moe_taps(_LLAMA_TAPS, ".block_sparse_moe", "always"),
-    "Qwen2MoeForCausalLM": _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob"),
-    "Qwen3MoeForCausalLM": _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob"),
-    "OlmoeForCausalLM": _moe_taps(_LLAMA_TAPS, ".mlp", "norm_topk_prob"),
+# fmt: off
+_FAMILIES = {family.name: family for family in (
+    _Family("llama", "LlamaForCausalLM", tiny=_UNTIED),
+    _Family("qwen2", "Qwen2ForCausalLM", tiny=_UNTIED),
+    _Family("qwen3", "Qwen3ForCausalLM", tiny=dict(_UNTIED, head_dim=64)),
+    _Family("mistral", "MistralForCausalLM", tiny=dict(_UNTIED, head_dim=64)),
+    _Family("phi3", "Phi3ForCausalLM", rotary=False, tiny=dict(_UNTIED, pad_token_id=0)),
+    _Family("gemma", "GemmaForCausalLM", norm="rms_offset", embed_at_layer0=True, tiny=dict(_KV1, head_dim=64)),
+    # Gemma 2 and 3 normalize each branch again before adding it; the MLP's pre-norm is pre_feedforward_layernorm.
+    *(_Family(name, architecture, norm="rms_offset", embed_at_layer0=True, ln2=".pre_feedforward_layernorm",
+              post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"),
+              tiny=dict(_KV1, head_dim=64, query_pre_attn_scalar=64, **extra))
+      for name, architecture, extra in (("gemma2", "Gemma2ForCausalLM", {}),
+                                        ("gemma3", "Gemma3ForCausalLM", dict(sliding_window=16)))),
+    _Family("mixtral", "MixtralForCausalLM", moe=_MoE(".block_sparse_moe", renormalize="always"),
+            tiny=dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2)),
+    _Family("qwen2_moe", "Qwen2MoeForCausalLM", moe=_MoE(layers="sparse_step"),
+            tiny=dict(_MOE4, moe_intermediate_size=64, shared_expert_intermediate_size=128)),
+    _Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=_MoE(), tiny=dict(_MOE4, head_dim=64, moe_intermediate_size=64)),
+    _Family("olmoe", "OlmoeForCausalLM", moe=_MoE(), tiny=_MOE4),
     # GPT-OSS: TransformerBlock(hidden_states, positions, residual); softmax over the top-k logits.
-    "GptOssForCausalLM": _moe_taps(
-        _fused_residual_taps("rms", embed="model.embedding", attention=".attn",
-                             layer_pair=(("hidden_states", 0), ("residual", 2))),
-        ".mlp", "always", router=".router", block_input="x"),
+    _Family("gpt_oss", "GptOssForCausalLM", embed="model.embedding", attention=".attn",
+            layer_inputs=(("hidden_states", 0), ("residual", 2)),
+            moe=_MoE(block_input="x", router=".router", renormalize="always"),
+            tiny=dict(_UNTIED, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
     # Granite multiplies the embedding (after embed_tokens) and each branch's output.
-    "GraniteForCausalLM": _stream_taps(_LAYER, _Tap("model.layers.0", _INPUT, _LAYER_INPUT), "model.norm", "rms",
-                                       multiplier="residual_multiplier"),
-    "StableLmForCausalLM": _stream_taps(_LAYER, "model.embed_tokens", "model.norm", "layer", _TORCH_NORM_INPUT),
-    "Exaone4ForCausalLM": _stream_taps(_LAYER, "model.embed_tokens", "model.norm", "rms", **_POST_NORMS),
+    _Family("granite", "GraniteForCausalLM", residual="stream", embed_at_layer0=True, multiplier="residual_multiplier",
+            tiny=dict(_KV1, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                      logits_scaling=2.0)),
+    _Family("stablelm", "StableLmForCausalLM", "StablelmForCausalLM", "stream", norm="layer",
+            norm_inputs=_TORCH_NORM_INPUT, settings=dict(use_parallel_residual=False),
+            tiny=dict(_KV1, partial_rotary_factor=0.5)),
+    # A norm after each branch, before adding it, and none before: attention reads the stream itself, the MLP the
+    # mid-stream.
+    _Family("exaone4", "Exaone4ForCausalLM", residual="stream", ln1="", ln2="",
+            post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"),
+            tiny=dict(_KV1, head_dim=64, sliding_window=16)),
     # Cohere's LayerNorm has a weight and no bias, and passes the residual it is given on.
-    "CohereForCausalLM": _stream_taps(_LAYER, "model.embed_tokens", "model.norm", "layer", _HIDDEN_INPUT, **_PARALLEL),
+    _Family("cohere", "CohereForCausalLM", residual="stream", norm="layer", norm_inputs=_HIDDEN_INPUT, ln2="",
+            parallel=True, tiny=dict(_KV1, logit_scale=0.5)),
     # GPT-2's MLP norm reads the mid-stream while the block keeps its own copy for the skip.
-    "GPT2LMHeadModel": _stream_taps(
-        _H_LAYER, "transformer.wte", "transformer.ln_f", "layer", layer_input=_HIDDEN_INPUT, attention=".attn",
-        qkv=".c_attn", o_proj=".c_proj", rotary=False, first_norm=".ln_1", second_norm=".ln_2", mlp_up=".c_fc",
-        mlp_proj=".c_proj", mlp_input=_HIDDEN_INPUT, pos_embed=_Tap("transformer.wpe", _OUTPUT)),
+    _Family("gpt2", "GPT2LMHeadModel", residual="stream", layer=_H_LAYER, embed="transformer.wte",
+            pos_embed="transformer.wpe", final_norm="transformer.ln_f", norm="layer", layer_inputs=_HIDDEN_INPUT,
+            attention=".attn", qkv=".c_attn", o_proj=".c_proj", rotary=False, ln1=".ln_1", ln2=".ln_2",
+            mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT, tiny=dict(n_inner=256)),
     # GPT-J's block takes (position_ids, hidden_states).
-    "GPTJForCausalLM": _stream_taps(
-        _H_LAYER, "transformer.wte", "transformer.ln_f", "layer", attention=".attn", o_proj=".out_proj", rotary=False,
-        first_norm=".ln_1", mlp_up=".fc_in", mlp_proj=".fc_out", mlp_input=_HIDDEN_INPUT, **_PARALLEL),
+    _Family("gptj", "GPTJForCausalLM", residual="stream", layer=_H_LAYER, embed="transformer.wte",
+            final_norm="transformer.ln_f", norm="layer", attention=".attn", o_proj=".out_proj", rotary=False,
+            ln1=".ln_1", ln2="", parallel=True, mlp_up=".fc_in", mlp_down=".fc_out", mlp_inputs=_HIDDEN_INPUT,
+            tiny=dict(n_inner=256, rotary_dim=32, tie_word_embeddings=False)),
     # OPT (norms before each branch, do_layer_norm_before): its layer holds the MLP's two linear layers itself, so
     # the first's input is mlp.hook_in and the second's output hook_mlp_out.
-    "OPTForCausalLM": _stream_taps(
-        "model.decoder.layers.{i}", "model.decoder.embed_tokens", "model.decoder.final_layer_norm", "layer",
-        layer_input=_HIDDEN_INPUT, o_proj=".out_proj", rotary=False, first_norm=".self_attn_layer_norm",
-        second_norm=".final_layer_norm", mlp="", mlp_up=".fc1", mlp_proj=".fc2",
-        pos_embed=_Tap("model.decoder.embed_positions", _OUTPUT),
-        mlp_in=_Tap("model.decoder.layers.{i}.fc1", _INPUT, _LINEAR_INPUT),
-        mlp_out=_Tap("model.decoder.layers.{i}.fc2", _OUTPUT)),
-    # BLOOM (residual from before each norm, apply_residual_connection_post_layernorm off) normalizes its embedding
-    # once before layer 0: that is hook_embed. ALiBi, no rotary.
-    "BloomForCausalLM": _stream_taps(
-        _H_LAYER, _Tap("transformer.h.0", _INPUT, _LAYER_INPUT), "transformer.ln_f", "layer", _TORCH_NORM_INPUT,
-        attention=".self_attention", qkv=".query_key_value", o_proj=".dense", rotary=False, mlp_up=".dense_h_to_4h",
-        mlp_proj=".dense_4h_to_h"),
-    # Falcon (7B's layout: parallel_attn, one norm, no new_decoder_architecture): the output projections leave the
-    # bias for the layer to add once both are summed.
-    "FalconForCausalLM": _stream_taps(
-        _H_LAYER, "transformer.word_embeddings", "transformer.ln_f", "layer", _TORCH_NORM_INPUT,
-        attention=".self_attention", qkv=".query_key_value", o_proj=".dense", rotary=False, mlp_up=".dense_h_to_4h",
-        mlp_proj=".dense_4h_to_h", bias_apart=True, **_PARALLEL),
-    # OLMo's LayerNorm has no weight and no bias (transformers' own module, which vLLM keeps); TransformerLens 4.3's
-    # bridge fails on a hook at its hook_normalized ("has no attribute 'weight'"), so ln1, ln2 and ln_final are not
-    # placed.
-    "OlmoForCausalLM": _stream_taps(
-        _LAYER, **{**_BACKEND, "final_norm": None}, norm="layer", ln1=None, ln2=None,
-        resid_mid=_Tap(_LAYER + ".post_attention_layernorm", _INPUT, _HIDDEN_INPUT)),
-    "Olmo2ForCausalLM": _stream_taps(_LAYER, **_BACKEND, norm="rms", **_POST_NORMS),
-    "PhiForCausalLM": _stream_taps(
-        _LAYER, **{**_BACKEND, "final_norm": _Tap("model.final_layernorm", _NORMALIZED, _X_INPUT, "layer")},
-        norm="layer", o_proj=".dense", mlp_up=".fc1", mlp_proj=".fc2", mlp_input=_HIDDEN_INPUT, **_PARALLEL),
-    "Starcoder2ForCausalLM": _stream_taps(
-        _LAYER, **_BACKEND, norm="layer", mlp_up=".c_fc", mlp_proj=".c_proj", mlp_input=_HIDDEN_INPUT),
+    _Family("opt", "OPTForCausalLM", residual="stream", layer="model.decoder.layers.{i}",
+            embed="model.decoder.embed_tokens", pos_embed="model.decoder.embed_positions",
+            final_norm="model.decoder.final_layer_norm", norm="layer", layer_inputs=_HIDDEN_INPUT,
+            o_proj=".out_proj", rotary=False, ln1=".self_attn_layer_norm", ln2=".final_layer_norm", mlp="",
+            mlp_up=".fc1", mlp_down=".fc2", settings=dict(do_layer_norm_before=True),
+            taps=dict(mlp_in=_Tap("model.decoder.layers.{i}.fc1", _INPUT, _LINEAR_INPUT),
+                      mlp_out=_Tap("model.decoder.layers.{i}.fc2", _OUTPUT)),
+            tiny=dict(ffn_dim=256, word_embed_proj_dim=128, init_std=0.1)),
+    # BLOOM (residual from before each norm) normalizes its embedding once before layer 0: that is hook_embed. ALiBi.
+    _Family("bloom", "BloomForCausalLM", residual="stream", layer=_H_LAYER, embed_at_layer0=True,
+            final_norm="transformer.ln_f", norm="layer", norm_inputs=_TORCH_NORM_INPUT, attention=".self_attention",
+            qkv=".query_key_value", o_proj=".dense", rotary=False, mlp_up=".dense_h_to_4h",
+            mlp_down=".dense_4h_to_h", settings=dict(apply_residual_connection_post_layernorm=False)),
+    # Falcon (7B's layout: parallel_attn, one norm): the output projections leave the bias for the layer to add
+    # once both are summed.
+    _Family("falcon", "FalconForCausalLM", residual="stream", layer=_H_LAYER, embed="transformer.word_embeddings",
+            final_norm="transformer.ln_f", norm="layer", norm_inputs=_TORCH_NORM_INPUT, attention=".self_attention",
+            qkv=".query_key_value", o_proj=".dense", rotary=False, ln2="", parallel=True, mlp_up=".dense_h_to_4h",
+            mlp_down=".dense_4h_to_h", bias_apart=True,
+            settings=dict(new_decoder_architecture=False, parallel_attn=True),
+            tiny=dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=True)),
+    # OLMo's LayerNorm has no weight and no bias (transformers' own module, which vLLM keeps).
+    dataclasses.replace(
+        _BACKEND, name="olmo", architecture="OlmoForCausalLM", norm="layer", norm_inputs=_HIDDEN_INPUT,
+        refused={**_BACKEND.refused, **dict.fromkeys(
+            ("ln1_scale", "ln1", "ln2_scale", "ln2", "final_norm_scale", "final_norm"),
+            "TransformerLens 4.3's bridge fails on a hook at OLMo's weightless norms (\"has no attribute 'weight'\")")},
+        tiny=_UNTIED),
+    dataclasses.replace(_BACKEND, name="olmo2", architecture="Olmo2ForCausalLM", ln1="", ln2="",
+                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), tiny=_UNTIED),
+    dataclasses.replace(_BACKEND, name="phi", architecture="PhiForCausalLM", final_norm="model.final_layernorm",
+                        norm="layer", o_proj=".dense", ln2="", parallel=True, mlp_up=".fc1", mlp_down=".fc2",
+                        mlp_inputs=_HIDDEN_INPUT, tiny=dict(partial_rotary_factor=0.5)),
+    dataclasses.replace(_BACKEND, name="starcoder2", architecture="Starcoder2ForCausalLM", norm="layer",
+                        mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT, tiny=_KV1),
     # GPT-NeoX: its fused query_key_value interleaves q, k and v per head, which no part here describes.
-    "GPTNeoXForCausalLM": _stream_taps(
-        _LAYER, **{**_BACKEND, "embed": "model.embed_in",
-                   "final_norm": _Tap("model.final_layer_norm", _NORMALIZED, _X_INPUT, "layer")},
-        norm="layer", attention=".attention", o_proj=".dense", mlp_up=".dense_h_to_4h", mlp_proj=".dense_4h_to_h",
-        mlp_input=_HIDDEN_INPUT, attn_q=None, attn_k=None, attn_v=None, resid_mid=None),
-}
+    dataclasses.replace(
+        _BACKEND, name="gpt_neox", architecture="GPTNeoXForCausalLM", embed="model.embed_in",
+        final_norm="model.final_layer_norm", norm="layer", attention=".attention", o_proj=".dense", parallel=True,
+        mlp_up=".dense_h_to_4h", mlp_down=".dense_4h_to_h", mlp_inputs=_HIDDEN_INPUT,
+        settings=dict(use_parallel_residual=True),
+        refused={**_BACKEND.refused, **dict.fromkeys(
+            ("attn_q", "attn_k", "attn_v"), "its fused query_key_value interleaves q, k and v per head")},
+        tiny=dict(rotary_pct=0.25, tie_word_embeddings=False)),
+)}
 # fmt: on
-"""Every entry checked against TransformerLens 4.3 on vLLM 0.32 (CPU); Llama and Gemma 2
-also on vLLM 0.24 (CUDA), where Qwen2 and GPT-2 have the same classes. vLLM 0.24 serves
-GPT-NeoX with a native class of its own, which is not the one checked and so is refused."""
-_VLLM_CLASSES = {  # the vLLM model class each architecture's taps were checked with, where not its own name
-    "StableLmForCausalLM": "StablelmForCausalLM",
-    **dict.fromkeys(_BACKEND_ARCHITECTURES, "TransformersForCausalLM"),
-}
+_ARCHITECTURES = {family.architecture: family for family in _FAMILIES.values()}
 
 
-_LAYOUT_SETTINGS = {  # architecture: {config attribute: the value its table is written for; others are refused}
-    "OPTForCausalLM": {"do_layer_norm_before": True},
-    "BloomForCausalLM": {"apply_residual_connection_post_layernorm": False},
-    "FalconForCausalLM": {"new_decoder_architecture": False, "parallel_attn": True},
-    "StableLmForCausalLM": {"use_parallel_residual": False},
-    "GPTNeoXForCausalLM": {"use_parallel_residual": True},
-}
-
-
-def _taps(hf_config: Any, sites: set[str] | tuple[str, ...]) -> dict[str, _Tap]:
-    """The taps of the model's architecture; ValueError naming it and the supported ones, or
-    the sites among ``sites`` it lacks."""
+def _family(hf_config: Any) -> _Family:
+    """The record of the model's architecture; ValueError naming it, why it is refused (or the supported ones), or a
+    setting the record does not describe."""
     architecture = (getattr(hf_config, "architectures", None) or ["(none given)"])[0]
-    if architecture not in _ARCHITECTURES:
+    family = _ARCHITECTURES.get(architecture)
+    if family is None:
         raise ValueError(
             f"architecture {architecture}: TransformerLens hook names are placed per architecture and this module has "
-            f"no table for it; supported: {sorted(_ARCHITECTURES)}. Hook modules of your choosing under names of your "
-            "own with (module_path, width) specs, e.g. {'my_mlp_in': ('model.layers.1.mlp.gate_up_proj', 512)} (vLLM's "
-            "module path; the README's 'Any module, under a name of your own')"
+            f"no record for it; supported: {sorted(_ARCHITECTURES)}. Hook modules of your choosing under names of "
+            "your own with (module_path, width) specs, e.g. {'my_mlp_in': ('model.layers.1.mlp.gate_up_proj', 512)} "
+            "(vLLM's module path; the README's 'Any module, under a name of your own')"
         )
-    for setting, value in _LAYOUT_SETTINGS.get(architecture, {}).items():
+    for setting, value in family.settings.items():
         if getattr(hf_config, setting) != value:
             raise ValueError(
-                f"architecture {architecture} with {setting}={getattr(hf_config, setting)!r}: this module's table "
+                f"architecture {architecture} with {setting}={getattr(hf_config, setting)!r}: this module's record "
                 f"describes {architecture} with {setting}={value!r}, where its tensors sit elsewhere"
             )
-    taps = _ARCHITECTURES[architecture]
-    missing = [site for site in SITES if site in sites and site not in taps]
-    if missing:
-        parallel = " (attention and MLP read the same residual stream, as in TransformerLens)"
-        raise ValueError(
-            f"{architecture} has no {[SITES[site] for site in missing]}{parallel if 'resid_mid' in missing else ''}"
-            f"; its sites: {[site for site in SITES if site in taps]}"
+    return family
+
+
+def _moe_layer(family: _Family, config: Any, layer: int) -> bool:
+    return family.moe is not None and _MOE_LAYERS[family.moe.layers](config, layer)
+
+
+def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
+    """Each site the family has on ``layer`` (None: the sites outside the layers) -> its tap, in forward order; the
+    sites in ``family.refused`` are left out. config: the (text) model's transformers config."""
+    f, at = family, family.layer
+    pair = f.residual == "pair"
+    layer_inputs = f.layer_inputs or (_LAYER_PAIR if pair else _LAYER_INPUT)
+    norm_inputs = f.norm_inputs or (_NORM_PAIR if pair else _X_INPUT)
+    attention, gated = at + f.attention, f.mlp_up == ".gate_up_proj"
+    mid_norm = at + f.ln2 if f.ln2 else None
+
+    def norm(path: str, kind: str = _NORMALIZED) -> _Tap:
+        return _Tap(path, kind, norm_inputs, f.norm)
+
+    taps = {
+        "embed": _Tap(f.layer.format(i=0), _INPUT, layer_inputs[:1]) if f.embed_at_layer0 else _Tap(f.embed, _OUTPUT),
+        "pos_embed": _Tap(f.pos_embed, _OUTPUT) if f.pos_embed else None,
+        "resid_pre": _Tap(at, _INPUT_PAIR if pair else _INPUT, layer_inputs),
+        "ln1_scale": norm(at + f.ln1, _NORM_SCALE) if f.ln1 else None,
+        "ln1": norm(at + f.ln1) if f.ln1 else None,
+        **{f"attn_{part}": _Tap(attention + f.qkv, _OUTPUT, part=part, bias_apart=f.bias_apart) for part in "qkv"},
+        "attn_rot_q": _Tap(attention + ".attn", _INPUT, _QUERY) if f.rotary else None,
+        "attn_rot_k": _Tap(attention + ".attn", _INPUT, _KEY) if f.rotary else None,
+        "attn_z": _Tap(attention + f.o_proj, _INPUT, _LINEAR_INPUT),
+        "attn_out": _Tap(at + (f.post_norms[0] if f.post_norms else f.attention), _OUTPUT,
+                         multiplier=f.multiplier, bias_apart=f.bias_apart and not f.post_norms),
+        "resid_mid": None if f.parallel else (
+            _Tap(mid_norm, _NORM_INPUT if pair else _INPUT, norm_inputs, f.norm) if mid_norm
+            else _Tap(at + f.mlp, _INPUT, f.mlp_inputs)),
+        "ln2_scale": norm(mid_norm, _NORM_SCALE) if mid_norm else None,
+        "ln2": norm(mid_norm) if mid_norm else None,
+        "mlp_in": _Tap(at + f.mlp, _INPUT, f.mlp_inputs),
+        "mlp_pre": _Tap(at + f.mlp + f.mlp_up, _OUTPUT, part="gate" if gated else "", bias_apart=f.bias_apart),
+        "mlp_pre_linear": _Tap(at + f.mlp + f.mlp_up, _OUTPUT, part="up") if gated else None,
+        "mlp_post": _Tap(at + f.mlp + f.mlp_down, _INPUT, _LINEAR_INPUT),
+        "mlp_out": _Tap(at + (f.post_norms[1] if f.post_norms else f.mlp), _OUTPUT,
+                        multiplier=f.multiplier, bias_apart=f.bias_apart and not f.post_norms),
+        "resid_post": _Tap(at, _OUTPUT_PAIR if pair else _OUTPUT),
+        "final_norm_scale": norm(f.final_norm, _NORM_SCALE),
+        "final_norm": norm(f.final_norm),
+        **f.taps,
+    }  # fmt: skip
+    if layer is not None and _moe_layer(f, config, layer):
+        block = at + f.moe.block
+        router = block + f.moe.router
+        taps.update(
+            mlp_in=_Tap(block, _INPUT, ((f.moe.block_input, 0),)),
+            mlp_pre=_Tap(block, _INPUT, ((f.moe.block_input, 0),)),
+            mlp_pre_linear=None,
+            expert_weights=_Tap(router, _ROUTER, part="weights", moe=f.moe),
+            expert_indices=_Tap(router, _ROUTER, part="indices", moe=f.moe),
+            mlp_post=_Tap(block, _OUTPUT),
+            mlp_out=_Tap(block, _OUTPUT),
         )
-    return taps
+    return {
+        site: taps[site]
+        for site, name in SITES.items()
+        if taps.get(site) is not None and site not in f.refused and ("{i}" in name) == (layer is not None)
+    }
 
 
-def _num_experts(hf_config: Any) -> int | None:
+def _num_experts(config: Any) -> int | None:
     """The experts of each mixture-of-experts block, or None for a dense model."""
-    return getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
 
 
-def _site_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
-    """One row's shape at each site, from a transformers config (attribute names differ)."""
-    d_model, n_heads = hf_config.hidden_size, hf_config.num_attention_heads
-    d_head = getattr(hf_config, "head_dim", None) or d_model // n_heads
-    if getattr(hf_config, "multi_query", False) and not getattr(hf_config, "new_decoder_architecture", False):
+def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tuple[int, ...]]:
+    """One row's shape at each site of ``layer`` (None: outside the layers), from the (text) model's transformers
+    config, whose attribute names differ between families."""
+    d_model, n_heads = config.hidden_size, config.num_attention_heads
+    d_head = getattr(config, "head_dim", None) or d_model // n_heads
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
         n_kv_heads = 1  # Falcon's multi-query attention
     else:
-        n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or getattr(hf_config, "num_kv_heads", None)
-    names = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
-    d_mlp = next(filter(None, (getattr(hf_config, name, None) for name in names)), 4 * d_model)
+        n_kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+    names = (family.d_mlp,) if family.d_mlp else ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+    d_mlp = next(filter(None, (getattr(config, name, None) for name in names)), 4 * d_model)
     shapes = {site: (d_model,) for site in SITES}
-    if _num_experts(hf_config):  # TransformerLens's mlp hooks are the block's input and output
+    if layer is not None and _moe_layer(family, config, layer):  # TransformerLens's mlp hooks: the block's
         d_mlp = d_model
-        shapes.update(expert_weights=(_num_experts(hf_config),), expert_indices=(hf_config.num_experts_per_tok,))
+        shapes.update(expert_weights=(_num_experts(config),), expert_indices=(config.num_experts_per_tok,))
     q, kv, mlp = (n_heads, d_head), (n_kv_heads or n_heads, d_head), (d_mlp,)
-    shapes.update(attn_q=q, attn_rot_q=q, attn_z=q, attn_k=kv, attn_v=kv, attn_rot_k=kv, mlp_pre=mlp, mlp_post=mlp)
+    shapes.update(attn_q=q, attn_rot_q=q, attn_z=q, attn_k=kv, attn_v=kv, attn_rot_k=kv)
+    shapes.update(mlp_pre=mlp, mlp_pre_linear=mlp, mlp_post=mlp, ln1_scale=(1,), ln2_scale=(1,), final_norm_scale=(1,))
     return shapes
 
 
@@ -444,25 +494,45 @@ def capture_specs(
     hf_config: Any, sites: tuple[str, ...] = ("resid_post",), layers: list[int] | None = None
 ) -> dict[str, tuple[int, ...]]:
     """``{hook_name: row shape}`` for the model, in the order a forward reaches them. hf_config: its transformers
-    config (``AutoConfig.from_pretrained(path)``), of an architecture the tables place (else ValueError naming the
-    supported ones). sites: keys of ``SITES`` the architecture has; layer sites expand over ``layers`` (default all)."""
+    config (``AutoConfig.from_pretrained(path)``), of an architecture a record describes (else ValueError naming the
+    supported ones). sites: keys of ``SITES``; layer sites expand over ``layers`` (default all) that have them (a
+    mixture of experts' sites over its MoE layers), and a site none of them has is refused by name."""
     unknown = [s for s in sites if s not in SITES]
     if unknown:
         raise ValueError(f"capture_specs: unknown sites {unknown}; valid: {list(SITES)}")
-    _taps(hf_config, sites)
-    num_layers = hf_config.num_hidden_layers
+    family = _family(hf_config)
+    config = hf_config.get_text_config()
+    num_layers = config.num_hidden_layers
     layers = list(range(num_layers)) if layers is None else list(layers)
     bad = [i for i in layers if not _int_at_least(i, 0) or i >= num_layers]
     if bad:
         raise ValueError(f"capture_specs: layers {bad} outside [0, {num_layers})")
-    shapes = _site_shapes(hf_config)
-    chosen = [site for site in SITES if site in sites]  # forward order
-    specs = {SITES[site]: shapes[site] for site in chosen if site in ("embed", "pos_embed")}
-    for i in sorted(set(layers)):
-        specs.update({SITES[site].format(i=i): shapes[site] for site in chosen if "{i}" in SITES[site]})
-    if "final_norm" in chosen:
-        specs[SITES["final_norm"]] = shapes["final_norm"]
+    specs, found = {}, set()
+    for layer in (None, *sorted(set(layers)), "final"):  # forward order: the embeddings, the layers, the final norm
+        at = None if layer == "final" else layer
+        taps, shapes = _taps(family, config, at), _row_shapes(family, config, at)
+        chosen = [site for site in taps if site in sites and (layer == "final") == site.startswith("final_norm")]
+        specs.update({SITES[site].format(i=layer): shapes[site] for site in chosen})
+        found.update(chosen)
+    missing = [site for site in sites if site not in found]
+    if missing:
+        absent = [SITES[site] for site in missing if site not in family.refused]
+        parallel = " (attention and MLP read the same residual stream, as in TransformerLens)"
+        problems = [f"has no {absent}{parallel if family.parallel and 'resid_mid' in missing else ''}"] if absent else []
+        problems += [f"does not place {SITES[site]}: {family.refused[site]}" for site in missing if site in family.refused]
+        raise ValueError(
+            f"{family.architecture} " + "; ".join(problems) + f" (layers {sorted(set(layers))}); its sites: "
+            f"{_family_sites(family, config)}"
+        )
     return specs
+
+
+def _family_sites(family: _Family, config: Any) -> list[str]:
+    """The sites the family has on some layer, or outside them, in forward order."""
+    present = set(_taps(family, config, None))
+    for layer in range(config.num_hidden_layers):
+        present.update(_taps(family, config, layer))
+    return [site for site in SITES if site in present]
 
 
 # ---------------------------------------------------------------------------
@@ -738,7 +808,7 @@ _SAE_WEIGHTS = {  # architecture -> the tensors of sae_weights.safetensors it en
 }
 # Sites whose hooks can add a feature edit's change to the stream: not the norms' (whose edits reach the norm's output
 # as edited * weight + bias), not the router's (read-only).
-_SAE_SITES = tuple(site for site in SITES if site not in ("ln1", "ln2", "final_norm", *_READ_ONLY_SITES))
+_SAE_SITES = tuple(site for site in SITES if site not in (*_NORM_SITES, *_READ_ONLY_SITES))
 _FEATURE_EDITS = 8  # the most features one edit changes at a hook: the width of the feature edit tables
 
 
@@ -979,7 +1049,7 @@ def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int) -> tu
         )
     if tap.kind == _OUTPUT and not tap.part and not getattr(module, "gather_output", True):
         return rank * module.output_size_per_partition, module.output_size_per_partition  # ColumnParallelLinear
-    if tap.part == "gate":
+    if tap.part in ("gate", "up"):
         share = width // ranks
     elif tap.part in ("q", "k", "v") or tap.inputs in (_QUERY, _KEY):
         heads = module.num_heads if tap.part == "q" or tap.inputs == _QUERY else module.num_kv_heads
@@ -1047,7 +1117,8 @@ class _HookState:
         # What edits target, each with its lane of the flavour's row_index: the hooks, then their SAEs' features.
         saes = [name + SAE_FEATURES for name in placed if name in config.saes]
         self.lanes = [*placed, *saes, *(name + ".chosen" for name in saes if config.sae_chosen_features)]
-        self.hf_config, self.payload = vllm_config.model_config.hf_config, config.to_json()  # options checked against
+        self.hf_config = vllm_config.model_config.hf_config.get_text_config()  # the routers' and multipliers'
+        self.payload = config.to_json()  # what request options are checked against
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         parameter = next(worker.model_runner.get_model().parameters())
@@ -1169,37 +1240,44 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
     # An SAE's hook, and the hook a transcoder writes, are placed whether or not their rows are kept (_Hook.keeps_rows).
     writes = [config.sae(name).writes for name in config.saes]
     hook_names = list(dict.fromkeys([*config.capture_specs, *config.saes, *filter(None, writes)]))
-    sites = {_parse_hook_name(name)[0] for name in hook_names if "hook_" in name}
-    if sites:
-        taps, shapes = _taps(hf_config, sites), _site_shapes(hf_config)
-        architecture = hf_config.architectures[0]
-        described = _VLLM_CLASSES.get(architecture, architecture)
+    if any("hook_" in name for name in hook_names):
+        family, text_config = _family(hf_config), hf_config.get_text_config()
+        described = family.vllm_class or family.architecture
         if type(model).__name__ != described:
             raise ValueError(
-                f"architecture {architecture}: this vLLM serves it with {type(model).__name__}, whose module tree "
-                f"this module's table does not describe (it describes {described}); supported: {sorted(_ARCHITECTURES)}"
+                f"architecture {family.architecture}: this vLLM serves it with {type(model).__name__}, whose module "
+                f"tree this module's record does not describe (it describes {described}); supported: "
+                f"{sorted(_ARCHITECTURES)}"
             )
+        prefix = _text_prefix(family, modules) if family.multimodal else ""
 
     def forward_order(name: str) -> tuple:  # modules of the user's choosing last, as given
         site, layer = _parse_hook_name(name) or (None, None)
-        return (2,) if site is None else (site == "final_norm", -1 if layer is None else layer, list(SITES).index(site))
+        if site is None:
+            return (2,)
+        return (site.startswith("final_norm"), -1 if layer is None else layer, list(SITES).index(site))
 
     placed, absent = {}, []
     for name in sorted(hook_names, key=forward_order):
-        spec = config.capture_specs.get(name) or shapes[_parse_hook_name(name)[0]]
-        if isinstance(spec[0], str):
+        spec = config.capture_specs.get(name)
+        if spec is not None and isinstance(spec[0], str):
             tap, path = _Tap(spec[0], _OUTPUT), spec[0]
         else:
             site, layer = _parse_hook_name(name)
-            if layer is not None and layer >= hf_config.num_hidden_layers:
-                raise ValueError(f"{name}: the model has {hf_config.num_hidden_layers} layers")
+            if layer is not None and layer >= text_config.num_hidden_layers:
+                raise ValueError(f"{name}: the model has {text_config.num_hidden_layers} layers")
+            taps, shapes = _taps(family, text_config, layer), _row_shapes(family, text_config, layer)
+            if site not in taps:
+                why = family.refused.get(site, "TransformerLens's bridge runs no such hook there")
+                raise ValueError(f"{name}: {family.architecture} has no {SITES[site]} on this layer: {why}")
+            spec = spec or shapes[site]
             if spec != shapes[site]:
                 raise ValueError(
                     f"capture_specs[{name!r}]: row shape {spec}, but this model's {name} has rows "
                     f"of {shapes[site]}: were the specs written for another model?"
                 )
             tap = taps[site]
-            path = tap.module.format(i=layer)
+            path = prefix + tap.module.format(i=layer)
         module = _resolve_module(model, modules, path)
         if module is None:
             absent.append(name)
@@ -1248,6 +1326,18 @@ def _resolve_module(model: torch.nn.Module, modules: dict, path: str) -> torch.n
         + (f"; close matches: {close}" if close else "")
         + "; paths look like 'model.layers.0.mlp' (see model.named_modules())"
     )
+
+
+def _text_prefix(family: _Family, modules: dict) -> str:
+    """Where a multimodal checkpoint's text model sits in vLLM's tree: the one prefix of the record's first layer."""
+    first = family.layer.format(i=0)
+    found = [path[: -len(first)] for path in modules if path == first or path.endswith("." + first)]
+    if len(found) != 1:
+        raise ValueError(
+            f"architecture {family.architecture}: its text model's first layer, {first!r}, is found under "
+            f"{found or 'no prefix'} in vLLM's module tree, where this module's record expects it under one"
+        )
+    return found[0]
 
 
 # ---------------------------------------------------------------------------
@@ -1306,8 +1396,9 @@ class _Hook:
         self.scale = torch.ones(*filter(None, (state.table_rows, self.width)), dtype=state.edit_dtype, device=device)
         self.bias = torch.zeros_like(self.scale)
         self.row_index = state.row_index(index)
-        if self.tap.norm:  # the edited rows (fp32) a norm's pre-hook leaves its hook, and which changed
-            self.norm_rows = torch.zeros(rows, self.width, dtype=torch.float32, device=device)
+        if self.tap.norm:  # the rows (fp32) a norm's pre-hook leaves its hook, and which changed (see _norm_hooks)
+            width = self.module.weight.shape[-1] if self.tap.kind == _NORM_SCALE else self.width
+            self.norm_rows = torch.zeros(rows, width, dtype=torch.float32, device=device)
             self.norm_changed = torch.zeros(rows, 1, dtype=torch.bool, device=device)
         features = self.name + SAE_FEATURES
         self.sae = _SAE(self, state, state.lanes.index(features)) if features in state.lanes else None
@@ -1345,7 +1436,8 @@ class _Hook:
         """(start, stop) of the site's columns in a module's [..., columns] tensor."""
         if self.part_columns is not None:
             return self.part_columns
-        return (0, tensor.shape[-1] // 2) if self.tap.part == "gate" else (0, tensor.shape[-1])
+        half = tensor.shape[-1] // 2
+        return {"gate": (0, half), "up": (half, 2 * half)}.get(self.tap.part, (0, tensor.shape[-1]))
 
     def as_rows(self, tensor):
         """The site's [rows, width] view of a module's input or output."""
@@ -1501,7 +1593,8 @@ def _router_hooks(site: _Hook) -> None:
     """The router's top-k from its logits, as vLLM's fused MoE computes it inside its kernel."""
     hf_config = site.state.hf_config
     top_k, num_experts = hf_config.num_experts_per_tok, _num_experts(hf_config)
-    renormalize = site.tap.renormalize == "always" or bool(getattr(hf_config, site.tap.renormalize, False))
+    moe = site.tap.moe
+    renormalize = moe.renormalize == "always" or bool(getattr(hf_config, moe.renormalize, False))
 
     def hook(_module, _inputs, output):
         logits = (output[0] if isinstance(output, tuple) else output).reshape(-1, num_experts).float()
@@ -1582,37 +1675,46 @@ def _input_hooks(site: _Hook) -> None:
 
 
 def _norm_hooks(site: _Hook) -> None:
-    """On CUDA vLLM's fused add+norm overwrites its inputs in place, so the pre-hook reads them and leaves the
-    edited rows in norm_rows; the post-hook rewrites only the output rows the edit changed, so an unedited forward
-    keeps vLLM's own output bit for bit. Where hook_resid_mid's tap sits on the same norm (ln2's input), ln2
-    normalizes its edited rows."""
+    """On CUDA vLLM's fused add+norm overwrites its inputs in place, so the pre-hook reads them and leaves in norm_rows
+    what the edit makes of the norm (the edited input at hook_resid_mid, ln2's input; the rows normalized by the
+    edited divisor at hook_scale; the edited rows at hook_normalized); the post-hook rewrites only the output rows the
+    edit changed, so an unedited forward keeps vLLM's own output bit for bit. Hooks on one norm run in forward order,
+    each from what the earlier ones left."""
     state, tap, module = site.state, site.tap, site.module
     norm_rows, norm_changed = site.norm_rows, site.norm_changed
     eps = getattr(module, "variance_epsilon", None) or module.eps  # vLLM's RMSNorm, torch's LayerNorm
-    normalized = tap.kind == _NORMALIZED
     weight, norm_bias = module.weight, getattr(module, "bias", None)  # Cohere's LayerNorm has no bias
-    earlier = list(state.placed.values())[: site.index]
-    source = next((hook for hook in earlier if hook.module is module and hook.tap.kind == _NORM_INPUT), None)
+    earlier = {hook.tap.kind: hook for hook in list(state.placed.values())[: site.index] if hook.module is module}
+
+    def edited_by(kind, rows):
+        """rows, with those an earlier hook of this kind on the norm changed as it left them."""
+        if kind not in earlier:
+            return rows
+        source, num_rows = earlier[kind], rows.shape[0]
+        changed = source.norm_changed.narrow(0, 0, num_rows)
+        return torch.where(changed, source.norm_rows.narrow(0, 0, num_rows).to(rows.dtype), rows)
 
     def pre_hook(_module, args, kwargs):
-        hidden, residual = site.inputs_of(args, kwargs)
-        total = site.as_rows(hidden) if residual is None else site.as_rows(hidden) + site.as_rows(residual)
-        if source is not None:
-            num_rows = total.shape[0]
-            changed = source.norm_changed.narrow(0, 0, num_rows)
-            total = torch.where(changed, source.norm_rows.narrow(0, 0, num_rows).to(total.dtype), total)
-        activation = _normalize(total, tap.norm, eps) if normalized else total
+        hidden, residual = (None if t is None else t.view(-1, t.shape[-1]) for t in site.inputs_of(args, kwargs))
+        total = edited_by(_NORM_INPUT, hidden if residual is None else hidden + residual)
+        activation = total
+        if tap.kind != _NORM_INPUT:  # as TransformerLens: in fp32, centred x over sqrt(mean(x**2) + eps)
+            centered = total.float() - total.float().mean(-1, keepdim=True) if tap.norm == "layer" else total.float()
+            variance = centered.pow(2).mean(-1, keepdim=True) + eps
+            normalized = edited_by(_NORM_SCALE, centered * torch.rsqrt(variance))
+            activation = variance.sqrt() if tap.kind == _NORM_SCALE else normalized
         row_scale, row_bias = site.edit_of(activation)
         edited = activation * row_scale + row_bias
         site.steer(edited, edited)
         site.keep(edited)
-        norm_rows.narrow(0, 0, edited.shape[0]).copy_(edited)
+        norm_rows.narrow(0, 0, edited.shape[0]).copy_(centered / edited if tap.kind == _NORM_SCALE else edited)
         norm_changed.narrow(0, 0, edited.shape[0]).copy_((edited != activation).any(-1, keepdim=True))
 
     def hook(_module, _inputs, output):
-        out = site.as_rows(output[0] if isinstance(output, tuple) else output)
+        out = output[0] if isinstance(output, tuple) else output
+        out = out.view(-1, out.shape[-1])
         edited = norm_rows.narrow(0, 0, out.shape[0])
-        result = edited if normalized else _normalize(edited, tap.norm, eps)
+        result = _normalize(edited, tap.norm, eps) if tap.kind == _NORM_INPUT else edited
         result = result * (weight.float() + 1.0 if tap.norm == "rms_offset" else weight.float())
         if tap.norm == "layer" and norm_bias is not None:
             result = result + norm_bias.float()
@@ -1625,7 +1727,7 @@ def _norm_hooks(site: _Hook) -> None:
 # fmt: off
 _HOOK_BUILDERS = {  # tap kind -> the builder of its hooks
     _OUTPUT: _output_hooks, _OUTPUT_PAIR: _output_pair_hooks, _INPUT: _input_hooks, _INPUT_PAIR: _input_hooks,
-    _NORM_INPUT: _norm_hooks, _NORMALIZED: _norm_hooks, _ROUTER: _router_hooks,
+    _NORM_INPUT: _norm_hooks, _NORM_SCALE: _norm_hooks, _NORMALIZED: _norm_hooks, _ROUTER: _router_hooks,
 }
 # fmt: on
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from tl_vllm_hooks import (
+    _FAMILIES,
     _FLOAT_DTYPES,
     _SAE_SITES,
     _SAE_WEIGHTS,
@@ -763,108 +764,11 @@ def read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
 # ---------------------------------------------------------------------------
 
 
-_TINY_MODELS = {
-    # family: (transformers config and model classes, its config beside the common shape).
-    # Width 128 and head size 64: vLLM's CPU attention takes head sizes from 32 up. One
-    # key-value head where the family has grouped queries; mixtures of 4 experts, 2 a token.
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)),
-    "mistral": (
-        "MistralConfig",
-        "MistralForCausalLM",
-        dict(num_key_value_heads=1, head_dim=64, tie_word_embeddings=False),
-    ),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=64)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64)),
-    "gemma3": (
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        dict(num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16),
-    ),
-    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False)),
-    "phi": ("PhiConfig", "PhiForCausalLM", dict(partial_rotary_factor=0.5)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=False, pad_token_id=0)),
-    "granite": (
-        "GraniteConfig",
-        "GraniteForCausalLM",
-        dict(
-            num_key_value_heads=1,
-            embedding_multiplier=3.0,
-            residual_multiplier=0.5,
-            attention_multiplier=0.1,
-            logits_scaling=2.0,
-        ),
-    ),
-    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(num_key_value_heads=1, partial_rotary_factor=0.5)),
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=1)),
-    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=1, logit_scale=0.5)),
-    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(num_key_value_heads=1, head_dim=64, sliding_window=16)),
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        dict(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
-    ),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        dict(
-            num_key_value_heads=1,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=128,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(
-            num_key_value_heads=1,
-            head_dim=64,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "olmoe": (
-        "OlmoeConfig",
-        "OlmoeForCausalLM",
-        dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
-    ),
-    "gpt_oss": (
-        "GptOssConfig",
-        "GptOssForCausalLM",
-        dict(
-            num_key_value_heads=1,
-            head_dim=64,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=16,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_inner=256)),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25, tie_word_embeddings=False)),
-    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_inner=256, rotary_dim=32, tie_word_embeddings=False)),
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=256, word_embed_proj_dim=128, init_std=0.1)),
-    "bloom": ("BloomConfig", "BloomForCausalLM", dict()),
-    "falcon": (
-        "FalconConfig",
-        "FalconForCausalLM",
-        dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=True),
-    ),
-}
-
-
 def tiny_model(directory: str, family: str = "llama") -> Any:
     """A random fp32 model small enough for a CPU, saved to ``directory`` with a tokenizer.
 
-    family: a key of the tiny model table (every family the architecture table
-    places); 3 layers, width 128, 2 heads of 64, MLP 256, vocabulary 512 (words
+    family: a supported family's name (its record's ``tiny`` config beside this
+    common shape); 3 layers, width 128, 2 heads of 64, MLP 256, vocabulary 512 (words
     ``t0`` .. ``t511``), as each family's config names them. Norm weights and
     biases are random too, so a tensor taken before a norm's weight never equals
     one taken after it.
@@ -874,11 +778,12 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    if family not in _TINY_MODELS:
-        raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(_TINY_MODELS)}")
-    config_class, model_class, shape = _TINY_MODELS[family]
+    if family not in _FAMILIES:
+        raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(_FAMILIES)}")
+    record = _FAMILIES[family]
     torch.manual_seed(zlib.crc32(family.encode()))
-    config_class = getattr(transformers, config_class)
+    model_class = getattr(transformers, record.architecture)
+    config_class = model_class.config_class
     common = dict(
         vocab_size=512,
         hidden_size=128,
@@ -893,9 +798,9 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     config = config_class(
         **{key: value for key, value in common.items() if key in known},
         attn_implementation="eager",  # exact attention (SDPA drops Gemma 2's logit soft-capping)
-        **shape,
+        **record.tiny,
     )
-    model = getattr(transformers, model_class)(config).to(torch.float32).eval()
+    model = model_class(config).to(torch.float32).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() == 1:  # norm weights start at 1 (or 0 for Gemma's 1 + w), biases at 0

@@ -2,7 +2,7 @@
 
     python scripts/hook_errors.py [--families llama,gemma2] [--out errors.json]
 
-For every family of the tiny model table: a random fp32 model, TransformerLens
+For every family a record describes: a random fp32 model, TransformerLens
 4.3's TransformerBridge on the same weights, and two vLLM engines in separate
 processes (the one-prompt flavour in a compiled engine, the batched flavour in an
 eager one). Each captures every hook of the family on all layers, unedited and
@@ -25,7 +25,7 @@ import tl_vllm_hooks as tlh
 import tl_vllm_hooks_tools as tools
 
 PROMPT = [(7 * i + 3) % 512 for i in range(40)]
-FAMILIES = tuple(tools._TINY_MODELS)  # every family tiny_model builds
+FAMILIES = tuple(tlh._FAMILIES)  # every family a record describes
 
 
 def transformer_lens_rows(bridge, names, edits):
