@@ -985,6 +985,14 @@ def _wrap_steps(runner: Any, steps: Any) -> None:
     _patch(runner, "execute_model", execute_then_collect)
 
 
+def _step_positions(runner: Any) -> torch.Tensor:
+    """The token positions of the step the runner has prepared (int64, on its device, at least its tokens long)."""
+    batch = getattr(runner, _V2_BATCH, None)
+    if batch is not None:  # Model Runner V2
+        return batch.positions
+    return getattr(runner.positions, "gpu", runner.positions)  # V1 (a CpuGpuBuffer on some versions)
+
+
 def _prompt_len(request: Any) -> int:
     """Prompt tokens of a scheduler's new request or an EngineCoreRequest (token ids or embeddings)."""
     ids = request.prompt_token_ids
@@ -2338,7 +2346,8 @@ class _OnePrompt(_HookState):
 
     def __init__(self, *args: Any):
         super().__init__(*args)
-        # Token positions of the forward in flight, written by a pre-hook on the model.
+        # Token positions of the forward in flight, copied from the runner's before it (a hook on the model would
+        # miss the models vLLM compiles whole, whose __call__ skips hooks).
         rows, by_position = self.config.max_num_batched_tokens, self.config.enable_position_interventions
         self.positions = torch.zeros(rows, dtype=torch.int64, device=self.device) if by_position else None
         self.table_rows = _global_rows(self.config) if by_position else None
@@ -2347,16 +2356,24 @@ class _OnePrompt(_HookState):
         return self.positions
 
     def attach(self, worker: Any) -> None:
-        if self.positions is None:
-            return
-        positions = self.positions
+        if self.positions is not None:
+            self.runner = worker.model_runner
+            _wrap_steps(self.runner, self)
 
-        def record_positions(_module, args, kwargs):  # vLLM's model forward(input_ids, positions, ...)
-            given = kwargs["positions"] if "positions" in kwargs else args[1]
-            positions.narrow(0, 0, given.shape[0]).copy_(given)
+    # The steps _wrap_steps calls: only the positions of each forward matter here.
+    def schedule(self, _scheduler_output: Any) -> None:
+        """(Nothing to plan: every row is kept.)"""
 
-        model = worker.model_runner.get_model()
-        self.handles.append(model.register_forward_pre_hook(record_positions, with_kwargs=True))
+    def prepared(self) -> None:
+        given = _step_positions(self.runner)
+        rows = min(given.shape[0], self.positions.shape[0])
+        self.positions.narrow(0, 0, rows).copy_(given.narrow(0, 0, rows))
+
+    def executed(self) -> None:
+        """(The rows stay in the buffers until read.)"""
+
+    def finish(self) -> None:
+        """(Nothing held per step.)"""
 
     def read_captures(self, num_rows: int) -> dict[str, Any]:
         """``{"shards", "rows": {name: encoded [num_rows, *row shape]}}`` of the armed forward (see sources)."""
