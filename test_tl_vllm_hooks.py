@@ -68,9 +68,32 @@ def site_of(hook_name: str) -> str | None:
 # The router's choice: vLLM's fused mixture of experts routes inside its kernel, so
 # these are read, never edited (the module refuses edits of them).
 READ_ONLY = ("mlp.hook_expert_weights", "mlp.hook_expert_indices")
-# vLLM's BLOOM computes its MLP with the exact GELU, transformers' with the tanh
-# approximation (bloom_gelu_forward): 2e-4 relative from the first MLP on, in plain vLLM.
-FAMILY_TOLERANCE = {"bloom": 5e-4}
+# Families whose rows differ from TransformerLens's by more than TOLERANCE from some hook on, hooks
+# or not, each bound from the spread measured here (every hook before keeps TOLERANCE):
+# - BLOOM: vLLM's MLP uses the exact GELU, transformers' the tanh approximation: 2-4e-4 relative
+#   from the first mlp.hook_post;
+# - Apertus: vLLM keeps xIELU's parameters in bf16 (transformers: fp32): 0.6-2.6e-3, growing with depth;
+# - Gemma 4: attention with scale 1 over normalized q and k makes a sharp softmax, which carries the
+#   two engines' different summation orders further: up to 1.2e-5 at later layers under edits.
+LOOSER_FROM = {
+    "bloom": (5e-4, "blocks.0.mlp.hook_post"),
+    "apertus": (5e-3, "blocks.0.mlp.hook_post"),
+    "gemma4": (3e-5, "blocks.0.attn.hook_z"),
+}
+
+
+def family_tolerance(family: str):
+    """TOLERANCE, or for the families of LOOSER_FROM a function of the hook name."""
+    if family not in LOOSER_FROM:
+        return TOLERANCE
+    looser, first = LOOSER_FROM[family]
+    order = {name: n for n, name in enumerate(tlh.SITES.values())}
+    return lambda name: looser if forward_position(name, order) >= forward_position(first, order) else TOLERANCE
+
+
+# vLLM computes Llama 4's NoPE-layer attention temperature only with a context past 32k
+# tokens, or when asked (transformers always does).
+FAMILY_ENGINE_ARGUMENTS = {"llama4": dict(override_generation_config={"attn_temperature_tuning": True})}
 
 
 # --- models and the references -----------------------------------------------------------
@@ -356,9 +379,11 @@ def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TO
             f"{context} {name}: shape {tuple(actual[name].shape)} != {tuple(expected[name].shape)}"
         )
         errors[name] = relative_error(actual[name], expected[name])
-    failed = [name for name, error in errors.items() if error > tolerance]
-    assert not failed, f"{context}: relative error > {tolerance:.0e} in " + " | ".join(
-        f"{name} {errors[name]:.2e} (worst rows: {_mismatch(actual[name], expected[name])})" for name in failed
+    limit = tolerance if callable(tolerance) else lambda _name: tolerance  # (see family_tolerance)
+    failed = [name for name, error in errors.items() if error > limit(name)]
+    assert not failed, f"{context}: relative error past tolerance in " + " | ".join(
+        f"{name} {errors[name]:.2e} > {limit(name):.0e} (worst rows: {_mismatch(actual[name], expected[name])})"
+        for name in failed
     )
     return max(errors.values(), default=0.0)
 
@@ -609,6 +634,46 @@ def test_capture_specs_names_follow_transformer_lens():
         tlh.capture_specs(llama, layers=[2])
     with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
         tlh.capture_specs(llama, layers=[True])
+
+
+DECODERS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+@NO_ENGINE
+def test_every_decoder_transformer_lens_and_vllm_share_is_supported_or_refused_with_its_reason():
+    """The architectures that TransformerLens 4.3's bridge adapts and vLLM's registry runs, found
+    from both rather than listed: each is described by a record or refused with the reason
+    measured here, and neither table names an architecture outside them."""
+    from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_ARCHITECTURES
+    from vllm import ModelRegistry
+
+    shared = {
+        architecture
+        for architecture in set(SUPPORTED_ARCHITECTURES) & set(ModelRegistry.get_supported_archs())
+        if architecture.endswith(DECODERS)
+    }
+    supported = {family.architecture for family in tlh._FAMILIES.values()}
+    refused = set(tlh._REFUSED)
+    assert not supported & refused, f"both supported and refused: {sorted(supported & refused)}"
+    assert not shared - supported - refused, f"neither supported nor refused: {sorted(shared - supported - refused)}"
+    assert not (supported | refused) - shared, f"not in both registries: {sorted((supported | refused) - shared)}"
+    for architecture, reason in tlh._REFUSED.items():
+        config = types.SimpleNamespace(architectures=[architecture], get_text_config=lambda: None)
+        with pytest.raises(ValueError, match=re.escape(f"{architecture}: refused: {reason}")):
+            tlh.capture_specs(config)
+    print(f"\n{len(shared)} decoders in both: {len(supported)} supported, {len(refused)} refused")
+
+
+@NO_ENGINE
+def test_the_readmes_family_tables_are_the_records():
+    """README.md's supported and refused tables are what `python3 -m tl_vllm_hooks families`
+    prints from the records, word for word."""
+    readme = (HERE / "README.md").read_text()
+    tables = re.search(r"<!-- families -->\n(.*?)\n<!-- /families -->", readme, re.DOTALL)
+    assert tables, "README.md has no <!-- families --> ... <!-- /families --> section"
+    assert tables.group(1) == tools.families_markdown(), (
+        "README.md's family tables differ from the records: paste `python3 -m tl_vllm_hooks families` between the markers"
+    )
 
 
 @NO_ENGINE
@@ -961,9 +1026,10 @@ def family_llm(request, models):
     family = request.param
     model = models[family]
     in_process, eager = family not in SEPARATE_FAMILIES, family not in COMPILED_FAMILIES
-    with engine(model, sites=model.sites, in_process=in_process, eager=eager, batching=True) as llm:
+    with engine(model, sites=model.sites, in_process=in_process, eager=eager, batching=True,
+                **FAMILY_ENGINE_ARGUMENTS.get(family, {})) as llm:
         llm.model = model
-        llm.tolerance = FAMILY_TOLERANCE.get(family, TOLERANCE)
+        llm.tolerance = family_tolerance(family)
         yield llm
 
 
@@ -998,9 +1064,9 @@ class TestFamilies:
 @pytest.fixture(scope="class", params=FAMILIES)
 def one_prompt_flavour_llm(request, models):
     model = models[request.param]
-    with engine(model, sites=model.sites, in_process=True, eager=True) as llm:
+    with engine(model, sites=model.sites, in_process=True, eager=True, **FAMILY_ENGINE_ARGUMENTS.get(request.param, {})) as llm:
         llm.model = model
-        llm.tolerance = FAMILY_TOLERANCE.get(request.param, TOLERANCE)
+        llm.tolerance = family_tolerance(request.param)
         yield llm
 
 

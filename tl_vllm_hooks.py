@@ -149,9 +149,10 @@ class _Tap:
 
     module: path in the model vLLM loads; ``{i}`` is the layer. kind: a tap kind above.
     inputs: (argument name, position) of each input an input or norm kind reads.
-    norm: ``rms``, ``rms_offset`` (weight applied as 1 + weight, Gemma) or ``layer`` (mean-centred, with a bias
-        where it has one).
-    part: the site's columns of the tensor: ``q``, ``k`` or ``v``, those heads of a fused qkv projection's output;
+    norm: ``rms``, ``layer`` (mean-centred, with a bias where it has one), or either with ``_offset`` (the weight
+        applied as 1 + weight: Gemma's, Nemotron's).
+    part: the site's columns of the tensor: ``q``, ``k`` or ``v``, those heads of a fused qkv projection's output
+        (``kv``: k's, where V holds K too, and an edit of K is written into V);
         ``gate`` and ``up``, the first and second half of a gated activation's input; for _ROUTER, ``indices``
         (top-k experts) or ``weights`` (over all experts).
     multiplier: a config attribute the module's output is multiplied by where the branch joins the stream (Granite's
@@ -179,29 +180,45 @@ _TORCH_NORM_INPUT = (("input", 0),)  # torch.nn.LayerNorm
 _LINEAR_INPUT = (("input_", 0),)  # vLLM's RowParallelLinear
 _QUERY, _KEY = (("query", 0),), (("key", 1),)  # vLLM's Attention(query, key, value)
 
-_MOE_LAYERS = {  # how a config says which layers hold the mixture of experts (the others a dense MLP)
+_MOE_LAYERS = {  # the config attribute that says which layers hold the experts (the others a dense MLP) -> whether i does
     "every": lambda config, i: True,
-    "sparse_step": lambda config, i: (  # Qwen2-MoE's
+    "decoder_sparse_step": lambda config, i: (  # Qwen2-MoE's
         i not in (getattr(config, "mlp_only_layers", None) or []) and (i + 1) % config.decoder_sparse_step == 0
     ),
+    "first_k_dense_replace": lambda config, i: i >= config.first_k_dense_replace,
+    "num_dense_layers": lambda config, i: i >= config.num_dense_layers,
+    "moe_layer_interval": lambda config, i: (  # ERNIE 4.5's
+        (i + 1) % config.moe_layer_interval == 0 and config.moe_layer_start_index <= i <= config.moe_layer_end_index
+    ),
+    "interleave_moe_layer_step": lambda config, i: (i + 1) % config.interleave_moe_layer_step == 0,  # Llama 4's
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class _MoE:
     """A mixture-of-experts block in place of a layer's MLP: its input is mlp.hook_in and mlp.hook_pre, its output
-    mlp.hook_post and hook_mlp_out, and the router's choice comes from its logits, as vLLM's fused kernel routes.
+    mlp.hook_post (and hook_mlp_out where no post-norm follows), and the router's choice comes from its logits, as
+    the family routes and vLLM's fused kernel computes inside.
 
     block: its path under the layer; block_input: its forward's input argument; router: the path under the block of
-    the layer whose output is the logits; renormalize: ``always`` when the top-k softmax weights are divided by their
-    sum, or the config attribute that says; layers: a key of _MOE_LAYERS.
+        the layer whose output is the logits ("": TransformerLens runs no expert hooks on the family); layers: a key
+        of _MOE_LAYERS.
+    Routing: ``scoring`` (softmax or sigmoid of the logits); ``correction_bias``, the router's attribute added to the
+        scores to choose experts but not to weigh them; ``groups``, experts chosen within the config's topk_group best
+        of n_group groups (each scored by its two best), or ``sparsemixer`` (PhiMoE's); ``renormalize``, ``always``
+        when the chosen weights are divided by their sum, ``""`` never, or the config attribute that says; ``scale``,
+        the config attribute they are then multiplied by.
     """
 
     block: str = ".mlp"
     block_input: str = "hidden_states"
     router: str = ".gate"
-    renormalize: str = "norm_topk_prob"
     layers: str = "every"
+    scoring: str = "softmax"
+    correction_bias: str = ""
+    groups: bool = False
+    renormalize: str = "norm_topk_prob"
+    scale: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +226,8 @@ class _Family:
     """One family: where the model class vLLM runs it with holds each TransformerLens tensor, and what else the module
     knows of it. Read by _taps and _row_shapes, by tiny_model, the tests and the README's table.
 
-    name: its short name (tiny_model's); architecture: transformers' (``config.architectures[0]``); vllm_class: the
-        vLLM model class the record was checked with ("": named as the architecture).
+    name: its short name (tiny_model's); architecture: as checkpoints name it (``config.architectures[0]``);
+        vllm_class: the vLLM model class the record was checked with, hf_class transformers' ("": the architecture).
     residual: ``pair`` where vLLM's decoder layers take and return (hidden, residual) and each pre-norm adds the two
         (fused add+norm), ``stream`` where a layer takes and returns the residual stream itself.
     Paths, those under a layer starting with ``.``: ``layer`` ({i} the layer), ``embed``, ``pos_embed`` (""),
@@ -225,16 +242,25 @@ class _Family:
     norm: the kind of its norms (see _Tap). rotary: vLLM's Attention receives q and k after rotary, which
         TransformerLens hooks as hook_rot_q and hook_rot_k. multiplier, bias_apart: see _Tap. d_mlp: the config
         attribute of a dense MLP's width ("": the first of the usual names). moe: its mixture-of-experts block.
+    qk_halves: vLLM reorders each head of q and k at load, rotary's pairs of columns (interleaved in the checkpoint)
+        into two halves (Llama 4's), which hook_q and hook_k put back.
+    kv_shared: the config attribute that says how many last layers reuse earlier layers' keys and values: their
+        attention projects q alone (``.q_proj``) and has no hook_k or hook_v, and their MLP is twice as wide where
+        the config's use_double_wide_mlp says (Gemma 4's). k_as_v: the config attribute that says full-attention
+        layers use the keys as values: no hook_v, and an edit of hook_k reaches V (Gemma 4's attention_k_eq_v).
     taps: taps replacing those the fields give. refused: {site: why it is not placed} for sites TransformerLens runs
         on the family. settings: {config attribute: the value the record describes}; other values are refused.
     multimodal: the checkpoint's text model is laid out as this record says, under a prefix found in vLLM's tree, with
         the shapes of ``config.get_text_config()``.
-    tiny: the tiny test model's config beside tiny_model's common shape.
+    tiny: the tiny test model's config beside tiny_model's common shape; tiny_random: its buffers made random too
+        (released checkpoints carry them far from their initial values).
     """
 
     name: str
     architecture: str
+    _: dataclasses.KW_ONLY
     vllm_class: str = ""
+    hf_class: str = ""
     residual: str = "pair"
     layer: str = "model.layers.{i}"
     embed: str = "model.embed_tokens"
@@ -263,14 +289,18 @@ class _Family:
     taps: dict[str, _Tap] = dataclasses.field(default_factory=dict)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    qk_halves: bool = False
+    kv_shared: str = ""
+    k_as_v: str = ""
     multimodal: bool = False
     tiny: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tiny_random: tuple[str, ...] = ()
 
 
 _BACKEND_ROTARY = "vLLM's Transformers backend applies rotary inside transformers' attention, on no module"
 # vLLM's Transformers backend: transformers' module tree with vLLM's linear layers, norms and attention.
 _BACKEND = _Family(
-    "", "", "TransformersForCausalLM", "stream", layer_inputs=_HIDDEN_INPUT, rotary=False,
+    "", "", vllm_class="TransformersForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT, rotary=False,
     refused=dict.fromkeys(("attn_rot_q", "attn_rot_k"), _BACKEND_ROTARY),
 )  # fmt: skip
 _H_LAYER = "transformer.h.{i}"
@@ -307,7 +337,7 @@ _FAMILIES = {family.name: family for family in (
     _Family("granite", "GraniteForCausalLM", residual="stream", embed_at_layer0=True, multiplier="residual_multiplier",
             tiny=dict(_KV1, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
                       logits_scaling=2.0)),
-    _Family("stablelm", "StableLmForCausalLM", "StablelmForCausalLM", "stream", norm="layer",
+    _Family("stablelm", "StableLmForCausalLM", vllm_class="StablelmForCausalLM", residual="stream", norm="layer",
             norm_inputs=_TORCH_NORM_INPUT, settings=dict(use_parallel_residual=False),
             tiny=dict(_KV1, partial_rotary_factor=0.5)),
     # A norm after each branch, before adding it, and none before: attention reads the stream itself, the MLP the
@@ -374,9 +404,160 @@ _FAMILIES = {family.name: family for family in (
         refused={**_BACKEND.refused, **dict.fromkeys(
             ("attn_q", "attn_k", "attn_v"), "its fused query_key_value interleaves q, k and v per head")},
         tiny=dict(rotary_pct=0.25, tie_word_embeddings=False)),
+    _Family("ministral3", "Ministral3ForCausalLM", vllm_class="MistralForCausalLM",  # rot_q: Llama 4's query scale
+            tiny=dict(_UNTIED, head_dim=64, llama_4_scaling=dict(original_max_position_embeddings=8, beta=0.1),
+                      rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=128.0, beta_fast=32.0,
+                                           original_max_position_embeddings=8, max_position_embeddings=1024,
+                                           beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
+    # GLM-4-0414: Gemma 2's sandwich norms with plain weights.
+    _Family("glm4", "Glm4ForCausalLM", post_norms=(".post_self_attn_layernorm", ".post_mlp_layernorm"),
+            tiny=dict(_UNTIED, head_dim=64, attention_bias=True, pad_token_id=0, eos_token_id=1)),
+    # GLM-4.5: dense first layers, then sigmoid scores chosen with a correction bias among the best groups; the
+    # shared experts are inside the block's output.
+    _Family("glm4_moe", "Glm4MoeForCausalLM",
+            moe=_MoE(layers="first_k_dense_replace", scoring="sigmoid", correction_bias="e_score_correction_bias",
+                     groups=True, scale="routed_scaling_factor"),
+            tiny=dict(_UNTIED, head_dim=64, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+                      n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                      use_qk_norm=True, attention_bias=True, pad_token_id=0, eos_token_id=1),
+            tiny_random=("e_score_correction_bias",)),
+    # ERNIE 4.5 MoE: dense and MoE layers; TransformerLens names no expert hooks here. vLLM 0.32's CPU router ignores
+    # the correction bias, so the tiny model keeps it at 0.
+    _Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", moe=_MoE(router="", layers="moe_layer_interval"),
+            tiny=dict(_KV1, num_hidden_layers=4, moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
+                      moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=3, moe_layer_interval=2)),
+    # AFMoE: a norm before and after each branch; no rotary or expert hooks in TransformerLens.
+    _Family("afmoe", "AfmoeForCausalLM", rotary=False, ln2=".pre_mlp_layernorm",
+            post_norms=(".post_attention_layernorm", ".post_mlp_layernorm"),
+            moe=_MoE(router="", layers="num_dense_layers"),
+            tiny=dict(_UNTIED, num_hidden_layers=4, num_dense_layers=1, head_dim=64, moe_intermediate_size=64,
+                      num_experts=4, num_experts_per_tok=2, num_shared_experts=1, route_scale=2.5, sliding_window=8,
+                      global_attn_every_n_layers=2, mup_enabled=True, score_func="sigmoid", route_norm=True,
+                      n_group=1, topk_group=1)),
+    _Family("granitemoe", "GraniteMoeForCausalLM", residual="stream", embed_at_layer0=True,
+            multiplier="residual_multiplier", moe=_MoE(".block_sparse_moe", renormalize="always"),
+            tiny=dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0,
+                      residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)),
+    dataclasses.replace(_BACKEND, name="glm", architecture="GlmForCausalLM", mlp_inputs=_HIDDEN_INPUT,
+                        tiny=dict(_UNTIED, head_dim=64, attention_bias=True, pad_token_id=0, eos_token_id=1)),
+    dataclasses.replace(_BACKEND, name="smollm3", architecture="SmolLM3ForCausalLM",  # NoPE layers: rot_q is q
+                        tiny=dict(_KV1, num_hidden_layers=4, no_rope_layers=[1, 1, 0, 1], pad_token_id=0,
+                                  eos_token_id=1, bos_token_id=2)),
+    dataclasses.replace(_BACKEND, name="vaultgemma", architecture="VaultGemmaForCausalLM", norm="rms_offset",
+                        ln2=".pre_feedforward_layernorm",
+                        tiny=dict(_KV1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  final_logit_softcapping=30.0, attn_logit_softcapping=50.0, pad_token_id=0,
+                                  eos_token_id=1, bos_token_id=2)),
+    dataclasses.replace(_BACKEND, name="flexolmo", architecture="FlexOlmoForCausalLM",
+                        vllm_class="TransformersMoEForCausalLM", ln1="", ln2="",
+                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), moe=_MoE(router=""),
+                        tiny=dict(_UNTIED, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                  pad_token_id=0, eos_token_id=1)),
+    _Family("ernie4_5", "Ernie4_5ForCausalLM", tiny=dict(_KV1, head_dim=64)),
+    # Gemma 4: decoder layers return the stream; Gemma 2's sandwich norms with plain weights; per-layer inputs and a
+    # layer scalar inside each layer (in hook_resid_post); layers of two head sizes, the last ones reusing earlier
+    # layers' keys and values. A mixture of experts beside the MLP is inside hook_mlp_out, which TransformerLens's
+    # MLP hooks do not see.
+    _Family("gemma4", "Gemma4ForCausalLM", residual="stream", embed_at_layer0=True, ln2=".pre_feedforward_layernorm",
+            post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), kv_shared="num_kv_shared_layers",
+            k_as_v="attention_k_eq_v",
+            refused={**dict.fromkeys(_NORM_SITES, "TransformerLens 4.3's Gemma 4 adapter runs no hook_normalized or "
+                                     "hook_scale (its norms are bare components)"),
+                     **dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens 4.3's Gemma 4 adapter keeps "
+                                     "transformers' attention, with no hook_rot_q or hook_rot_k")},
+            tiny=dict(_KV1, num_hidden_layers=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                      sliding_window=16, hidden_size_per_layer_input=32, vocab_size_per_layer_input=512,
+                      num_kv_shared_layers=2, use_double_wide_mlp=True, attention_k_eq_v=True, enable_moe_block=True,
+                      num_experts=4, top_k_experts=2, moe_intermediate_size=64, final_logit_softcapping=30.0,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=2),
+            tiny_random=("layer_scalar",)),
+    # Llama 4: dense and MoE layers under feed_forward, NoPE layers, chunked attention; no rotary hooks or expert
+    # hooks in TransformerLens.
+    _Family("llama4", "Llama4ForCausalLM", mlp=".feed_forward", d_mlp="intermediate_size_mlp", rotary=False,
+            qk_halves=True, moe=_MoE(".feed_forward", router="", layers="interleave_moe_layer_step"),
+            tiny=dict(_UNTIED, num_hidden_layers=4, head_dim=64, intermediate_size_mlp=384, num_local_experts=4,
+                      num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
+                      attention_chunk_size=128, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4,
+                      attn_scale=0.1)),
+    # Apertus: ungated xIELU MLP, whose parameters vLLM keeps in bf16 (its rows from mlp.hook_post on differ from
+    # transformers' by about 1e-3 in fp32).
+    _Family("apertus", "ApertusForCausalLM", ln1=".attention_layernorm", ln2=".feedforward_layernorm",
+            mlp_up=".up_proj", tiny=dict(_UNTIED, rope_parameters=dict(
+                rope_type="llama3", rope_theta=12e6, factor=8.0, original_max_position_embeddings=512,
+                low_freq_factor=1.0, high_freq_factor=4.0))),
+    _Family("nemotron", "NemotronForCausalLM", norm="layer_offset", mlp_up=".up_proj", tiny=dict(_KV1, head_dim=64)),
+    # Cohere 2: Cohere's layout; full-attention layers have no rotary (q and k pass unrotated). vLLM's sliding window
+    # is one token wider than transformers', so the tiny model's is wider than the test prompts.
+    _Family("cohere2", "Cohere2ForCausalLM", vllm_class="CohereForCausalLM", residual="stream", norm="layer",
+            norm_inputs=_HIDDEN_INPUT,
+            ln2="", parallel=True, tiny=dict(_KV1, head_dim=64, logit_scale=0.5, sliding_window=512,
+                                              layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    # PhiMoE (a stream layout returning (stream, residual)): LayerNorms, sparsemixer routing.
+    _Family("phimoe", "PhiMoEForCausalLM", hf_class="PhimoeForCausalLM", residual="stream", norm="layer",
+            norm_inputs=_TORCH_NORM_INPUT, rotary=False, moe=_MoE(".block_sparse_moe", scoring="sparsemixer",
+                                                                  renormalize=""),
+            tiny=dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True)),
+    dataclasses.replace(_BACKEND, name="arcee", architecture="ArceeForCausalLM", mlp_up=".up_proj",
+                        tiny=dict(_UNTIED, head_dim=64)),
+    dataclasses.replace(_BACKEND, name="jais2", architecture="Jais2ForCausalLM", norm="layer", mlp_up=".up_proj",
+                        tiny=dict(_KV1, head_dim=64)),
+    dataclasses.replace(_BACKEND, name="seed_oss", architecture="SeedOssForCausalLM", tiny=dict(_KV1, head_dim=64)),
+    dataclasses.replace(_BACKEND, name="olmo3", architecture="Olmo3ForCausalLM", ln1="", ln2="",
+                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"),
+                        tiny=dict(_UNTIED, sliding_window=16,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    # HunYuan: q and k normalized after rotary, inside transformers' attention, on [heads, tokens, d_head].
+    dataclasses.replace(_BACKEND, name="hunyuan_dense", architecture="HunYuanDenseV1ForCausalLM",
+                        refused=dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens's hook_rot_q/k are the "
+                                              "inputs of its q/k norms, which take [heads, tokens, d_head]"),
+                        tiny=dict(_UNTIED, head_dim=64)),
+    # GPTBigCode: GPT-2's layout under the backend, with multi-query attention.
+    dataclasses.replace(_BACKEND, name="gpt_bigcode", architecture="GPTBigCodeForCausalLM", layer="model.h.{i}",
+                        embed="model.wte", pos_embed="model.wpe", final_norm="model.ln_f", norm="layer",
+                        attention=".attn", qkv=".c_attn", o_proj=".c_proj", ln1=".ln_1", ln2=".ln_2",
+                        mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT,
+                        taps=dict(mlp_post=_Tap("model.h.{i}.mlp.c_proj", _INPUT, _X_INPUT)),  # (a ReplicatedLinear)
+                        tiny=dict(n_inner=256, multi_query=True)),
 )}
 # fmt: on
 _ARCHITECTURES = {family.architecture: family for family in _FAMILIES.values()}
+# fmt: off
+_REFUSED = {  # architecture -> why no record describes it, as measured with vLLM 0.32 CPU, TransformerLens 4.3, transformers 5.19
+    **dict.fromkeys(("ExaoneForCausalLM", "InternLM2ForCausalLM"), "transformers 5.19 has no class for it (its "
+                    "checkpoints need remote code): 'Transformers does not recognize this architecture'"),
+    **dict.fromkeys(("LagunaForCausalLM", "MiniMaxM2ForCausalLM"), "vLLM 0.32's CPU MoE router takes softmax "
+                    "scoring only, not its sigmoid routing (AssertionError: assert self.scoring_func == 'softmax')"),
+    "HrmTextForCausalLM": "TransformerLens names its layers L_blocks and H_blocks and runs each several times a "
+                          "forward, keeping the last; vLLM's prefill attends both ways over the prompt",
+    **dict.fromkeys(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"),
+                    "multi-head latent attention (vLLM never holds per-head keys and values); vLLM 0.32's CPU "
+                    "rotary also mis-rotates its 3-D queries"),
+    "GlmMoeDsaForCausalLM": "sparse multi-head latent attention: 'Sparse Attention is not supported on CPU'",
+    "DeepseekV4ForCausalLM": "compressed sparse attention with hyper-connection streams; vLLM 0.32 refuses its "
+                             "config ('mlp_layer_types entries must be in (sparse, dense)')",
+    **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), "Mamba-1 layers, which vLLM "
+                    "0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"),
+    **dict.fromkeys(("Mamba2ForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM", "GraniteMoeHybridForCausalLM"),
+                    "Mamba-2 (state-space) layers, not softmax attention"),
+    "NemotronHForCausalLM": "Mamba-2 layers, and relu2 experts vLLM CPU cannot run ('is_act_and_mul=False is "
+                            "supported only for CUDA, XPU and ROCm')",
+    **dict.fromkeys(("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"), "short-convolution layers; vLLM 0.32's CPU rotary "
+                    "also mis-rotates its 3-D queries (its tokens differ from transformers')"),
+    **dict.fromkeys(("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+                    "Gated DeltaNet linear attention, which vLLM CPU runs only in bf16 ('CPU GDN attention requires "
+                    "BF16')"),
+    "OlmoHybridForCausalLM": "Gated DeltaNet linear attention; vLLM 0.32 CPU fails to build it (module 'triton' has "
+                             "no attribute 'set_allocator')",
+    "Glm4vForConditionalGeneration": "vLLM's text model of it differs from transformers' (greedy tokens from the "
+                                     "first; the same weights as Glm4ForCausalLM agree)",
+    "Gemma3nForConditionalGeneration": "vLLM runs its text model only with its vision tower, which needs timm: with "
+                                       "language_model_only the first forward fails ('inputs_embeds is required on "
+                                       "the first PP rank')",
+}
+# fmt: on
 
 
 def _family(hf_config: Any) -> _Family:
@@ -384,6 +565,8 @@ def _family(hf_config: Any) -> _Family:
     setting the record does not describe."""
     architecture = (getattr(hf_config, "architectures", None) or ["(none given)"])[0]
     family = _ARCHITECTURES.get(architecture)
+    if architecture in _REFUSED:
+        raise ValueError(f"architecture {architecture}: refused: {_REFUSED[architecture]}")
     if family is None:
         raise ValueError(
             f"architecture {architecture}: TransformerLens hook names are placed per architecture and this module has "
@@ -417,6 +600,27 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     def norm(path: str, kind: str = _NORMALIZED) -> _Tap:
         return _Tap(path, kind, norm_inputs, f.norm)
 
+    moe = f.moe if layer is not None and _moe_layer(f, config, layer) else None
+    if moe is None:
+        mlp = {
+            "mlp_in": _Tap(at + f.mlp, _INPUT, f.mlp_inputs),
+            "mlp_pre": _Tap(at + f.mlp + f.mlp_up, _OUTPUT, part="gate" if gated else "", bias_apart=f.bias_apart),
+            "mlp_pre_linear": _Tap(at + f.mlp + f.mlp_up, _OUTPUT, part="up") if gated else None,
+            "mlp_post": _Tap(at + f.mlp + f.mlp_down, _INPUT, _LINEAR_INPUT),
+            "mlp_out": _Tap(at + f.mlp, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
+        }
+    else:  # TransformerLens's MLP hooks are the block's input and output
+        block, router = at + moe.block, at + moe.block + moe.router
+        mlp = {
+            "mlp_in": _Tap(block, _INPUT, ((moe.block_input, 0),)),
+            "mlp_pre": _Tap(block, _INPUT, ((moe.block_input, 0),)),
+            "expert_weights": _Tap(router, _ROUTER, part="weights", moe=moe) if moe.router else None,
+            "expert_indices": _Tap(router, _ROUTER, part="indices", moe=moe) if moe.router else None,
+            "mlp_post": _Tap(block, _OUTPUT),
+            "mlp_out": _Tap(block, _OUTPUT, multiplier=f.multiplier),
+        }
+    if f.post_norms:  # each branch's output is its post-norm's
+        mlp["mlp_out"] = _Tap(at + f.post_norms[1], _OUTPUT)
     taps = {
         "embed": _Tap(f.layer.format(i=0), _INPUT, layer_inputs[:1]) if f.embed_at_layer0 else _Tap(f.embed, _OUTPUT),
         "pos_embed": _Tap(f.pos_embed, _OUTPUT) if f.pos_embed else None,
@@ -427,41 +631,34 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         "attn_rot_q": _Tap(attention + ".attn", _INPUT, _QUERY) if f.rotary else None,
         "attn_rot_k": _Tap(attention + ".attn", _INPUT, _KEY) if f.rotary else None,
         "attn_z": _Tap(attention + f.o_proj, _INPUT, _LINEAR_INPUT),
-        "attn_out": _Tap(at + (f.post_norms[0] if f.post_norms else f.attention), _OUTPUT,
-                         multiplier=f.multiplier, bias_apart=f.bias_apart and not f.post_norms),
-        "resid_mid": None if f.parallel else (
-            _Tap(mid_norm, _NORM_INPUT if pair else _INPUT, norm_inputs, f.norm) if mid_norm
-            else _Tap(at + f.mlp, _INPUT, f.mlp_inputs)),
+        "attn_out": _Tap(at + f.post_norms[0], _OUTPUT) if f.post_norms
+        else _Tap(attention, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
+        # the stream between the branches: ln2's input, or the MLP's where it has no pre-norm
+        "resid_mid": None if f.parallel else _Tap(mid_norm, _NORM_INPUT, norm_inputs, f.norm) if mid_norm and pair
+        else _Tap(mid_norm, _INPUT, norm_inputs) if mid_norm else mlp["mlp_in"],
         "ln2_scale": norm(mid_norm, _NORM_SCALE) if mid_norm else None,
         "ln2": norm(mid_norm) if mid_norm else None,
-        "mlp_in": _Tap(at + f.mlp, _INPUT, f.mlp_inputs),
-        "mlp_pre": _Tap(at + f.mlp + f.mlp_up, _OUTPUT, part="gate" if gated else "", bias_apart=f.bias_apart),
-        "mlp_pre_linear": _Tap(at + f.mlp + f.mlp_up, _OUTPUT, part="up") if gated else None,
-        "mlp_post": _Tap(at + f.mlp + f.mlp_down, _INPUT, _LINEAR_INPUT),
-        "mlp_out": _Tap(at + (f.post_norms[1] if f.post_norms else f.mlp), _OUTPUT,
-                        multiplier=f.multiplier, bias_apart=f.bias_apart and not f.post_norms),
+        **mlp,
         "resid_post": _Tap(at, _OUTPUT_PAIR if pair else _OUTPUT),
         "final_norm_scale": norm(f.final_norm, _NORM_SCALE),
         "final_norm": norm(f.final_norm),
         **f.taps,
     }  # fmt: skip
-    if layer is not None and _moe_layer(f, config, layer):
-        block = at + f.moe.block
-        router = block + f.moe.router
-        taps.update(
-            mlp_in=_Tap(block, _INPUT, ((f.moe.block_input, 0),)),
-            mlp_pre=_Tap(block, _INPUT, ((f.moe.block_input, 0),)),
-            mlp_pre_linear=None,
-            expert_weights=_Tap(router, _ROUTER, part="weights", moe=f.moe),
-            expert_indices=_Tap(router, _ROUTER, part="indices", moe=f.moe),
-            mlp_post=_Tap(block, _OUTPUT),
-            mlp_out=_Tap(block, _OUTPUT),
-        )
+    if layer is not None and _kv_shared(f, config, layer):
+        taps.update(attn_q=_Tap(attention + ".q_proj", _OUTPUT), attn_k=None, attn_v=None)
+    elif layer is not None and f.k_as_v and getattr(config, f.k_as_v) and config.layer_types[layer] == "full_attention":
+        taps.update(attn_k=_Tap(attention + f.qkv, _OUTPUT, part="kv"), attn_v=None)
     return {
         site: taps[site]
         for site, name in SITES.items()
         if taps.get(site) is not None and site not in f.refused and ("{i}" in name) == (layer is not None)
     }
+
+
+def _kv_shared(family: _Family, config: Any, layer: int) -> bool:
+    """Whether ``layer`` reuses an earlier layer's keys and values (see _Family.kv_shared)."""
+    shared = getattr(config, family.kv_shared) if family.kv_shared else 0
+    return bool(shared) and layer >= config.num_hidden_layers - shared
 
 
 def _num_experts(config: Any) -> int | None:
@@ -473,14 +670,19 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
     """One row's shape at each site of ``layer`` (None: outside the layers), from the (text) model's transformers
     config, whose attribute names differ between families."""
     d_model, n_heads = config.hidden_size, config.num_attention_heads
-    d_head = getattr(config, "head_dim", None) or d_model // n_heads
+    attention = config  # a layer's own, where layers differ (transformers' per_layer_config)
+    if getattr(config, "is_heterogeneous", False):
+        attention = config.per_layer_config[layer or 0]
+    d_head = getattr(attention, "head_dim", None) or d_model // n_heads
     if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
         n_kv_heads = 1  # Falcon's multi-query attention
     else:
-        n_kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+        n_kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
     names = (family.d_mlp,) if family.d_mlp else ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
     d_mlp = next(filter(None, (getattr(config, name, None) for name in names)), 4 * d_model)
     shapes = {site: (d_model,) for site in SITES}
+    if layer is not None and _kv_shared(family, config, layer) and getattr(config, "use_double_wide_mlp", False):
+        d_mlp *= 2
     if layer is not None and _moe_layer(family, config, layer):  # TransformerLens's mlp hooks: the block's
         d_mlp = d_model
         shapes.update(expert_weights=(_num_experts(config),), expert_indices=(config.num_experts_per_tok,))
@@ -1059,7 +1261,7 @@ def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int) -> tu
         return rank * module.output_size_per_partition, module.output_size_per_partition  # ColumnParallelLinear
     if tap.part in ("gate", "up"):
         share = width // ranks
-    elif tap.part in ("q", "k", "v") or tap.inputs in (_QUERY, _KEY):
+    elif tap.part in ("q", "k", "kv", "v") or tap.inputs in (_QUERY, _KEY):
         heads = module.num_heads if tap.part == "q" or tap.inputs == _QUERY else module.num_kv_heads
         share = heads * module.head_size
     else:
@@ -1075,10 +1277,10 @@ def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int) -> tu
 
 def _qkv_columns(module: torch.nn.Module, part: str) -> tuple[int, int] | None:
     """The columns of q, k or v in a QKVParallelLinear's output on this rank."""
-    if part not in ("q", "k", "v"):
+    if part not in ("q", "k", "v", "kv"):
         return None
     q, kv = module.num_heads * module.head_size, module.num_kv_heads * module.head_size
-    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}[part]
+    return {"q": (0, q), "k": (q, q + kv), "kv": (q, q + kv), "v": (q + kv, q + 2 * kv)}[part]
 
 
 def _output_width(module: torch.nn.Module) -> int | None:
@@ -1309,7 +1511,14 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
                     + (f", split across tensor-parallel ranks ({columns} on each)" if columns != width else "")
                 )
         row_shape = (row_shape[0] * columns // width, *row_shape[1:])
-        placed[name] = _Hook(name, module, tap, row_shape, (start, start + columns), _qkv_columns(module, tap.part))
+        order = None
+        if tap.part in ("q", "k") and family.qk_halves:  # TransformerLens's column 2a + b of a head is vLLM's b*d/2 + a
+            d_head = row_shape[-1]
+            order = torch.arange(columns).view(-1, d_head // 2, 2).transpose(1, 2).reshape(-1)
+            order = torch.argsort(order)
+        placed[name] = _Hook(
+            name, module, tap, row_shape, (start, start + columns), _qkv_columns(module, tap.part), order=order
+        )
         output_width = _output_width(module) if tap.kind == _OUTPUT and not tap.part else None
         if output_width is not None and output_width != columns:
             raise ValueError(
@@ -1371,7 +1580,7 @@ def _with_arguments(args, kwargs, inputs, values):
 def _normalize(rows, norm, eps):
     """[rows, width] normalized over the last dimension in fp32, before any weight."""
     rows = rows.float()
-    if norm == "layer":
+    if norm.startswith("layer"):
         rows = rows - rows.mean(-1, keepdim=True)
     return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -1388,6 +1597,7 @@ class _Hook:
     row_shape: tuple[int, ...]
     columns: tuple[int, int]
     part_columns: tuple[int, int] | None = None  # a part's columns in the module's tensor
+    order: torch.Tensor | None = None  # vLLM's column of each of TransformerLens's, where they differ (int64)
     transcoder: _SAE | None = None  # the transcoder that writes this hook, once bound
 
     @property
@@ -1404,6 +1614,9 @@ class _Hook:
         self.scale = torch.ones(*filter(None, (state.table_rows, self.width)), dtype=state.edit_dtype, device=device)
         self.bias = torch.zeros_like(self.scale)
         self.row_index = state.row_index(index)
+        if self.order is not None:
+            self.order = self.order.to(device)
+            self.inverse = torch.argsort(self.order)  # TransformerLens's column of each of vLLM's
         if self.tap.norm:  # the rows (fp32) a norm's pre-hook leaves its hook, and which changed (see _norm_hooks)
             width = self.module.weight.shape[-1] if self.tap.kind == _NORM_SCALE else self.width
             self.norm_rows = torch.zeros(rows, width, dtype=torch.float32, device=device)
@@ -1426,9 +1639,9 @@ class _Hook:
         transcoder's change waits in its ``pending`` rows for the hook it writes, which adds it there."""
         changes = []
         if self.sae is not None:
-            change = self.sae.change(activation)
+            change = self.sae.change(self.in_order(activation))
             if self.sae.pending is None:
-                changes.append(change)
+                changes.append(change if self.order is None else change.index_select(-1, self.inverse))
             else:
                 self.sae.pending.narrow(0, 0, change.shape[0]).copy_(change)
         if self.transcoder is not None:
@@ -1470,12 +1683,18 @@ class _Hook:
         """The first forward after the flag opens wins; later ones rewrite what is there."""
         self.fire_count.add_(1)
         kept = self.buffer.narrow(0, 0, activation.shape[0])
-        kept.copy_(torch.where(self.flag.bool(), kept, activation))
+        kept.copy_(torch.where(self.flag.bool(), kept, self.in_order(activation)))
         self.flag.fill_(1)
 
+    def in_order(self, rows):
+        """[rows, width] of the module's tensor in TransformerLens's column order."""
+        return rows if self.order is None else rows.index_select(-1, self.order)
+
     def edit_of(self, rows):
-        """The edit's (scale, bias) for these rows, broadcastable to them (see _rows_of_tables)."""
-        return _rows_of_tables((self.scale, self.bias), self.row_index, rows.shape[0])
+        """The edit's (scale, bias) for these rows, broadcastable to them (see _rows_of_tables), in the module's
+        column order."""
+        tables = _rows_of_tables((self.scale, self.bias), self.row_index, rows.shape[0])
+        return tables if self.order is None else tuple(table.index_select(-1, self.inverse) for table in tables)
 
     def inputs_of(self, args, kwargs):
         """(the first input the tap reads, the second or None)."""
@@ -1598,24 +1817,52 @@ class _ChosenFeatures:
 
 
 def _router_hooks(site: _Hook) -> None:
-    """The router's top-k from its logits, as vLLM's fused MoE computes it inside its kernel."""
-    hf_config = site.state.hf_config
-    top_k, num_experts = hf_config.num_experts_per_tok, _num_experts(hf_config)
-    moe = site.tap.moe
-    renormalize = moe.renormalize == "always" or bool(getattr(hf_config, moe.renormalize, False))
+    """The router's choice from its logits, as the family routes (see _MoE) and vLLM's fused MoE computes it inside
+    its kernel: the indices, highest choice score first, and the weights scattered over all experts."""
+    config, moe = site.state.hf_config, site.tap.moe
+    top_k, num_experts = config.num_experts_per_tok, _num_experts(config)
+    renormalize = moe.renormalize == "always" or bool(getattr(config, moe.renormalize, False))
+    scale = float(getattr(config, moe.scale)) if moe.scale else 1.0
+    bias = getattr(site.module, moe.correction_bias) if moe.correction_bias else None
+    groups = (config.n_group, config.topk_group) if moe.groups else None
 
     def hook(_module, _inputs, output):
         logits = (output[0] if isinstance(output, tuple) else output).reshape(-1, num_experts).float()
-        weights, indices = logits.softmax(-1).topk(top_k, dim=-1)
+        if moe.scoring == "sparsemixer":
+            weights, indices = _sparsemixer(logits)
+        else:
+            scores = logits.softmax(-1) if moe.scoring == "softmax" else logits.sigmoid()
+            choice = scores if bias is None else scores + bias.float()
+            if groups is not None:
+                n_group, topk_group = groups
+                grouped = choice.view(-1, n_group, num_experts // n_group)
+                best = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+                kept = torch.zeros_like(grouped[..., 0]).scatter(1, best, 1.0).bool()
+                choice = choice.masked_fill(~kept.repeat_interleave(num_experts // n_group, dim=1), float("-inf"))
+            indices = choice.topk(top_k, dim=-1).indices
+            weights = scores.gather(1, indices)
         if site.tap.part == "indices":
             site.keep(indices.to(site.buffer.dtype))
             return output
         if renormalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-        site.keep(torch.zeros_like(logits).scatter(-1, indices, weights).to(site.buffer.dtype))
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        site.keep(torch.zeros_like(logits).scatter(-1, indices, weights * scale).to(site.buffer.dtype))
         return output
 
     site.add(hook)
+
+
+def _sparsemixer(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's top-2 routing of [tokens, experts] logits: (weights, indices), each [tokens, 2]. Each round takes
+    the best expert not yet taken, weighted by its softmax among the experts within 2% (relative) of it."""
+    weights, indices, remaining = [], [], logits
+    for _round in range(2):
+        best, index = remaining.max(-1, keepdim=True)
+        far = (best - logits) / logits.abs().clamp(min=best) > 0.02
+        weights.append(remaining.masked_fill(far, float("-inf")).softmax(-1).gather(-1, index))
+        indices.append(index)
+        remaining = remaining.scatter(-1, index, float("-inf"))
+    return torch.cat(weights, -1), torch.cat(indices, -1)
 
 
 def _output_hooks(site: _Hook) -> None:
@@ -1641,6 +1888,10 @@ def _output_hooks(site: _Hook) -> None:
             rows.mul_(row_scale).add_(row_bias)
             site.steer(rows, rows)
             site.keep(rows)
+        if tap.part == "kv":  # V is K here (vLLM loads k_proj into both): what the edit made of K, V is too
+            whole = output[0] if isinstance(output, tuple) else output
+            start, stop = site.columns_of(whole)
+            whole.view(-1, whole.shape[-1])[:, stop : stop + stop - start].copy_(rows)
         return output
 
     site.add(hook)
@@ -1707,7 +1958,9 @@ def _norm_hooks(site: _Hook) -> None:
         total = edited_by(_NORM_INPUT, hidden if residual is None else hidden + residual)
         activation = total
         if tap.kind != _NORM_INPUT:  # as TransformerLens: in fp32, centred x over sqrt(mean(x**2) + eps)
-            centered = total.float() - total.float().mean(-1, keepdim=True) if tap.norm == "layer" else total.float()
+            centered = total.float()
+            if tap.norm.startswith("layer"):
+                centered = centered - centered.mean(-1, keepdim=True)
             variance = centered.pow(2).mean(-1, keepdim=True) + eps
             normalized = edited_by(_NORM_SCALE, centered * torch.rsqrt(variance))
             activation = variance.sqrt() if tap.kind == _NORM_SCALE else normalized
@@ -1723,8 +1976,8 @@ def _norm_hooks(site: _Hook) -> None:
         out = out.view(-1, out.shape[-1])
         edited = norm_rows.narrow(0, 0, out.shape[0])
         result = _normalize(edited, tap.norm, eps) if tap.kind == _NORM_INPUT else edited
-        result = result * (weight.float() + 1.0 if tap.norm == "rms_offset" else weight.float())
-        if tap.norm == "layer" and norm_bias is not None:
+        result = result * (weight.float() + 1.0 if tap.norm.endswith("_offset") else weight.float())
+        if tap.norm.startswith("layer") and norm_bias is not None:
             result = result + norm_bias.float()
         out.copy_(torch.where(norm_changed.narrow(0, 0, out.shape[0]), result.to(out.dtype), out))
         return output

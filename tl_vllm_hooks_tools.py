@@ -45,6 +45,7 @@ import torch
 from tl_vllm_hooks import (
     _FAMILIES,
     _FLOAT_DTYPES,
+    _REFUSED,
     _SAE_SITES,
     _SAE_WEIGHTS,
     _VLLM_SUFFIX,
@@ -54,6 +55,7 @@ from tl_vllm_hooks import (
     __version__,
     _driver_helper,
     _dtype_name,
+    _family_sites,
     _int_at_least,
     _join_ranks,
     _parallel_ranks,
@@ -764,6 +766,33 @@ def read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
 # ---------------------------------------------------------------------------
 
 
+def tiny_config(family: str) -> Any:
+    """The transformers config of ``family``'s tiny model (see tiny_model), without weights."""
+    import transformers
+
+    if family not in _FAMILIES:
+        raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(_FAMILIES)}")
+    record = _FAMILIES[family]
+    config_class = getattr(transformers, record.hf_class or record.architecture).config_class
+    common = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+    )
+    # Only what the family's config takes (Bloom's MLP is 4 * hidden_size and has no setting).
+    known = set(inspect.signature(config_class.__init__).parameters) | set(config_class.attribute_map)
+    config = config_class(
+        **{**{key: value for key, value in common.items() if key in known}, **record.tiny},
+        attn_implementation="eager",  # exact attention (SDPA drops Gemma 2's logit soft-capping)
+    )
+    config.architectures = [record.architecture]
+    return config
+
+
 def tiny_model(directory: str, family: str = "llama") -> Any:
     """A random fp32 model small enough for a CPU, saved to ``directory`` with a tokenizer.
 
@@ -778,34 +807,24 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    if family not in _FAMILIES:
-        raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(_FAMILIES)}")
-    record = _FAMILIES[family]
+    config = tiny_config(family)
     torch.manual_seed(zlib.crc32(family.encode()))
-    model_class = getattr(transformers, record.architecture)
-    config_class = model_class.config_class
-    common = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.1,
-    )
-    # Only what the family's config takes (Bloom's MLP is 4 * hidden_size and has no setting).
-    known = set(inspect.signature(config_class.__init__).parameters) | set(config_class.attribute_map)
-    config = config_class(
-        **{key: value for key, value in common.items() if key in known},
-        attn_implementation="eager",  # exact attention (SDPA drops Gemma 2's logit soft-capping)
-        **record.tiny,
-    )
+    model_class = getattr(transformers, _FAMILIES[family].hf_class or _FAMILIES[family].architecture)
     model = model_class(config).to(torch.float32).eval()
     with torch.no_grad():
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             if parameter.dim() == 1:  # norm weights start at 1 (or 0 for Gemma's 1 + w), biases at 0
                 parameter.add_(0.2 * torch.randn_like(parameter))
+            elif name.endswith("weight") and not parameter.any():  # (routers that would route by index)
+                parameter.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.rpartition(".")[2] in _FAMILIES[family].tiny_random:
+                buffer.add_(0.2 * torch.randn_like(buffer))
+    architectures = config.architectures
     model.save_pretrained(directory)
+    if model.config.architectures != architectures:  # as checkpoints name it, where transformers' class does not
+        model.config.architectures = architectures
+        model.config.save_pretrained(directory)
     words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1")
@@ -813,6 +832,42 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tokenizer.save_pretrained(directory)
     return model
+
+
+def families_markdown() -> str:
+    """The README's tables of supported families and refused architectures, from the records (the families command
+    prints them; a test holds the README to them): each family's sites as its tiny model has them, beside Llama's."""
+    default = _family_sites(_FAMILIES["llama"], tiny_config("llama"))
+    rows = []
+    for name, record in _FAMILIES.items():
+        sites = _family_sites(record, tiny_config(name).get_text_config())
+        also = [SITES[site] for site in sites if site not in default]
+        lacks = [SITES[site] for site in default if site not in sites and site not in record.refused]
+        notes = ([f"also {', '.join(f'`{n}`' for n in also)}"] if also else []) + (
+            [f"not {', '.join(f'`{n}`' for n in lacks)}"] if lacks else []
+        )
+        notes += [f"`{SITES[site]}` refused: {why}" for site, why in record.refused.items()]
+        vllm_class = record.vllm_class or record.architecture
+        rows.append(f"| {name} | `{record.architecture}` | `{vllm_class}` | {'; '.join(notes) or 'the same'} |")
+    reasons: dict[str, list[str]] = {}
+    for architecture, why in _REFUSED.items():
+        reasons.setdefault(why, []).append(f"`{architecture}`")
+    return "\n".join(
+        [
+            f"{len(_FAMILIES)} families supported, each compared with TransformerLens in CI; sites as Llama's:",
+            ", ".join(f"`{SITES[site]}`" for site in default) + ".",
+            "",
+            "| family | architecture | vLLM runs it with | sites beside Llama's |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+            f"{len(_REFUSED)} architectures refused, each for the reason measured here:",
+            "",
+            "| why | architectures |",
+            "|---|---|",
+            *(f"| {why} | {', '.join(names)} |" for why, names in reasons.items()),
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -1301,7 +1356,11 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--shard-seconds", type=float, default=1.0, help="close a shard this long after it opens")
     server.add_argument("--host", default="127.0.0.1", help="the interface to listen on (0.0.0.0: every one)")
     server.add_argument("--port", type=int, default=8000)
+    commands.add_parser("families", help="print the supported families and refused architectures (the README's tables)")
     args, args.vllm_args = parser.parse_known_args(argv)
+    if args.command == "families":
+        print(families_markdown())
+        return 0
     if args.vllm_args and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(args.vllm_args)}")
     command = {"demo": _demo, "capture": _capture, "compare": _compare, "serve": _serve}[args.command]
