@@ -250,8 +250,8 @@ class _Family:
         layers use the keys as values: no hook_v, and an edit of hook_k reaches V (Gemma 4's attention_k_eq_v).
     taps: taps replacing those the fields give. refused: {site: why it is not placed} for sites TransformerLens runs
         on the family. settings: {config attribute: the value the record describes}; other values are refused.
-    multimodal: the checkpoint's text model is laid out as this record says, under a prefix found in vLLM's tree, with
-        the shapes of ``config.get_text_config()``.
+    text_classes: for a multimodal checkpoint, the vLLM classes of its text model that the record describes, which
+        sits under ``text_prefix`` in vLLM's tree and takes the shapes of ``config.get_text_config()``.
     tiny: the tiny test model's config beside tiny_model's common shape; tiny_random: its buffers made random too
         (released checkpoints carry them far from their initial values).
     """
@@ -292,7 +292,8 @@ class _Family:
     qk_halves: bool = False
     kv_shared: str = ""
     k_as_v: str = ""
-    multimodal: bool = False
+    text_prefix: str = ""
+    text_classes: tuple[str, ...] = ()
     tiny: dict[str, Any] = dataclasses.field(default_factory=dict)
     tiny_random: tuple[str, ...] = ()
 
@@ -1459,7 +1460,7 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
                 f"tree this module's record does not describe (it describes {described}); supported: "
                 f"{sorted(_ARCHITECTURES)}"
             )
-        prefix = _text_prefix(family, modules) if family.multimodal else ""
+        prefix = _text_prefix(family, modules)
 
     def forward_order(name: str) -> tuple:  # modules of the user's choosing last, as given
         site, layer = _parse_hook_name(name) or (None, None)
@@ -1546,15 +1547,17 @@ def _resolve_module(model: torch.nn.Module, modules: dict, path: str) -> torch.n
 
 
 def _text_prefix(family: _Family, modules: dict) -> str:
-    """Where a multimodal checkpoint's text model sits in vLLM's tree: the one prefix of the record's first layer."""
-    first = family.layer.format(i=0)
-    found = [path[: -len(first)] for path in modules if path == first or path.endswith("." + first)]
-    if len(found) != 1:
+    """Where the text model sits in vLLM's tree ("" but in a multimodal checkpoint's); ValueError where its class is
+    not one the record describes."""
+    if not family.text_classes:
+        return ""
+    found = type(modules.get(family.text_prefix.rstrip("."))).__name__
+    if found not in family.text_classes:
         raise ValueError(
-            f"architecture {family.architecture}: its text model's first layer, {first!r}, is found under "
-            f"{found or 'no prefix'} in vLLM's module tree, where this module's record expects it under one"
+            f"architecture {family.architecture}: its text model at {family.text_prefix.rstrip('.')!r} is vLLM's "
+            f"{found}, where this module's record describes {list(family.text_classes)}"
         )
-    return found[0]
+    return family.text_prefix
 
 
 # ---------------------------------------------------------------------------
