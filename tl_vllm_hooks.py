@@ -325,7 +325,7 @@ _FAMILIES = {family.name: family for family in (
                                         ("gemma3", "Gemma3ForCausalLM", dict(sliding_window=16)))),
     _Family("mixtral", "MixtralForCausalLM", moe=_MoE(".block_sparse_moe", renormalize="always"),
             tiny=dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2)),
-    _Family("qwen2_moe", "Qwen2MoeForCausalLM", moe=_MoE(layers="sparse_step"),
+    _Family("qwen2_moe", "Qwen2MoeForCausalLM", moe=_MoE(layers="decoder_sparse_step"),
             tiny=dict(_MOE4, moe_intermediate_size=64, shared_expert_intermediate_size=128)),
     _Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=_MoE(), tiny=dict(_MOE4, head_dim=64, moe_intermediate_size=64)),
     _Family("olmoe", "OlmoeForCausalLM", moe=_MoE(), tiny=_MOE4),

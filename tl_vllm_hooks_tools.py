@@ -836,30 +836,37 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
 
 def families_markdown() -> str:
     """The README's tables of supported families and refused architectures, from the records (the families command
-    prints them; a test holds the README to them): each family's sites as its tiny model has them, beside Llama's."""
+    prints them; a test holds the README to them): each family's sites as its tiny model has them, beside Llama's,
+    with the reasons for those not placed numbered below the table."""
     default = _family_sites(_FAMILIES["llama"], tiny_config("llama"))
+    short = {site: SITES[site].removeprefix("blocks.{i}.") for site in SITES}
+    notes: dict[str, int] = {}  # reason -> its number
     rows = []
     for name, record in _FAMILIES.items():
         sites = _family_sites(record, tiny_config(name).get_text_config())
-        also = [SITES[site] for site in sites if site not in default]
-        lacks = [SITES[site] for site in default if site not in sites and site not in record.refused]
-        notes = ([f"also {', '.join(f'`{n}`' for n in also)}"] if also else []) + (
-            [f"not {', '.join(f'`{n}`' for n in lacks)}"] if lacks else []
-        )
-        notes += [f"`{SITES[site]}` refused: {why}" for site, why in record.refused.items()]
+        also = [short[site] for site in sites if site not in default]
+        lacks = [short[site] for site in default if site not in sites and site not in record.refused]
+        cells = ([f"also {', '.join(also)}"] if also else []) + ([f"not {', '.join(lacks)}"] if lacks else [])
+        refused: dict[int, list[str]] = {}
+        for site, why in record.refused.items():
+            refused.setdefault(notes.setdefault(why, len(notes) + 1), []).append(short[site])
+        cells += [f"not {', '.join(names)} [{number}]" for number, names in refused.items()]
         vllm_class = record.vllm_class or record.architecture
-        rows.append(f"| {name} | `{record.architecture}` | `{vllm_class}` | {'; '.join(notes) or 'the same'} |")
+        rows.append(f"| {name} | `{record.architecture}` | `{vllm_class}` | {'; '.join(cells) or 'the same'} |")
     reasons: dict[str, list[str]] = {}
     for architecture, why in _REFUSED.items():
         reasons.setdefault(why, []).append(f"`{architecture}`")
     return "\n".join(
         [
-            f"{len(_FAMILIES)} families supported, each compared with TransformerLens in CI; sites as Llama's:",
-            ", ".join(f"`{SITES[site]}`" for site in default) + ".",
+            f"{len(_FAMILIES)} families supported, each compared with TransformerLens in CI. Llama's sites (those "
+            "of each layer named without `blocks.{i}.`):",
+            ", ".join(short[site] for site in default) + ".",
             "",
             "| family | architecture | vLLM runs it with | sites beside Llama's |",
             "|---|---|---|---|",
             *rows,
+            "",
+            *(f"[{number}] {why}." for why, number in notes.items()),
             "",
             f"{len(_REFUSED)} architectures refused, each for the reason measured here:",
             "",
