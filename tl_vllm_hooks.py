@@ -1332,7 +1332,9 @@ class _HookState:
         self.payload = config.to_json()  # what request options are checked against
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
-        parameter = next(worker.model_runner.get_model().parameters())
+        # (not a tower vLLM left on the meta device: language_model_only builds a multimodal checkpoint's text model
+        # alone, and LLaVA-NeXT's first parameter, image_newline, is the tower's)
+        parameter = next(p for p in worker.model_runner.get_model().parameters() if p.device.type != "meta")
         self.device, self.edit_dtype = parameter.device, parameter.dtype
         self.handles: list[Any] = []
         self.fire_counts = torch.zeros(len(placed), dtype=torch.int64, device=self.device)
