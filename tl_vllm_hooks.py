@@ -252,8 +252,13 @@ class _Family:
         on the family. settings: {config attribute: the value the record describes}; other values are refused.
     text_classes: for a multimodal checkpoint, the vLLM classes of its text model that the record describes, which
         sits under ``text_prefix`` in vLLM's tree and takes the shapes of ``config.get_text_config()``.
-    tiny: the tiny test model's config beside tiny_model's common shape; tiny_random: its buffers made random too
-        (released checkpoints carry them far from their initial values).
+    tiny: the tiny test model's config beside tiny_model's common shape (a multimodal checkpoint's: its sub-configs as
+        dicts, ``text_config`` taking the common shape); tiny_random: its buffers made random too (released
+        checkpoints carry them far from their initial values). tiny_tokens: its tokenizer's ``words``, {id: special
+        token} after the tiny vocabulary's words (ids 512 on, which its config's token ids name), and the rest the
+        tokenizer's keyword arguments (bos_token, extra_special_tokens, ...). tiny_processor: (transformers'
+        processor class, its keyword arguments), a value that is such a pair itself being made first (an image
+        processor); saved beside the checkpoint.
     """
 
     name: str
@@ -296,6 +301,8 @@ class _Family:
     text_classes: tuple[str, ...] = ()
     tiny: dict[str, Any] = dataclasses.field(default_factory=dict)
     tiny_random: tuple[str, ...] = ()
+    tiny_tokens: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tiny_processor: tuple[str, dict[str, Any]] | None = None
 
 
 _BACKEND_ROTARY = "vLLM's Transformers backend applies rotary inside transformers' attention, on no module"

@@ -766,6 +766,23 @@ def read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
 # ---------------------------------------------------------------------------
 
 
+_TINY_SHAPE = dict(  # tiny_model's common shape, as each family's config names it
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
+)
+
+
+def _fitted(config_class: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """Those of ``values`` that the config class takes (Bloom's MLP is 4 * hidden_size and has no setting)."""
+    known = set(inspect.signature(config_class.__init__).parameters) | set(config_class.attribute_map)
+    return {key: value for key, value in values.items() if key in known}
+
+
 def tiny_config(family: str) -> Any:
     """The transformers config of ``family``'s tiny model (see tiny_model), without weights."""
     import transformers
@@ -774,23 +791,97 @@ def tiny_config(family: str) -> Any:
         raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(_FAMILIES)}")
     record = _FAMILIES[family]
     config_class = getattr(transformers, record.hf_class or record.architecture).config_class
-    common = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.1,
-    )
-    # Only what the family's config takes (Bloom's MLP is 4 * hidden_size and has no setting).
-    known = set(inspect.signature(config_class.__init__).parameters) | set(config_class.attribute_map)
-    config = config_class(
-        **{**{key: value for key, value in common.items() if key in known}, **record.tiny},
-        attn_implementation="eager",  # exact attention (SDPA drops Gemma 2's logit soft-capping)
-    )
+    if record.text_classes:  # a multimodal checkpoint's: the text model takes the common shape
+        text = dict(record.tiny.get("text_config") or {})
+        text_class = config_class.sub_configs["text_config"]
+        if text_class is transformers.AutoConfig:
+            text_class = transformers.CONFIG_MAPPING[text["model_type"]]
+        vocabulary = _TINY_SHAPE["vocab_size"] + len(record.tiny_tokens.get("words", {}))  # words, then specials
+        settings = {
+            **_fitted(config_class, dict(initializer_range=_TINY_SHAPE["initializer_range"])),
+            **record.tiny,
+            "text_config": {**_fitted(text_class, dict(_TINY_SHAPE, vocab_size=vocabulary)), **text},
+        }
+    else:
+        settings = {**_fitted(config_class, _TINY_SHAPE), **record.tiny}
+    config = config_class(**settings, attn_implementation="eager")  # exact attention (SDPA drops soft-capping)
     config.architectures = [record.architecture]
     return config
+
+
+def _tiny_tokenizer(record: Any) -> Any:
+    """Words t0 .. t511 (t0 unknown, t1 the end), then the checkpoint's special tokens (which text prompts of the
+    words never hold: some models embed a placeholder that comes without its image otherwise than vLLM does)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    settings = dict(record.tiny_tokens)
+    special = settings.pop("words", {})
+    if sorted(special) != list(range(512, 512 + len(special))):
+        raise ValueError(f"tiny_model: {record.name}'s special tokens take ids 512 on, got {sorted(special)}")
+    vocabulary = {**{f"t{i}": i for i in range(512)}, **{token: i for i, token in special.items()}}
+    words = Tokenizer(models.WordLevel(vocabulary, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1", **settings)
+    if special:  # matched whole wherever they are, as processors write them (<image><image>...)
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special.values())})
+    # So that an OpenAI server's chat requests work too: each message's words, then the reply's.
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tokenizer
+
+
+def _made(recipe: Any, **given: Any) -> Any:
+    """transformers' object of a (class name, keyword arguments) recipe, its values that are recipes made first."""
+    import transformers
+
+    if not (isinstance(recipe, tuple) and len(recipe) == 2 and isinstance(recipe[1], dict)):
+        return recipe
+    name, settings = recipe
+    return getattr(transformers, name)(**{key: _made(value) for key, value in settings.items()}, **given)
+
+
+def _released_layout(model: Any, directory: str) -> None:
+    """Rewrites a multimodal checkpoint that transformers 5.19 saved in a layout no released checkpoint has (and vLLM
+    does not load), wherever transformers reverses its own load-time conversions incompletely:
+    - a reverse renaming applied twice (Qwen2-Audio's mapping, which AudioFlamingo3 and GLM-ASR share, saves
+      ``language_model.model.model.``): a repeated ``model.`` is written once;
+    - a sub-model whose mapping removes a prefix on load (CLIP's ``vision_model``) saved without it;
+    - tensors transposed in place on load (Qwen3-VL-MoE's fused experts) saved as they are in memory: transposed back.
+    Then checks that transformers loads the rewritten file to the same weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, Transpose, WeightConverter
+
+    path = os.path.join(directory, "model.safetensors")
+    saved = load_file(path)
+    memory = model.state_dict()
+    tensors = {re.sub(r"(^|\.)model\.model\.", r"\1model.", key): tensor for key, tensor in saved.items()}
+    for name, module in model.named_modules():
+        conversions = get_checkpoint_conversion_mapping(type(module).__name__) if name else None
+        removed = [t.prefix_to_remove for t in conversions or [] if isinstance(t, PrefixChange)]
+        if removed and removed[0]:
+            own = [key for key in module.state_dict()]  # the sub-model's names, which the file's keys end with
+            prefixes = {key[: -len(tail)] for key in tensors for tail in own if key.endswith("." + tail)}
+            for prefix in prefixes - {p for p in prefixes if p.endswith(removed[0] + ".")}:
+                tensors = {
+                    (prefix + removed[0] + "." + key[len(prefix):] if key.startswith(prefix) else key): tensor
+                    for key, tensor in tensors.items()
+                }
+    for transform in get_model_conversion_mapping(model):
+        operations = getattr(transform, "operations", [])
+        if isinstance(transform, WeightConverter) and len(operations) == 1 and isinstance(operations[0], Transpose):
+            dims = operations[0].dim0, operations[0].dim1
+            for key, tensor in tensors.items():  # those saved as they are in memory (equal to a model's tensor)
+                if re.search(transform.source_patterns[0], key) and any(
+                    kept.shape == tensor.shape and torch.equal(kept, tensor) for kept in memory.values()
+                ):
+                    tensors[key] = tensor.transpose(*dims).contiguous()
+    if tensors.keys() != saved.keys() or any(tensors[key] is not saved[key] for key in tensors):
+        save_file(tensors, path, metadata={"format": "pt"})
+    reloaded = type(model).from_pretrained(directory, dtype=torch.float32).state_dict()
+    different = [name for name, tensor in memory.items() if not torch.equal(reloaded[name], tensor)]
+    if different or reloaded.keys() != memory.keys():
+        raise RuntimeError(f"tiny_model: the rewritten checkpoint in {directory} loads otherwise: {different[:5]}")
 
 
 def tiny_model(directory: str, family: str = "llama") -> Any:
@@ -800,16 +891,18 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     common shape); 3 layers, width 128, 2 heads of 64, MLP 256, vocabulary 512 (words
     ``t0`` .. ``t511``), as each family's config names them. Norm weights and
     biases are random too, so a tensor taken before a norm's weight never equals
-    one taken after it.
+    one taken after it. A multimodal checkpoint's text model takes this shape, its
+    towers the smallest its record gives; it is saved as released checkpoints are
+    laid out, with its special tokens and its processor's files.
     Returns the transformers model (eval mode, eager attention) holding the
     saved weights.
     """
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     config = tiny_config(family)
+    record = _FAMILIES[family]
     torch.manual_seed(zlib.crc32(family.encode()))
-    model_class = getattr(transformers, _FAMILIES[family].hf_class or _FAMILIES[family].architecture)
+    model_class = getattr(transformers, record.hf_class or record.architecture)
     model = model_class(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -818,19 +911,19 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
             elif name.endswith("weight") and not parameter.any():  # (routers that would route by index)
                 parameter.normal_(0.0, 0.1)
         for name, buffer in model.named_buffers():
-            if name.rpartition(".")[2] in _FAMILIES[family].tiny_random:
+            if name.rpartition(".")[2] in record.tiny_random:
                 buffer.add_(0.2 * torch.randn_like(buffer))
     architectures = config.architectures
     model.save_pretrained(directory)
     if model.config.architectures != architectures:  # as checkpoints name it, where transformers' class does not
         model.config.architectures = architectures
         model.config.save_pretrained(directory)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1")
-    # So that an OpenAI server's chat requests work too: each message's words, then the reply's.
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    if record.text_classes:
+        _released_layout(model, directory)
+    tokenizer = _tiny_tokenizer(record)
     tokenizer.save_pretrained(directory)
+    if record.tiny_processor:
+        _made(record.tiny_processor, tokenizer=tokenizer).save_pretrained(directory)
     return model
 
 
