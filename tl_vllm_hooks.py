@@ -529,6 +529,270 @@ _FAMILIES = {family.name: family for family in (
                         taps=dict(mlp_post=_Tap("model.h.{i}.mlp.c_proj", _INPUT, _X_INPUT)),  # (a ReplicatedLinear)
                         tiny=dict(n_inner=256, multi_query=True)),
 )}
+# Multimodal checkpoints: the text model is its text family's record under text_prefix in vLLM's tree (vLLM runs it
+# with language_model_only=True, or beside the towers on image prompts; TransformerLens's bridge names its hooks as the
+# text family's). Their tiny models have the smallest vision towers the configs take, the checkpoint's special tokens
+# and its processor files, so that nothing is fetched.
+_LM = "language_model."
+_IMAGE_TOKENS = dict(bos_token="t2", pad_token="t0")
+_GEMMA4_TOKENS = dict(
+    _IMAGE_TOKENS,
+    words={512: "<|image>", 513: "<image|>", 514: "<|image|>", 515: "<|video|>", 516: "<|audio>", 517: "<audio|>",
+           518: "<|audio|>"},
+    extra_special_tokens=dict(boi_token="<|image>", eoi_token="<image|>", image_token="<|image|>",
+                              boa_token="<|audio>", eoa_token="<audio|>", audio_token="<|audio|>"),
+)
+_GEMMA4_IDS = dict(audio_config=None, boi_token_id=512, eoi_token_id=513, image_token_id=514, video_token_id=515,
+                   boa_token_id=516, eoa_token_index=517, audio_token_id=518)
+_QWEN_VL_TOKENS = dict(
+    words={512: "<|vision_start|>", 513: "<|vision_end|>", 514: "<|video_pad|>", 515: "<|image_pad|>"},
+    extra_special_tokens=dict(image_token="<|image_pad|>", video_token="<|video_pad|>",
+                              vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>"),
+)
+_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 12, 12])  # M-RoPE's t, h and w sections
+_QWEN_VL_IDS = dict(image_token_id=515, video_token_id=514, vision_start_token_id=512, vision_end_token_id=513,
+                    tie_word_embeddings=False)
+
+
+def _qwen_vl_processor(processor: str, video: str, patch: int) -> tuple[str, dict[str, Any]]:
+    sizes = dict(patch_size=patch, merge_size=2, temporal_patch_size=2)
+    return processor, dict(
+        image_processor=("Qwen2VLImageProcessorPil", dict(sizes, size=dict(shortest_edge=(4 * patch) ** 2,
+                                                                             longest_edge=(4 * patch) ** 2))),
+        video_processor=(video, sizes),
+    )
+
+
+# fmt: off
+_FAMILIES.update({family.name: family for family in (
+    dataclasses.replace(
+        _FAMILIES["gemma3"], name="gemma3_mm", architecture="Gemma3ForConditionalGeneration", text_prefix=_LM,
+        text_classes=("Gemma3ForCausalLM",),
+        tiny=dict(text_config=dict(_FAMILIES["gemma3"].tiny,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                  vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=56, patch_size=14, vision_use_head=False),
+                  mm_tokens_per_image=4, boi_token_index=512, eoi_token_index=513, image_token_index=514),
+        tiny_tokens=dict(_IMAGE_TOKENS, words={512: "<start_of_image>", 513: "<end_of_image>",
+                                               514: "<image_soft_token>"},
+                         extra_special_tokens=dict(boi_token="<start_of_image>", eoi_token="<end_of_image>",
+                                                   image_token="<image_soft_token>")),
+        tiny_processor=("Gemma3Processor", dict(image_processor=("Gemma3ImageProcessorPil",
+                                                                 dict(size=dict(height=56, width=56))),
+                                                image_seq_length=4))),
+    dataclasses.replace(
+        _FAMILIES["gemma4"], name="gemma4_mm", architecture="Gemma4ForConditionalGeneration", text_prefix=_LM,
+        text_classes=("Gemma4ForCausalLM",),
+        tiny=dict(text_config=_FAMILIES["gemma4"].tiny,
+                  vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=2, head_dim=32, patch_size=14, pooling_kernel_size=2,
+                                     position_embedding_size=64),
+                  **_GEMMA4_IDS),
+        tiny_tokens=_GEMMA4_TOKENS,
+        tiny_processor=("Gemma4Processor", dict(
+            image_processor=("Gemma4ImageProcessorPil", dict(patch_size=14, pooling_kernel_size=2,
+                                                             max_soft_tokens=70)),
+            video_processor=("Gemma4VideoProcessor", dict(patch_size=14, pooling_kernel_size=2)),
+            feature_extractor=("Gemma4AudioFeatureExtractor", {}), image_seq_length=70))),
+    dataclasses.replace(
+        _FAMILIES["mistral"], name="mistral3", architecture="Mistral3ForConditionalGeneration", text_prefix=_LM,
+        text_classes=("MistralForCausalLM",),
+        tiny=dict(text_config=dict(_FAMILIES["mistral"].tiny, model_type="mistral"),
+                  vision_config=dict(model_type="pixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=2, head_dim=32, image_size=56, patch_size=14),
+                  image_token_index=514, spatial_merge_size=2, vision_feature_layer=-1, tie_word_embeddings=False),
+        tiny_tokens=dict(bos_token="t2", words={512: "[IMG_END]", 513: "[IMG_BREAK]", 514: "[IMG]"}),
+        tiny_processor=("PixtralProcessor", dict(image_processor=("PixtralImageProcessorPil",
+                                                                  dict(size=dict(longest_edge=56), patch_size=14)),
+                                                 patch_size=14, spatial_merge_size=2))),
+    dataclasses.replace(
+        _FAMILIES["llama4"], name="llama4_mm", architecture="Llama4ForConditionalGeneration", text_prefix=_LM,
+        text_classes=("Llama4ForCausalLM",),
+        tiny=dict(text_config=_FAMILIES["llama4"].tiny,
+                  vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=56, patch_size=14, vision_output_dim=64, projector_input_dim=64,
+                                     projector_output_dim=64, pixel_shuffle_ratio=0.5),
+                  boi_token_index=512, eoi_token_index=513, image_token_index=515, tie_word_embeddings=False),
+        tiny_tokens=dict(bos_token="t2", words={512: "<|image_start|>", 513: "<|image_end|>", 514: "<|image|>",
+                                                515: "<|patch|>", 516: "<|tile_x_separator|>",
+                                                517: "<|tile_y_separator|>"}),
+        tiny_processor=("Llama4Processor", dict(image_processor=("Llama4ImageProcessor",
+                                                                 dict(size=dict(height=56, width=56), max_patches=1)),
+                                                patch_size=14, pixel_shuffle_ratio=0.5))),
+    dataclasses.replace(
+        _FAMILIES["llama"], name="llava", architecture="LlavaForConditionalGeneration", text_prefix=_LM,
+        text_classes=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+        tiny=dict(text_config=dict(_FAMILIES["llama"].tiny, model_type="llama"),
+                  vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
+                                     projection_dim=64),
+                  image_token_index=512, image_seq_length=4, vision_feature_select_strategy="default",
+                  vision_feature_layer=-2, tie_word_embeddings=False),
+        tiny_tokens=dict(bos_token="t2", words={512: "<image>"}, extra_special_tokens=dict(image_token="<image>")),
+        tiny_processor=("LlavaProcessor", dict(
+            image_processor=("CLIPImageProcessorPil", dict(size=dict(shortest_edge=28),
+                                                           crop_size=dict(height=28, width=28))),
+            patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1))),
+    # Qwen-VL: TransformerLens 4.3's adapters run no rotary hooks (M-RoPE, applied inside transformers' attention).
+    dataclasses.replace(
+        _FAMILIES["qwen2"], name="qwen2_5_vl", architecture="Qwen2_5_VLForConditionalGeneration", text_prefix=_LM,
+        text_classes=("Qwen2ForCausalLM",), rotary=False,
+        tiny=dict(text_config=dict(_FAMILIES["qwen2"].tiny, bos_token_id=None, eos_token_id=1, rope_parameters=_MROPE),
+                  vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
+                                     spatial_merge_size=2, temporal_patch_size=2, window_size=56, out_hidden_size=128,
+                                     fullatt_block_indexes=[1]),
+                  **_QWEN_VL_IDS),
+        tiny_tokens=_QWEN_VL_TOKENS,
+        tiny_processor=_qwen_vl_processor("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", 14)),
+    dataclasses.replace(
+        _FAMILIES["qwen3"], name="qwen3_vl", architecture="Qwen3VLForConditionalGeneration", text_prefix=_LM,
+        text_classes=("Qwen3LLMForCausalLM",), rotary=False,
+        tiny=dict(text_config=dict(_FAMILIES["qwen3"].tiny, rope_parameters=dict(_MROPE, mrope_interleaved=True)),
+                  vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
+                                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
+                                     num_position_embeddings=16, deepstack_visual_indexes=[0]),
+                  **_QWEN_VL_IDS),
+        tiny_tokens=_QWEN_VL_TOKENS,
+        tiny_processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
+    dataclasses.replace(
+        _FAMILIES["qwen3_moe"], name="qwen3_vl_moe", architecture="Qwen3VLMoeForConditionalGeneration",
+        text_prefix=_LM, text_classes=("Qwen3MoeLLMForCausalLM",), rotary=False,
+        # (2 * moe_intermediate_size != hidden_size: the fused experts' two layouts differ in shape)
+        tiny=dict(text_config=dict(_FAMILIES["qwen3_moe"].tiny, moe_intermediate_size=32, norm_topk_prob=True,
+                                   rope_parameters=dict(_MROPE, mrope_interleaved=True)),
+                  vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
+                                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
+                                     num_position_embeddings=16, deepstack_visual_indexes=[0]),
+                  **_QWEN_VL_IDS),
+        tiny_tokens=_QWEN_VL_TOKENS,
+        tiny_processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
+    *(dataclasses.replace(
+        _FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM, text_classes=text_classes,
+        tiny=dict(text_config=dict(_FAMILIES[text].tiny, model_type=text),
+                  vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
+                                     projection_dim=64) if text == "llama" else
+                  dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, image_size=28, patch_size=14, vision_use_head=False),
+                  image_grid_pinpoints=[[28, 28], [28, 56]], tie_word_embeddings=False, **ids),
+        tiny_tokens=tokens, tiny_processor=processor)
+      for name, architecture, text, text_classes, ids, tokens, processor in (
+          ("llava_next", "LlavaNextForConditionalGeneration", "llama",
+           ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+           dict(image_token_index=512, image_seq_length=4),
+           dict(bos_token="t2", words={512: "<image>"}, extra_special_tokens=dict(image_token="<image>")),
+           ("LlavaNextProcessor", dict(
+               image_processor=("LlavaNextImageProcessorPil", dict(
+                   size=dict(shortest_edge=28), crop_size=dict(height=28, width=28),
+                   image_grid_pinpoints=[[28, 28], [28, 56]])),
+               patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1))),
+          ("llava_onevision", "LlavaOnevisionForConditionalGeneration", "qwen2", ("Qwen2ForCausalLM",),
+           dict(image_token_index=513, video_token_index=512, vision_feature_select_strategy="full",
+                vision_feature_layer=-1),
+           dict(words={512: "<video>", 513: "<image>"},
+                extra_special_tokens=dict(image_token="<image>", video_token="<video>")),
+           ("LlavaOnevisionProcessor", dict(
+               image_processor=("LlavaOnevisionImageProcessorPil", dict(
+                   size=dict(height=28, width=28), image_grid_pinpoints=[[28, 28], [28, 56]])),
+               video_processor=("LlavaOnevisionVideoProcessor", dict(size=dict(height=28, width=28))),
+               num_image_tokens=4, vision_feature_select_strategy="full"))),
+      )),
+    # Audio towers beside a text model (no torchvision needed).
+    *(dataclasses.replace(
+        _FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM, text_classes=(f"{text_class}",),
+        tiny=dict(text_config=dict(_FAMILIES[text].tiny, model_type=text), audio_config=audio,
+                  tie_word_embeddings=False, **ids),
+        tiny_tokens=tokens,
+        tiny_processor=(processor, dict(feature_extractor=("WhisperFeatureExtractor", dict(feature_size=128)))))
+      for name, architecture, text, text_class, audio, ids, tokens, processor in (
+          ("audioflamingo3", "AudioFlamingo3ForConditionalGeneration", "qwen2", "Qwen2ForCausalLM",
+           dict(num_mel_bins=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128, hidden_size=64,
+                max_source_positions=1500),
+           dict(audio_token_id=512), dict(words={512: "<sound>"}), "AudioFlamingo3Processor"),
+          ("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2", "Qwen2ForCausalLM",
+           dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=128, d_model=64),
+           dict(audio_token_index=514),
+           dict(words={512: "<|audio_bos|>", 513: "<|audio_eos|>", 514: "<|AUDIO|>"},
+                extra_special_tokens=dict(audio_token="<|AUDIO|>", audio_bos_token="<|audio_bos|>",
+                                          audio_eos_token="<|audio_eos|>")),
+           "Qwen2AudioProcessor"),
+          ("glmasr", "GlmAsrForConditionalGeneration", "llama", "LlamaForCausalLM",
+           dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_mel_bins=128),
+           dict(audio_token_id=512), dict(words={512: "<|pad|>"}), "GlmAsrProcessor"),
+      )),
+    # Idefics3: vLLM's text model is a LlamaModel at model.text_model (lm_head at the top).
+    dataclasses.replace(
+        _FAMILIES["llama"], name="idefics3", architecture="Idefics3ForConditionalGeneration",
+        text_prefix="model.text_model.", layer="layers.{i}", embed="embed_tokens", final_norm="norm",
+        text_classes=("LlamaModel",),
+        tiny=dict(text_config=dict(_FAMILIES["llama"].tiny, model_type="llama"),
+                  vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=56, patch_size=14),
+                  image_token_id=514, scale_factor=2, pad_token_id=0, tie_word_embeddings=False),
+        tiny_tokens=dict(_IMAGE_TOKENS, words={512: "<fake_token_around_image>", 513: "<global-img>", 514: "<image>"},
+                         extra_special_tokens=dict(image_token="<image>", fake_image_token="<fake_token_around_image>",
+                                                   global_image_token="<global-img>")),
+        tiny_processor=("Idefics3Processor", dict(
+            image_processor=("Idefics3ImageProcessorPil", dict(size=dict(longest_edge=56),
+                                                               max_image_size=dict(longest_edge=56),
+                                                               do_image_splitting=False)),
+            image_seq_len=4))),
+    dataclasses.replace(
+        _FAMILIES["gemma4"], name="gemma4_unified", architecture="Gemma4UnifiedForConditionalGeneration",
+        text_prefix=_LM, text_classes=("Gemma4ForCausalLM",),
+        # (transformers' Gemma4Unified has no per-layer inputs and no experts, which vLLM would build from the config)
+        tiny=dict(text_config={key: value for key, value in _FAMILIES["gemma4"].tiny.items() if key not in (
+                      "hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block", "num_experts",
+                      "top_k_experts", "moe_intermediate_size")},
+                  vision_config=dict(patch_size=14, pooling_kernel_size=2, mm_embed_dim=64, mm_posemb_size=64,
+                                     output_proj_dims=128),
+                  **_GEMMA4_IDS),
+        tiny_tokens=_GEMMA4_TOKENS,
+        tiny_processor=("Gemma4UnifiedProcessor", dict(
+            image_processor=("Gemma4UnifiedImageProcessor", dict(patch_size=14, pooling_kernel_size=2,
+                                                                 max_soft_tokens=70)),
+            video_processor=("Gemma4UnifiedVideoProcessor", dict(patch_size=14, pooling_kernel_size=2,
+                                                                 max_soft_tokens=70)),
+            feature_extractor=("Gemma4UnifiedAudioFeatureExtractor", {}), image_seq_length=70))),
+    # Emu3: vLLM serves it with its Transformers backend (transformers' tree; its VQ-VAE is built beside the text
+    # model), which reads the processor at boot.
+    dataclasses.replace(
+        _BACKEND, name="emu3", architecture="Emu3ForConditionalGeneration",
+        vllm_class="TransformersMultiModalForCausalLM", text_prefix="model.text_model.", layer="layers.{i}",
+        embed="embed_tokens", final_norm="norm", text_classes=("Emu3TextModel",),
+        tiny=dict(text_config=dict(_KV1, pad_token_id=0, bos_token_id=2, eos_token_id=1),
+                  vq_config=dict(codebook_size=6, embed_dim=4, latent_channels=4, base_channels=32,
+                                 channel_multiplier=[1, 1], num_res_blocks=1, attn_resolutions=[], hidden_size=64,
+                                 temporal_downsample_factor=1),
+                  vocabulary_map={**{f"<|visual token {i:06d}|>": 512 + i for i in range(6)},
+                                  "<|image token|>": 518, "<|extra_201|>": 519, "<image>": 520,
+                                  "<|image start|>": 521, "<|image end|>": 522, "<|extra_200|>": 523}),
+        tiny_tokens=dict(_IMAGE_TOKENS, words={**{512 + i: f"<|visual token {i:06d}|>" for i in range(6)},
+                                               518: "<|image token|>", 519: "<|extra_201|>", 520: "<image>",
+                                               521: "<|image start|>", 522: "<|image end|>", 523: "<|extra_200|>"},
+                         extra_special_tokens=dict(image_token="<image>", boi_token="<|image start|>",
+                                                   eoi_token="<|image end|>", image_wrapper_token="<|image token|>",
+                                                   eof_token="<|extra_201|>")),
+        tiny_processor=("Emu3Processor", dict(image_processor=("Emu3ImageProcessor", dict(
+            min_pixels=16 * 16, max_pixels=32 * 32, spatial_factor=2))))),
+    # MuseGlimmer: vLLM's MuseGlimmerForCausalLM holds the text model at its root; Gemma 2's sandwich norms (1 + w),
+    # each taking the stream alone; the embedding is normalized (weightless) before layer 0, inside transformers'
+    # embedding module (so hook_embed is what layer 0 receives). TransformerLens's norms and attention there are bare
+    # components: no hook_scale, hook_normalized or rotary hooks.
+    _Family("muse_glimmer", "MuseGlimmerForConditionalGeneration", vllm_class="MuseGlimmerForCausalLM",
+            residual="stream", embed_at_layer0=True, ln2=".pre_feedforward_layernorm",
+            post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), norm="rms_offset",
+            norm_inputs=_HIDDEN_INPUT, rotary=False, text_prefix="", text_classes=("MuseGlimmerForCausalLM",),
+            refused=dict.fromkeys(_NORM_SITES, "TransformerLens 4.3's MuseGlimmer adapter runs no hook_normalized or "
+                                  "hook_scale (its norms are bare components)"),
+            tiny=dict(text_config=dict(_KV1, head_dim=64, sliding_window=16, pad_token_id=0, bos_token_id=2,
+                                       eos_token_id=1),
+                      vision_config=dict(patch_size=14, pos_emb_height=4, pos_emb_width=4, num_attention_heads=2,
+                                         num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                                         max_position_embeddings=16, output_dim=256),
+                      image_token_id=512, video_token_id=513, out_hidden_size=256, projector_hidden_size=64),
+            tiny_tokens=dict(bos_token="t2", words={512: "<|image|>", 513: "<|video|>"})),
+)})
 # fmt: on
 _ARCHITECTURES = {family.architecture: family for family in _FAMILIES.values()}
 # fmt: off
