@@ -50,8 +50,11 @@ TOLERANCE = 1e-5
 NO_ENGINE = pytest.mark.no_engine  # the inner loop's tier: pytest -m no_engine
 MAX_TOKENS_PER_FORWARD = 128
 HERE = Path(__file__).resolve().parent
-# Every family the module claims: one per record, read from the records (never typed here).
-FAMILIES = tuple(tlh._FAMILIES)
+# Every family the module claims: one per record, read from the records (never typed here). A multimodal checkpoint's
+# (its text model under a text_prefix) runs in test_tl_vllm_hooks_vision.py, in an environment where torchvision
+# imports (test_multimodal_checkpoints_in_the_vision_environment).
+FAMILIES = tuple(name for name, record in tlh._FAMILIES.items() if not record.text_classes)
+MULTIMODAL = tuple(name for name, record in tlh._FAMILIES.items() if record.text_classes)
 # The sites the flavour, sink and serving tests hook on every layer (the first release's).
 CLASSIC_SITES = (
     "embed", "pos_embed", "resid_pre", "attn_z", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post",
@@ -145,8 +148,12 @@ class Model:
 
     @property
     def bridge(self):
+        import transformer_lens.model_bridge.sources.transformers.helpers as sources
         from transformer_lens.model_bridge import TransformerBridge
 
+        # The bridge pip-installs torchvision where a multimodal checkpoint's processor needs it: never here (where
+        # torchvision does not import, the processor is left out, which the text model's hooks do not need).
+        sources._ensure_torchvision = torchvision_imports
         if self._bridge is None:
             self._bridge = TransformerBridge.boot_transformers(
                 str(self.path), hf_model=copy.deepcopy(self.hf), dtype=torch.float32, device="cpu"
@@ -184,9 +191,10 @@ class Model:
             return tuple(site for site in CLASSIC_SITES if site in TRANSFORMERS_TAPS.get(self.family, {}))
         return tuple(site for site in self.sites if site in CLASSIC_SITES)
 
-    def reference(self, token_ids, names, edits=None):
+    def reference(self, token_ids, names, edits=None, **inputs):
         """{hook_name: [len(token_ids), *row shape]} from TransformerLens's run_with_hooks,
-        each edit applied at its hook and carried downstream as TransformerLens carries it."""
+        each edit applied at its hook and carried downstream as TransformerLens carries it;
+        inputs: the forward's other inputs (a multimodal checkpoint's pixel_values)."""
         bridge = self.bridge
         edits = edits or {}
         captured = {}
@@ -204,8 +212,42 @@ class Model:
 
         hooked = list(dict.fromkeys([*names, *edits]))  # an edited hook runs whether or not its rows are asked for
         with torch.no_grad():
-            bridge.run_with_hooks(torch.tensor([token_ids]), fwd_hooks=[(n, make_hook(n)) for n in hooked])
+            bridge.run_with_hooks(torch.tensor([token_ids]), fwd_hooks=[(n, make_hook(n)) for n in hooked], **inputs)
         return {name: captured[name] for name in names}
+
+
+def torchvision_imports() -> bool:
+    """Whether torchvision imports here (never installing it)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # not installed, or a build whose ops do not load (see scripts/vision_env.sh)
+        return False
+    return True
+
+
+def needs_torchvision(family: str) -> bool:
+    """Whether a multimodal record's tiny checkpoint needs torchvision to be built (a class of its processor does) or
+    TransformerLens's bridge to boot on it (its adapter requires it), from transformers' and TransformerLens's own
+    declarations."""
+    import transformers
+    from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_ARCHITECTURES
+
+    record = tlh._FAMILIES[family]
+    if "torchvision" in (getattr(SUPPORTED_ARCHITECTURES[record.architecture], "required_libraries", None) or []):
+        return True
+    recipes, names = [record.tiny_processor] if record.tiny_processor else [], []
+    while recipes:
+        name, settings = recipes.pop()
+        names.append(name)
+        recipes += [v for v in settings.values() if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict)]
+    for name in names:
+        try:
+            declared = getattr(getattr(transformers, name), "_backends", None) or ()
+        except (ImportError, ModuleNotFoundError):  # (transformers' lazy module: a class whose module needs it)
+            return True
+        if "torchvision" in declared:
+            return True
+    return False
 
 
 class Models(dict):
@@ -686,7 +728,7 @@ def test_capture_specs_refuse_what_the_architecture_lacks():
         tlh.capture_specs(neox, sites=("resid_post", "resid_mid"))
     unknown = GPTNeoXConfig(num_hidden_layers=2)
     unknown.architectures = ["ToyForCausalLM"]
-    with pytest.raises(ValueError, match=r"architecture ToyForCausalLM: .* no record for it; supported: \['BloomForCausalLM'"):
+    with pytest.raises(ValueError, match=r"architecture ToyForCausalLM: .* no record for it; supported: \['AfmoeForCausalLM'"):
         tlh.capture_specs(unknown)
     opt = OPTConfig(num_hidden_layers=2, do_layer_norm_before=False)
     opt.architectures = ["OPTForCausalLM"]
@@ -1082,12 +1124,21 @@ class TestFamiliesOnePromptFlavour:
         check_every_site_edit(llm, llm.model, baseline, tolerance=llm.tolerance)
 
 
+# The multimodal records checked here too, where their tiny checkpoint is built and the bridge boots without
+# torchvision; test_tl_vllm_hooks_vision.py checks every one.
+PLACED_HERE = tuple(
+    family for family in MULTIMODAL
+    if importlib.util.find_spec("transformer_lens") and (torchvision_imports() or not needs_torchvision(family))
+)
+
+
 @NO_ENGINE
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + PLACED_HERE)
 def test_each_family_places_exactly_the_hooks_transformer_lens_runs(models, family):
     """No engine: capture_specs of every site gives exactly the hooks the bridge runs on every
     layer, with TransformerLens's row shapes and in forward order, less those the record refuses,
-    each of which is refused by name with its reason; every other site is refused by name."""
+    each of which is refused by name with its reason; every other site is refused by name (for a
+    multimodal checkpoint, the bridge booted on it, text prompts)."""
     model = models[family]
     record = tlh._FAMILIES[family]
     assert tlh.capture_specs(model.hf.config, sites=model.sites) == model.expected
@@ -1119,6 +1170,37 @@ def test_transformers_taps_read_what_transformer_lens_reads(models, family):
         edits = {hook: edit} if hook else {}
         expected = model.reference(PROMPT, names, edits)
         assert_matches(transformers_reference.reference(PROMPT, names, edits), expected, f"{family} {hook} {edit}")
+
+
+@pytest.fixture(scope="session")
+def vision_python():
+    """The python of an environment where torchvision imports (vLLM's native multimodal classes import it; no CPU
+    build for this torch exists, see scripts/vision_env.sh): $TL_VLLM_HOOKS_VISION_PYTHON (CI builds it first), else
+    what scripts/vision_env.sh builds from this python (once, ~30 s)."""
+    python = os.environ.get("TL_VLLM_HOOKS_VISION_PYTHON")
+    if not python:
+        built = subprocess.run(
+            ["bash", str(HERE / "scripts" / "vision_env.sh")], capture_output=True, text=True,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
+        assert built.returncode == 0, f"scripts/vision_env.sh failed:\n{built.stderr[-3000:]}"
+        python = built.stdout.split()[-1]
+    return python
+
+
+def test_multimodal_checkpoints_in_the_vision_environment(vision_python, tmp_path):
+    """test_tl_vllm_hooks_vision.py, run where torchvision imports: every multimodal record's text model in both
+    flavours (TestFamilies' and TestFamiliesOnePromptFlavour's checks), every record's placement, and a LLaVA image
+    prompt at every position; fails with the inner run's output."""
+    environment = {key: value for key, value in os.environ.items()
+                   if key != "VLLM_ENABLE_V1_MULTIPROCESSING" and not key.startswith("PYTEST_")}
+    ran = subprocess.run(
+        [vision_python, "-m", "pytest", "-q", "test_tl_vllm_hooks_vision.py", "-p", "no:cacheprovider",
+         "--basetemp", str(tmp_path / "vision"), "-W", "ignore::DeprecationWarning"],
+        cwd=HERE, env=environment, capture_output=True, text=True, timeout=3000,
+    )
+    assert ran.returncode == 0, f"test_tl_vllm_hooks_vision.py failed:\n{ran.stdout[-12000:]}\n{ran.stderr[-3000:]}"
+    print(f"\ntest_tl_vllm_hooks_vision.py: {ran.stdout.strip().splitlines()[-1]}")
 
 
 # --- command line and examples -----------------------------------------------------------
