@@ -944,8 +944,11 @@ def families_markdown() -> str:
         for site, why in record.refused.items():
             refused.setdefault(notes.setdefault(why, len(notes) + 1), []).append(short[site])
         cells += [f"not {', '.join(names)} [{number}]" for number, names in refused.items()]
-        vllm_class = record.vllm_class or record.architecture
-        rows.append(f"| {name} | `{record.architecture}` | `{vllm_class}` | {'; '.join(cells) or 'the same'} |")
+        vllm_class = f"`{record.vllm_class or record.architecture}`"
+        if record.text_classes:  # a multimodal checkpoint's: where its text model sits
+            text_classes = " or ".join(f"`{text_class}`" for text_class in record.text_classes)
+            vllm_class += f", its text model {text_classes} at `{record.text_prefix.rstrip('.') or '(its root)'}`"
+        rows.append(f"| {name} | `{record.architecture}` | {vllm_class} | {'; '.join(cells) or 'the same'} |")
     reasons: dict[str, list[str]] = {}
     for architecture, why in _REFUSED.items():
         reasons.setdefault(why, []).append(f"`{architecture}`")
