@@ -257,6 +257,9 @@ class Models(dict):
 
     def __missing__(self, family):
         self[family] = Model(family, self.root / family)
+        if os.environ.get("TEST_GC_FREEZE"):
+            gc.collect()
+            gc.freeze()
         return self[family]
 
 
@@ -289,6 +292,17 @@ TRANSFORMERS_TAPS = {
         **_DECODER,
         "attn_out": ("model.layers.{i}.post_attention_layernorm", "output"),
         "resid_mid": ("model.layers.{i}.pre_feedforward_layernorm", "input"),
+        "mlp_out": ("model.layers.{i}.post_feedforward_layernorm", "output"),
+    },
+    # Gemma 4: TransformerLens places no norm hooks; q, k, v are the projections' outputs (k and v
+    # absent on the layers that reuse earlier ones', v on those that take k as v).
+    "gemma4": {
+        **{site: place for site, place in _DECODER.items() if site != "final_norm"},
+        **{f"attn_{part}": (f"model.layers.{{i}}.self_attn.{part}_proj", "output") for part in "qkv"},
+        "attn_out": ("model.layers.{i}.post_attention_layernorm", "output"),
+        "resid_mid": ("model.layers.{i}.pre_feedforward_layernorm", "input"),
+        "mlp_pre": ("model.layers.{i}.mlp.gate_proj", "output"),
+        "mlp_pre_linear": ("model.layers.{i}.mlp.up_proj", "output"),
         "mlp_out": ("model.layers.{i}.post_feedforward_layernorm", "output"),
     },
     "gpt2": {
@@ -2885,16 +2899,19 @@ class TestCudaRay:
 
 
 @CUDA
-class TestCudaGemma2:
-    """A family other than Llama on the GPU: both flavours, Model Runner V2, vLLM's default
-    FULL_AND_PIECEWISE graphs, where vLLM's fused add+norm kernels work in place."""
+class TestCudaFamilies:
+    """Families beside Llama on the GPU: both flavours, Model Runner V2, vLLM's default
+    FULL_AND_PIECEWISE graphs, where vLLM's fused add+norm kernels work in place; every hook
+    TRANSFORMERS_TAPS places for the family (all TransformerLens runs there for Gemma 4),
+    unedited and under an edit at each site, against transformers on the bf16-rounded weights."""
 
-    @pytest.fixture(scope="class", params=["one-prompt", "batched"])
+    @pytest.fixture(scope="class", params=[(family, flavour) for family in ("gemma2", "gemma4")
+                                           for flavour in ("one-prompt", "batched")], ids="-".join)
     def llm(self, request, models):
-        batching = request.param == "batched"
-        with engine(models["gemma2"], in_process=False, eager=False, batching=batching, dtype="bfloat16",
-                    environment=RUNNERS["v2"]) as llm:
-            llm.reference_model = bf16_reference(models["gemma2"])
+        family, flavour = request.param
+        with engine(models[family], in_process=False, eager=False, batching=flavour == "batched",
+                    dtype="bfloat16", environment=RUNNERS["v2"]) as llm:
+            llm.model, llm.reference_model = models[family], bf16_reference(models[family])
             yield llm
 
     def test_every_hook_matches_transformers(self, llm, request):
@@ -2905,11 +2922,11 @@ class TestCudaGemma2:
             worst = assert_matches(capture(llm, PROMPT), expected, request.node.name, BF16_TOLERANCE)
         print(f"\n{request.node.name}: worst relative error {worst:.2e}")
 
-    def test_an_edit_at_each_site_matches_transformers(self, llm, models):
+    def test_an_edit_at_each_site_matches_transformers(self, llm):
         if llm.config.enable_batching:
-            check_every_site_edit_per_request(llm, models["gemma2"], llm.reference_model, BF16_TOLERANCE)
+            check_every_site_edit_per_request(llm, llm.model, llm.reference_model, BF16_TOLERANCE)
         else:
-            check_every_site_edit(llm, models["gemma2"], capture(llm, PROMPT), llm.reference_model, BF16_TOLERANCE)
+            check_every_site_edit(llm, llm.model, capture(llm, PROMPT), llm.reference_model, BF16_TOLERANCE)
 
 
 # --- tensor and pipeline parallel: two GPUs, or two CPU workers ----------------------

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with NVIDIA GPUs and vLLM. Run from the project root:
 #   bash scripts/gpu_checks.sh tests [CLASS...]  # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
-#                                         # both flavours, Llama and Gemma 2, SAEs (TestCudaGraphs TestCudaBatched
-#                                         # TestCudaGemma2 TestCudaSAEs, or those named); one class per GPU when
+#                                         # both flavours, Llama, Gemma 2 and 4, SAEs (TestCudaGraphs TestCudaBatched
+#                                         # TestCudaFamilies TestCudaSAEs, or those named); one class per GPU when
 #                                         # there are enough; TestCudaRay (Ray's executor, staged by
 #                                         # scripts/stage_ray.sh) only when named
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
@@ -38,7 +38,7 @@ status=0
 case "$what" in
   tests)  # the test classes named after "tests", or both; one GPU each while there are enough
     classes=("${@:2}")
-    [[ ${#classes[@]} -gt 0 ]] || classes=(TestCudaGraphs TestCudaBatched TestCudaGemma2 TestCudaSAEs)
+    [[ ${#classes[@]} -gt 0 ]] || classes=(TestCudaGraphs TestCudaBatched TestCudaFamilies TestCudaSAEs)
     pids=()
     for i in "${!classes[@]}"; do
       if [[ $gpus -ge ${#classes[@]} && ${#classes[@]} -ge 2 ]]; then
