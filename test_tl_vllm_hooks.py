@@ -257,9 +257,6 @@ class Models(dict):
 
     def __missing__(self, family):
         self[family] = Model(family, self.root / family)
-        if os.environ.get("TEST_GC_FREEZE"):
-            gc.collect()
-            gc.freeze()
         return self[family]
 
 
@@ -555,6 +552,47 @@ def capture(llm, prompt, max_tokens=1):
 
 
 PROMPT = [(7 * i + 3) % 512 for i in range(40)]
+
+
+# --- multimodal checkpoints ----------------------------------------------------------------
+# First in the file: the longest unit of work (about 12 minutes of one engine at a time), which pytest-xdist's
+# loadscope then hands a worker first, beside the rest.
+
+
+@pytest.fixture(scope="session")
+def vision_python():
+    """The python of an environment where torchvision imports (vLLM's native multimodal classes import it; no CPU
+    build for this torch exists, see scripts/vision_env.sh): $TL_VLLM_HOOKS_VISION_PYTHON (CI builds it first), else
+    what scripts/vision_env.sh builds from this python (once, ~30 s)."""
+    python = os.environ.get("TL_VLLM_HOOKS_VISION_PYTHON")
+    if not python:
+        built = subprocess.run(
+            ["bash", str(HERE / "scripts" / "vision_env.sh")], capture_output=True, text=True,
+            env={**os.environ, "PYTHON": sys.executable},
+        )
+        assert built.returncode == 0, f"scripts/vision_env.sh failed:\n{built.stderr[-3000:]}"
+        python = built.stdout.split()[-1]
+    return python
+
+
+class TestMultimodalCheckpoints:
+    """The multimodal records (MULTIMODAL), in test_tl_vllm_hooks_vision.py."""
+
+    def test_multimodal_checkpoints_in_the_vision_environment(self, vision_python, tmp_path):
+        """test_tl_vllm_hooks_vision.py, run where torchvision imports: every multimodal record's text model in
+        both flavours (TestFamilies' and TestFamiliesOnePromptFlavour's checks), every record's placement, and a
+        LLaVA image prompt at every position; fails with the inner run's output."""
+        environment = {key: value for key, value in os.environ.items()
+                       if key != "VLLM_ENABLE_V1_MULTIPROCESSING" and not key.startswith("PYTEST_")}
+        ran = subprocess.run(
+            [vision_python, "-m", "pytest", "-q", "test_tl_vllm_hooks_vision.py", "-p", "no:cacheprovider",
+             "--basetemp", str(tmp_path / "vision"), "-W", "ignore::DeprecationWarning"],
+            cwd=HERE, env=environment, capture_output=True, text=True, timeout=3000,
+        )
+        assert ran.returncode == 0, (
+            f"test_tl_vllm_hooks_vision.py failed:\n{ran.stdout[-12000:]}\n{ran.stderr[-3000:]}"
+        )
+        print(f"\ntest_tl_vllm_hooks_vision.py: {ran.stdout.strip().splitlines()[-1]}")
 
 
 # --- pure helpers ------------------------------------------------------------
@@ -1184,37 +1222,6 @@ def test_transformers_taps_read_what_transformer_lens_reads(models, family):
         edits = {hook: edit} if hook else {}
         expected = model.reference(PROMPT, names, edits)
         assert_matches(transformers_reference.reference(PROMPT, names, edits), expected, f"{family} {hook} {edit}")
-
-
-@pytest.fixture(scope="session")
-def vision_python():
-    """The python of an environment where torchvision imports (vLLM's native multimodal classes import it; no CPU
-    build for this torch exists, see scripts/vision_env.sh): $TL_VLLM_HOOKS_VISION_PYTHON (CI builds it first), else
-    what scripts/vision_env.sh builds from this python (once, ~30 s)."""
-    python = os.environ.get("TL_VLLM_HOOKS_VISION_PYTHON")
-    if not python:
-        built = subprocess.run(
-            ["bash", str(HERE / "scripts" / "vision_env.sh")], capture_output=True, text=True,
-            env={**os.environ, "PYTHON": sys.executable},
-        )
-        assert built.returncode == 0, f"scripts/vision_env.sh failed:\n{built.stderr[-3000:]}"
-        python = built.stdout.split()[-1]
-    return python
-
-
-def test_multimodal_checkpoints_in_the_vision_environment(vision_python, tmp_path):
-    """test_tl_vllm_hooks_vision.py, run where torchvision imports: every multimodal record's text model in both
-    flavours (TestFamilies' and TestFamiliesOnePromptFlavour's checks), every record's placement, and a LLaVA image
-    prompt at every position; fails with the inner run's output."""
-    environment = {key: value for key, value in os.environ.items()
-                   if key != "VLLM_ENABLE_V1_MULTIPROCESSING" and not key.startswith("PYTEST_")}
-    ran = subprocess.run(
-        [vision_python, "-m", "pytest", "-q", "test_tl_vllm_hooks_vision.py", "-p", "no:cacheprovider",
-         "--basetemp", str(tmp_path / "vision"), "-W", "ignore::DeprecationWarning"],
-        cwd=HERE, env=environment, capture_output=True, text=True, timeout=3000,
-    )
-    assert ran.returncode == 0, f"test_tl_vllm_hooks_vision.py failed:\n{ran.stdout[-12000:]}\n{ran.stderr[-3000:]}"
-    print(f"\ntest_tl_vllm_hooks_vision.py: {ran.stdout.strip().splitlines()[-1]}")
 
 
 # --- command line and examples -----------------------------------------------------------
@@ -2633,7 +2640,7 @@ class TestLoading:
     def test_bad_engine_configs_are_refused_at_startup(self, tmp_path, models):
         script = tmp_path / "bad_engines.py"
         script.write_text(BAD_ENGINES)
-        # The Llama's weights under an architecture the table does not place: vLLM
+        # The Llama's weights under an architecture no record places: vLLM
         # serves it (with its Llama class), and the TransformerLens names must be refused.
         unplaced = tmp_path / "internlm3"
         shutil.copytree(models["llama"].path, unplaced)
@@ -2655,7 +2662,7 @@ class TestLoading:
             "row shape (64,), but this model's blocks.0.hook_mlp_out has rows of (128,)",
             "blocks.3.hook_mlp_out: the model has 3 layers",
             "architecture InternLM3ForCausalLM: TransformerLens hook names are placed per architecture and this "
-            "module has no table for it; supported: ['BloomForCausalLM', 'CohereForCausalLM', 'Exaone4ForCausalLM'",
+            "module has no record for it; supported: ['AfmoeForCausalLM', 'ApertusForCausalLM', 'ArceeForCausalLM'",
             "enable_prefix_caching: the one-prompt flavour keeps the rows of one forward, and tokens served from vLLM's",
             "the engine schedules up to 128 tokens per forward but the capture buffers hold 64",
         ]:
