@@ -235,7 +235,8 @@ def needs_torchvision(family: str) -> bool:
     record = tlh._FAMILIES[family]
     if "torchvision" in (getattr(SUPPORTED_ARCHITECTURES[record.architecture], "required_libraries", None) or []):
         return True
-    recipes, names = [record.tiny_processor] if record.tiny_processor else [], []
+    processor = tools._TINY_MODELS[family].processor
+    recipes, names = [processor] if processor else [], []
     while recipes:
         name, settings = recipes.pop()
         names.append(name)
@@ -768,6 +769,14 @@ def test_the_readmes_family_tables_are_the_records():
     assert tables.group(1) == tools.families_markdown(), (
         "README.md's family tables differ from the records: paste `python3 -m tl_vllm_hooks families` between the markers"
     )
+
+
+@NO_ENGINE
+def test_every_record_has_one_tiny_model():
+    """The companion's table of tiny test models (a dict: one entry a name) names every record, and no other."""
+    missing = sorted(set(tlh._FAMILIES) - set(tools._TINY_MODELS))
+    unknown = sorted(set(tools._TINY_MODELS) - set(tlh._FAMILIES))
+    assert not missing and not unknown, f"records without a tiny model: {missing}; tiny models of no record: {unknown}"
 
 
 @NO_ENGINE

@@ -80,10 +80,10 @@ def _tools() -> Any:
 # ---------------------------------------------------------------------------
 # Hook names and families. What a TransformerLens hook name means is fixed by TransformerLens 4.3's
 # TransformerBridge; where that tensor lives depends on the model class vLLM instantiates. Each family is one record
-# (_Family), the one owner of what the module knows of it: module paths, norms, residual layout, multipliers, routing,
-# its config's settings and its tiny test model. _taps reads a record and places every site of one layer. The records
-# drive tiny_model, the tests and the README's table; an architecture no record describes is refused, with the
-# measured reason where _REFUSED holds one, never guessed.
+# (_Family), the one owner of what the module knows of it: module paths, norms, residual layout, multipliers, routing
+# and its config's settings (its tiny test model is the companion's, which builds it). _taps reads a record and places
+# every site of one layer. The records drive tiny_model, the tests and the README's table; an architecture no record
+# describes is refused, with the measured reason where _REFUSED holds one, never guessed.
 # ---------------------------------------------------------------------------
 
 # fmt: off
@@ -252,13 +252,6 @@ class _Family:
         on the family. settings: {config attribute: the value the record describes}; other values are refused.
     text_classes: for a multimodal checkpoint, the vLLM classes of its text model that the record describes, which
         sits under ``text_prefix`` in vLLM's tree and takes the shapes of ``config.get_text_config()``.
-    tiny: the tiny test model's config beside tiny_model's common shape (a multimodal checkpoint's: its sub-configs as
-        dicts, ``text_config`` taking the common shape); tiny_random: its buffers made random too (released
-        checkpoints carry them far from their initial values). tiny_tokens: its tokenizer's ``words``, {id: special
-        token} after the tiny vocabulary's words (ids 512 on, which its config's token ids name), and the rest the
-        tokenizer's keyword arguments (bos_token, extra_special_tokens, ...). tiny_processor: (transformers'
-        processor class, its keyword arguments), a value that is such a pair itself being made first (an image
-        processor); saved beside the checkpoint.
     """
 
     name: str
@@ -299,10 +292,6 @@ class _Family:
     k_as_v: str = ""
     text_prefix: str = ""
     text_classes: tuple[str, ...] = ()
-    tiny: dict[str, Any] = dataclasses.field(default_factory=dict)
-    tiny_random: tuple[str, ...] = ()
-    tiny_tokens: dict[str, Any] = dataclasses.field(default_factory=dict)
-    tiny_processor: tuple[str, dict[str, Any]] | None = None
 
 
 _BACKEND_ROTARY = "vLLM's Transformers backend applies rotary inside transformers' attention, on no module"
@@ -312,60 +301,47 @@ _BACKEND = _Family(
     refused=dict.fromkeys(("attn_rot_q", "attn_rot_k"), _BACKEND_ROTARY),
 )  # fmt: skip
 _H_LAYER = "transformer.h.{i}"
-_KV1 = dict(num_key_value_heads=1)  # one key-value head (grouped queries) where the family has them
-_UNTIED = dict(num_key_value_heads=1, tie_word_embeddings=False)
-_MOE4 = dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
 
 # fmt: off
 _FAMILIES = {family.name: family for family in (
-    _Family("llama", "LlamaForCausalLM", tiny=_UNTIED),
-    _Family("qwen2", "Qwen2ForCausalLM", tiny=_UNTIED),
-    _Family("qwen3", "Qwen3ForCausalLM", tiny=dict(_UNTIED, head_dim=64)),
-    _Family("mistral", "MistralForCausalLM", tiny=dict(_UNTIED, head_dim=64)),
-    _Family("phi3", "Phi3ForCausalLM", rotary=False, tiny=dict(_UNTIED, pad_token_id=0)),
-    _Family("gemma", "GemmaForCausalLM", norm="rms_offset", embed_at_layer0=True, tiny=dict(_KV1, head_dim=64)),
+    _Family("llama", "LlamaForCausalLM"),
+    _Family("qwen2", "Qwen2ForCausalLM"),
+    _Family("qwen3", "Qwen3ForCausalLM"),
+    _Family("mistral", "MistralForCausalLM"),
+    _Family("phi3", "Phi3ForCausalLM", rotary=False),
+    _Family("gemma", "GemmaForCausalLM", norm="rms_offset", embed_at_layer0=True),
     # Gemma 2 and 3 normalize each branch again before adding it; the MLP's pre-norm is pre_feedforward_layernorm.
     *(_Family(name, architecture, norm="rms_offset", embed_at_layer0=True, ln2=".pre_feedforward_layernorm",
-              post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"),
-              tiny=dict(_KV1, head_dim=64, query_pre_attn_scalar=64, **extra))
-      for name, architecture, extra in (("gemma2", "Gemma2ForCausalLM", {}),
-                                        ("gemma3", "Gemma3ForCausalLM", dict(sliding_window=16)))),
-    _Family("mixtral", "MixtralForCausalLM", moe=_MoE(".block_sparse_moe", renormalize="always"),
-            tiny=dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2)),
-    _Family("qwen2_moe", "Qwen2MoeForCausalLM", moe=_MoE(layers="decoder_sparse_step"),
-            tiny=dict(_MOE4, moe_intermediate_size=64, shared_expert_intermediate_size=128)),
-    _Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=_MoE(), tiny=dict(_MOE4, head_dim=64, moe_intermediate_size=64)),
-    _Family("olmoe", "OlmoeForCausalLM", moe=_MoE(), tiny=_MOE4),
+              post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"))
+      for name, architecture in (("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"))),
+    _Family("mixtral", "MixtralForCausalLM", moe=_MoE(".block_sparse_moe", renormalize="always")),
+    _Family("qwen2_moe", "Qwen2MoeForCausalLM", moe=_MoE(layers="decoder_sparse_step")),
+    _Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=_MoE()),
+    _Family("olmoe", "OlmoeForCausalLM", moe=_MoE()),
     # GPT-OSS: TransformerBlock(hidden_states, positions, residual); softmax over the top-k logits.
     _Family("gpt_oss", "GptOssForCausalLM", embed="model.embedding", attention=".attn",
             layer_inputs=(("hidden_states", 0), ("residual", 2)),
-            moe=_MoE(block_input="x", router=".router", renormalize="always"),
-            tiny=dict(_UNTIED, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
+            moe=_MoE(block_input="x", router=".router", renormalize="always")),
     # Granite multiplies the embedding (after embed_tokens) and each branch's output.
-    _Family("granite", "GraniteForCausalLM", residual="stream", embed_at_layer0=True, multiplier="residual_multiplier",
-            tiny=dict(_KV1, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
-                      logits_scaling=2.0)),
+    _Family("granite", "GraniteForCausalLM", residual="stream", embed_at_layer0=True, multiplier="residual_multiplier"),
     _Family("stablelm", "StableLmForCausalLM", vllm_class="StablelmForCausalLM", residual="stream", norm="layer",
-            norm_inputs=_TORCH_NORM_INPUT, settings=dict(use_parallel_residual=False),
-            tiny=dict(_KV1, partial_rotary_factor=0.5)),
+            norm_inputs=_TORCH_NORM_INPUT, settings=dict(use_parallel_residual=False)),
     # A norm after each branch, before adding it, and none before: attention reads the stream itself, the MLP the
     # mid-stream.
     _Family("exaone4", "Exaone4ForCausalLM", residual="stream", ln1="", ln2="",
-            post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"),
-            tiny=dict(_KV1, head_dim=64, sliding_window=16)),
+            post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm")),
     # Cohere's LayerNorm has a weight and no bias, and passes the residual it is given on.
     _Family("cohere", "CohereForCausalLM", residual="stream", norm="layer", norm_inputs=_HIDDEN_INPUT, ln2="",
-            parallel=True, tiny=dict(_KV1, logit_scale=0.5)),
+            parallel=True),
     # GPT-2's MLP norm reads the mid-stream while the block keeps its own copy for the skip.
     _Family("gpt2", "GPT2LMHeadModel", residual="stream", layer=_H_LAYER, embed="transformer.wte",
             pos_embed="transformer.wpe", final_norm="transformer.ln_f", norm="layer", layer_inputs=_HIDDEN_INPUT,
             attention=".attn", qkv=".c_attn", o_proj=".c_proj", rotary=False, ln1=".ln_1", ln2=".ln_2",
-            mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT, tiny=dict(n_inner=256)),
+            mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT),
     # GPT-J's block takes (position_ids, hidden_states).
     _Family("gptj", "GPTJForCausalLM", residual="stream", layer=_H_LAYER, embed="transformer.wte",
             final_norm="transformer.ln_f", norm="layer", attention=".attn", o_proj=".out_proj", rotary=False,
-            ln1=".ln_1", ln2="", parallel=True, mlp_up=".fc_in", mlp_down=".fc_out", mlp_inputs=_HIDDEN_INPUT,
-            tiny=dict(n_inner=256, rotary_dim=32, tie_word_embeddings=False)),
+            ln1=".ln_1", ln2="", parallel=True, mlp_up=".fc_in", mlp_down=".fc_out", mlp_inputs=_HIDDEN_INPUT),
     # OPT (norms before each branch, do_layer_norm_before): its layer holds the MLP's two linear layers itself, so
     # the first's input is mlp.hook_in and the second's output hook_mlp_out.
     _Family("opt", "OPTForCausalLM", residual="stream", layer="model.decoder.layers.{i}",
@@ -374,8 +350,7 @@ _FAMILIES = {family.name: family for family in (
             o_proj=".out_proj", rotary=False, ln1=".self_attn_layer_norm", ln2=".final_layer_norm", mlp="",
             mlp_up=".fc1", mlp_down=".fc2", settings=dict(do_layer_norm_before=True),
             taps=dict(mlp_in=_Tap("model.decoder.layers.{i}.fc1", _INPUT, _LINEAR_INPUT),
-                      mlp_out=_Tap("model.decoder.layers.{i}.fc2", _OUTPUT)),
-            tiny=dict(ffn_dim=256, word_embed_proj_dim=128, init_std=0.1)),
+                      mlp_out=_Tap("model.decoder.layers.{i}.fc2", _OUTPUT))),
     # BLOOM (residual from before each norm) normalizes its embedding once before layer 0: that is hook_embed. ALiBi.
     _Family("bloom", "BloomForCausalLM", residual="stream", layer=_H_LAYER, embed_at_layer0=True,
             final_norm="transformer.ln_f", norm="layer", norm_inputs=_TORCH_NORM_INPUT, attention=".self_attention",
@@ -387,22 +362,21 @@ _FAMILIES = {family.name: family for family in (
             final_norm="transformer.ln_f", norm="layer", norm_inputs=_TORCH_NORM_INPUT, attention=".self_attention",
             qkv=".query_key_value", o_proj=".dense", rotary=False, ln2="", parallel=True, mlp_up=".dense_h_to_4h",
             mlp_down=".dense_4h_to_h", bias_apart=True,
-            settings=dict(new_decoder_architecture=False, parallel_attn=True),
-            tiny=dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=True)),
+            settings=dict(new_decoder_architecture=False, parallel_attn=True)),
     # OLMo's LayerNorm has no weight and no bias (transformers' own module, which vLLM keeps).
     dataclasses.replace(
         _BACKEND, name="olmo", architecture="OlmoForCausalLM", norm="layer", norm_inputs=_HIDDEN_INPUT,
         refused={**_BACKEND.refused, **dict.fromkeys(
             ("ln1_scale", "ln1", "ln2_scale", "ln2", "final_norm_scale", "final_norm"),
             "TransformerLens 4.3's bridge fails on a hook at OLMo's weightless norms (\"has no attribute 'weight'\")")},
-        tiny=_UNTIED),
+    ),
     dataclasses.replace(_BACKEND, name="olmo2", architecture="Olmo2ForCausalLM", ln1="", ln2="",
-                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), tiny=_UNTIED),
+                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm")),
     dataclasses.replace(_BACKEND, name="phi", architecture="PhiForCausalLM", final_norm="model.final_layernorm",
                         norm="layer", o_proj=".dense", ln2="", parallel=True, mlp_up=".fc1", mlp_down=".fc2",
-                        mlp_inputs=_HIDDEN_INPUT, tiny=dict(partial_rotary_factor=0.5)),
+                        mlp_inputs=_HIDDEN_INPUT),
     dataclasses.replace(_BACKEND, name="starcoder2", architecture="Starcoder2ForCausalLM", norm="layer",
-                        mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT, tiny=_KV1),
+                        mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT),
     # GPT-NeoX: its fused query_key_value interleaves q, k and v per head, which no part here describes.
     dataclasses.replace(
         _BACKEND, name="gpt_neox", architecture="GPTNeoXForCausalLM", embed="model.embed_in",
@@ -410,59 +384,31 @@ _FAMILIES = {family.name: family for family in (
         mlp_up=".dense_h_to_4h", mlp_down=".dense_4h_to_h", mlp_inputs=_HIDDEN_INPUT,
         settings=dict(use_parallel_residual=True),
         refused={**_BACKEND.refused, **dict.fromkeys(
-            ("attn_q", "attn_k", "attn_v"), "its fused query_key_value interleaves q, k and v per head")},
-        tiny=dict(rotary_pct=0.25, tie_word_embeddings=False)),
-    _Family("ministral3", "Ministral3ForCausalLM", vllm_class="MistralForCausalLM",  # rot_q: Llama 4's query scale
-            tiny=dict(_UNTIED, head_dim=64, llama_4_scaling=dict(original_max_position_embeddings=8, beta=0.1),
-                      rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=128.0, beta_fast=32.0,
-                                           original_max_position_embeddings=8, max_position_embeddings=1024,
-                                           beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
+            ("attn_q", "attn_k", "attn_v"), "its fused query_key_value interleaves q, k and v per head")}),
+    _Family("ministral3", "Ministral3ForCausalLM", vllm_class="MistralForCausalLM"),  # rot_q: Llama 4's query scale
     # GLM-4-0414: Gemma 2's sandwich norms with plain weights.
-    _Family("glm4", "Glm4ForCausalLM", post_norms=(".post_self_attn_layernorm", ".post_mlp_layernorm"),
-            tiny=dict(_UNTIED, head_dim=64, attention_bias=True, pad_token_id=0, eos_token_id=1)),
+    _Family("glm4", "Glm4ForCausalLM", post_norms=(".post_self_attn_layernorm", ".post_mlp_layernorm")),
     # GLM-4.5: dense first layers, then sigmoid scores chosen with a correction bias among the best groups; the
     # shared experts are inside the block's output.
     _Family("glm4_moe", "Glm4MoeForCausalLM",
             moe=_MoE(layers="first_k_dense_replace", scoring="sigmoid", correction_bias="e_score_correction_bias",
-                     groups=True, scale="routed_scaling_factor"),
-            tiny=dict(_UNTIED, head_dim=64, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
-                      n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
-                      use_qk_norm=True, attention_bias=True, pad_token_id=0, eos_token_id=1),
-            tiny_random=("e_score_correction_bias",)),
-    # ERNIE 4.5 MoE: dense and MoE layers; TransformerLens names no expert hooks here. vLLM 0.32's CPU router ignores
-    # the correction bias, so the tiny model keeps it at 0.
-    _Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", moe=_MoE(router="", layers="moe_layer_interval"),
-            tiny=dict(_KV1, num_hidden_layers=4, moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
-                      moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=3, moe_layer_interval=2)),
+                     groups=True, scale="routed_scaling_factor")),
+    # ERNIE 4.5 MoE: dense and MoE layers; TransformerLens names no expert hooks here.
+    _Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", moe=_MoE(router="", layers="moe_layer_interval")),
     # AFMoE: a norm before and after each branch; no rotary or expert hooks in TransformerLens.
     _Family("afmoe", "AfmoeForCausalLM", rotary=False, ln2=".pre_mlp_layernorm",
             post_norms=(".post_attention_layernorm", ".post_mlp_layernorm"),
-            moe=_MoE(router="", layers="num_dense_layers"),
-            tiny=dict(_UNTIED, num_hidden_layers=4, num_dense_layers=1, head_dim=64, moe_intermediate_size=64,
-                      num_experts=4, num_experts_per_tok=2, num_shared_experts=1, route_scale=2.5, sliding_window=8,
-                      global_attn_every_n_layers=2, mup_enabled=True, score_func="sigmoid", route_norm=True,
-                      n_group=1, topk_group=1)),
+            moe=_MoE(router="", layers="num_dense_layers")),
     _Family("granitemoe", "GraniteMoeForCausalLM", residual="stream", embed_at_layer0=True,
-            multiplier="residual_multiplier", moe=_MoE(".block_sparse_moe", renormalize="always"),
-            tiny=dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0,
-                      residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)),
-    dataclasses.replace(_BACKEND, name="glm", architecture="GlmForCausalLM", mlp_inputs=_HIDDEN_INPUT,
-                        tiny=dict(_UNTIED, head_dim=64, attention_bias=True, pad_token_id=0, eos_token_id=1)),
-    dataclasses.replace(_BACKEND, name="smollm3", architecture="SmolLM3ForCausalLM",  # NoPE layers: rot_q is q
-                        tiny=dict(_KV1, num_hidden_layers=4, no_rope_layers=[1, 1, 0, 1], pad_token_id=0,
-                                  eos_token_id=1, bos_token_id=2)),
+            multiplier="residual_multiplier", moe=_MoE(".block_sparse_moe", renormalize="always")),
+    dataclasses.replace(_BACKEND, name="glm", architecture="GlmForCausalLM", mlp_inputs=_HIDDEN_INPUT),
+    dataclasses.replace(_BACKEND, name="smollm3", architecture="SmolLM3ForCausalLM"),  # NoPE layers: rot_q is q
     dataclasses.replace(_BACKEND, name="vaultgemma", architecture="VaultGemmaForCausalLM", norm="rms_offset",
-                        ln2=".pre_feedforward_layernorm",
-                        tiny=dict(_KV1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16,
-                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                  final_logit_softcapping=30.0, attn_logit_softcapping=50.0, pad_token_id=0,
-                                  eos_token_id=1, bos_token_id=2)),
+                        ln2=".pre_feedforward_layernorm"),
     dataclasses.replace(_BACKEND, name="flexolmo", architecture="FlexOlmoForCausalLM",
                         vllm_class="TransformersMoEForCausalLM", ln1="", ln2="",
-                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), moe=_MoE(router=""),
-                        tiny=dict(_UNTIED, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
-                                  pad_token_id=0, eos_token_id=1)),
-    _Family("ernie4_5", "Ernie4_5ForCausalLM", tiny=dict(_KV1, head_dim=64)),
+                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), moe=_MoE(router="")),
+    _Family("ernie4_5", "Ernie4_5ForCausalLM"),
     # Gemma 4: decoder layers return the stream; Gemma 2's sandwich norms with plain weights; per-layer inputs and a
     # layer scalar inside each layer (in hook_resid_post); layers of two head sizes, the last ones reusing earlier
     # layers' keys and values. A mixture of experts beside the MLP is inside hook_mlp_out, which TransformerLens's
@@ -473,308 +419,96 @@ _FAMILIES = {family.name: family for family in (
             refused={**dict.fromkeys(_NORM_SITES, "TransformerLens 4.3's Gemma 4 adapter runs no hook_normalized or "
                                      "hook_scale (its norms are bare components)"),
                      **dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens 4.3's Gemma 4 adapter keeps "
-                                     "transformers' attention, with no hook_rot_q or hook_rot_k")},
-            tiny=dict(_KV1, num_hidden_layers=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
-                      layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-                      sliding_window=16, hidden_size_per_layer_input=32, vocab_size_per_layer_input=512,
-                      num_kv_shared_layers=2, use_double_wide_mlp=True, attention_k_eq_v=True, enable_moe_block=True,
-                      num_experts=4, top_k_experts=2, moe_intermediate_size=64, final_logit_softcapping=30.0,
-                      pad_token_id=0, eos_token_id=1, bos_token_id=2),
-            tiny_random=("layer_scalar",)),
+                                     "transformers' attention, with no hook_rot_q or hook_rot_k")}),
     # Llama 4: dense and MoE layers under feed_forward, NoPE layers, chunked attention; no rotary hooks or expert
     # hooks in TransformerLens.
     _Family("llama4", "Llama4ForCausalLM", mlp=".feed_forward", d_mlp="intermediate_size_mlp", rotary=False,
-            qk_halves=True, moe=_MoE(".feed_forward", router="", layers="interleave_moe_layer_step"),
-            tiny=dict(_UNTIED, num_hidden_layers=4, head_dim=64, intermediate_size_mlp=384, num_local_experts=4,
-                      num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
-                      attention_chunk_size=128, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4,
-                      attn_scale=0.1)),
+            qk_halves=True, moe=_MoE(".feed_forward", router="", layers="interleave_moe_layer_step")),
     # Apertus: ungated xIELU MLP, whose parameters vLLM keeps in bf16 (its rows from mlp.hook_post on differ from
     # transformers' by about 1e-3 in fp32).
     _Family("apertus", "ApertusForCausalLM", ln1=".attention_layernorm", ln2=".feedforward_layernorm",
-            mlp_up=".up_proj", tiny=dict(_UNTIED, rope_parameters=dict(
-                rope_type="llama3", rope_theta=12e6, factor=8.0, original_max_position_embeddings=512,
-                low_freq_factor=1.0, high_freq_factor=4.0))),
-    _Family("nemotron", "NemotronForCausalLM", norm="layer_offset", mlp_up=".up_proj", tiny=dict(_KV1, head_dim=64)),
-    # Cohere 2: Cohere's layout; full-attention layers have no rotary (q and k pass unrotated). vLLM's sliding window
-    # is one token wider than transformers', so the tiny model's is wider than the test prompts.
+            mlp_up=".up_proj"),
+    _Family("nemotron", "NemotronForCausalLM", norm="layer_offset", mlp_up=".up_proj"),
+    # Cohere 2: Cohere's layout; full-attention layers have no rotary (q and k pass unrotated).
     _Family("cohere2", "Cohere2ForCausalLM", vllm_class="CohereForCausalLM", residual="stream", norm="layer",
-            norm_inputs=_HIDDEN_INPUT,
-            ln2="", parallel=True, tiny=dict(_KV1, head_dim=64, logit_scale=0.5, sliding_window=512,
-                                              layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+            norm_inputs=_HIDDEN_INPUT, ln2="", parallel=True),
     # PhiMoE (a stream layout returning (stream, residual)): LayerNorms, sparsemixer routing.
     _Family("phimoe", "PhiMoEForCausalLM", hf_class="PhimoeForCausalLM", residual="stream", norm="layer",
             norm_inputs=_TORCH_NORM_INPUT, rotary=False, moe=_MoE(".block_sparse_moe", scoring="sparsemixer",
-                                                                  renormalize=""),
-            tiny=dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True)),
-    dataclasses.replace(_BACKEND, name="arcee", architecture="ArceeForCausalLM", mlp_up=".up_proj",
-                        tiny=dict(_UNTIED, head_dim=64)),
-    dataclasses.replace(_BACKEND, name="jais2", architecture="Jais2ForCausalLM", norm="layer", mlp_up=".up_proj",
-                        tiny=dict(_KV1, head_dim=64)),
-    dataclasses.replace(_BACKEND, name="seed_oss", architecture="SeedOssForCausalLM", tiny=dict(_KV1, head_dim=64)),
+                                                                  renormalize="")),
+    dataclasses.replace(_BACKEND, name="arcee", architecture="ArceeForCausalLM", mlp_up=".up_proj"),
+    dataclasses.replace(_BACKEND, name="jais2", architecture="Jais2ForCausalLM", norm="layer", mlp_up=".up_proj"),
+    dataclasses.replace(_BACKEND, name="seed_oss", architecture="SeedOssForCausalLM"),
     dataclasses.replace(_BACKEND, name="olmo3", architecture="Olmo3ForCausalLM", ln1="", ln2="",
-                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"),
-                        tiny=dict(_UNTIED, sliding_window=16,
-                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm")),
     # HunYuan: q and k normalized after rotary, inside transformers' attention, on [heads, tokens, d_head].
     dataclasses.replace(_BACKEND, name="hunyuan_dense", architecture="HunYuanDenseV1ForCausalLM",
                         refused=dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens's hook_rot_q/k are the "
-                                              "inputs of its q/k norms, which take [heads, tokens, d_head]"),
-                        tiny=dict(_UNTIED, head_dim=64)),
+                                              "inputs of its q/k norms, which take [heads, tokens, d_head]")),
     # GPTBigCode: GPT-2's layout under the backend, with multi-query attention.
     dataclasses.replace(_BACKEND, name="gpt_bigcode", architecture="GPTBigCodeForCausalLM", layer="model.h.{i}",
                         embed="model.wte", pos_embed="model.wpe", final_norm="model.ln_f", norm="layer",
                         attention=".attn", qkv=".c_attn", o_proj=".c_proj", ln1=".ln_1", ln2=".ln_2",
                         mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT,
-                        taps=dict(mlp_post=_Tap("model.h.{i}.mlp.c_proj", _INPUT, _X_INPUT)),  # (a ReplicatedLinear)
-                        tiny=dict(n_inner=256, multi_query=True)),
+                        taps=dict(mlp_post=_Tap("model.h.{i}.mlp.c_proj", _INPUT, _X_INPUT))),  # (a ReplicatedLinear)
 )}
 # Multimodal checkpoints: the text model is its text family's record under text_prefix in vLLM's tree (vLLM runs it
 # with language_model_only=True, or beside the towers on image prompts; TransformerLens's bridge names its hooks as the
-# text family's). Their tiny models have the smallest vision towers the configs take, the checkpoint's special tokens
-# and its processor files, so that nothing is fetched.
+# text family's).
 _LM = "language_model."
-_IMAGE_TOKENS = dict(bos_token="t2", pad_token="t0")
-_GEMMA4_TOKENS = dict(
-    _IMAGE_TOKENS,
-    words={512: "<|image>", 513: "<image|>", 514: "<|image|>", 515: "<|video|>", 516: "<|audio>", 517: "<audio|>",
-           518: "<|audio|>"},
-    extra_special_tokens=dict(boi_token="<|image>", eoi_token="<image|>", image_token="<|image|>",
-                              boa_token="<|audio>", eoa_token="<audio|>", audio_token="<|audio|>"),
-)
-_GEMMA4_IDS = dict(audio_config=None, boi_token_id=512, eoi_token_id=513, image_token_id=514, video_token_id=515,
-                   boa_token_id=516, eoa_token_index=517, audio_token_id=518)
-_QWEN_VL_TOKENS = dict(
-    words={512: "<|vision_start|>", 513: "<|vision_end|>", 514: "<|video_pad|>", 515: "<|image_pad|>"},
-    extra_special_tokens=dict(image_token="<|image_pad|>", video_token="<|video_pad|>",
-                              vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>"),
-)
-_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 12, 12])  # M-RoPE's t, h and w sections
-_QWEN_VL_IDS = dict(image_token_id=515, video_token_id=514, vision_start_token_id=512, vision_end_token_id=513,
-                    tie_word_embeddings=False)
-
-
-def _qwen_vl_processor(processor: str, video: str, patch: int) -> tuple[str, dict[str, Any]]:
-    sizes = dict(patch_size=patch, merge_size=2, temporal_patch_size=2)
-    return processor, dict(
-        image_processor=("Qwen2VLImageProcessorPil", dict(sizes, size=dict(shortest_edge=(4 * patch) ** 2,
-                                                                             longest_edge=(4 * patch) ** 2))),
-        video_processor=(video, sizes),
-    )
-
 
 # fmt: off
 _FAMILIES.update({family.name: family for family in (
     dataclasses.replace(
         _FAMILIES["gemma3"], name="gemma3_mm", architecture="Gemma3ForConditionalGeneration", text_prefix=_LM,
-        text_classes=("Gemma3ForCausalLM",),
-        tiny=dict(text_config=dict(_FAMILIES["gemma3"].tiny,
-                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-                  vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                                     image_size=56, patch_size=14, vision_use_head=False),
-                  mm_tokens_per_image=4, boi_token_index=512, eoi_token_index=513, image_token_index=514),
-        tiny_tokens=dict(_IMAGE_TOKENS, words={512: "<start_of_image>", 513: "<end_of_image>",
-                                               514: "<image_soft_token>"},
-                         extra_special_tokens=dict(boi_token="<start_of_image>", eoi_token="<end_of_image>",
-                                                   image_token="<image_soft_token>")),
-        tiny_processor=("Gemma3Processor", dict(image_processor=("Gemma3ImageProcessorPil",
-                                                                 dict(size=dict(height=56, width=56))),
-                                                image_seq_length=4))),
+        text_classes=("Gemma3ForCausalLM",)),
     dataclasses.replace(
         _FAMILIES["gemma4"], name="gemma4_mm", architecture="Gemma4ForConditionalGeneration", text_prefix=_LM,
-        text_classes=("Gemma4ForCausalLM",),
-        tiny=dict(text_config=_FAMILIES["gemma4"].tiny,
-                  vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                                     num_key_value_heads=2, head_dim=32, patch_size=14, pooling_kernel_size=2,
-                                     position_embedding_size=64),
-                  **_GEMMA4_IDS),
-        tiny_tokens=_GEMMA4_TOKENS,
-        tiny_processor=("Gemma4Processor", dict(
-            image_processor=("Gemma4ImageProcessorPil", dict(patch_size=14, pooling_kernel_size=2,
-                                                             max_soft_tokens=70)),
-            video_processor=("Gemma4VideoProcessor", dict(patch_size=14, pooling_kernel_size=2)),
-            feature_extractor=("Gemma4AudioFeatureExtractor", {}), image_seq_length=70))),
+        text_classes=("Gemma4ForCausalLM",)),
     dataclasses.replace(
         _FAMILIES["mistral"], name="mistral3", architecture="Mistral3ForConditionalGeneration", text_prefix=_LM,
-        text_classes=("MistralForCausalLM",),
-        tiny=dict(text_config=dict(_FAMILIES["mistral"].tiny, model_type="mistral"),
-                  vision_config=dict(model_type="pixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                     num_attention_heads=2, head_dim=32, image_size=56, patch_size=14),
-                  image_token_index=514, spatial_merge_size=2, vision_feature_layer=-1, tie_word_embeddings=False),
-        tiny_tokens=dict(bos_token="t2", words={512: "[IMG_END]", 513: "[IMG_BREAK]", 514: "[IMG]"}),
-        tiny_processor=("PixtralProcessor", dict(image_processor=("PixtralImageProcessorPil",
-                                                                  dict(size=dict(longest_edge=56), patch_size=14)),
-                                                 patch_size=14, spatial_merge_size=2))),
+        text_classes=("MistralForCausalLM",)),
     dataclasses.replace(
         _FAMILIES["llama4"], name="llama4_mm", architecture="Llama4ForConditionalGeneration", text_prefix=_LM,
-        text_classes=("Llama4ForCausalLM",),
-        tiny=dict(text_config=_FAMILIES["llama4"].tiny,
-                  vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                                     image_size=56, patch_size=14, vision_output_dim=64, projector_input_dim=64,
-                                     projector_output_dim=64, pixel_shuffle_ratio=0.5),
-                  boi_token_index=512, eoi_token_index=513, image_token_index=515, tie_word_embeddings=False),
-        tiny_tokens=dict(bos_token="t2", words={512: "<|image_start|>", 513: "<|image_end|>", 514: "<|image|>",
-                                                515: "<|patch|>", 516: "<|tile_x_separator|>",
-                                                517: "<|tile_y_separator|>"}),
-        tiny_processor=("Llama4Processor", dict(image_processor=("Llama4ImageProcessor",
-                                                                 dict(size=dict(height=56, width=56), max_patches=1)),
-                                                patch_size=14, pixel_shuffle_ratio=0.5))),
+        text_classes=("Llama4ForCausalLM",)),
     dataclasses.replace(
         _FAMILIES["llama"], name="llava", architecture="LlavaForConditionalGeneration", text_prefix=_LM,
-        text_classes=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
-        tiny=dict(text_config=dict(_FAMILIES["llama"].tiny, model_type="llama"),
-                  vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
-                                     projection_dim=64),
-                  image_token_index=512, image_seq_length=4, vision_feature_select_strategy="default",
-                  vision_feature_layer=-2, tie_word_embeddings=False),
-        tiny_tokens=dict(bos_token="t2", words={512: "<image>"}, extra_special_tokens=dict(image_token="<image>")),
-        tiny_processor=("LlavaProcessor", dict(
-            image_processor=("CLIPImageProcessorPil", dict(size=dict(shortest_edge=28),
-                                                           crop_size=dict(height=28, width=28))),
-            patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1))),
+        text_classes=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")),
     # Qwen-VL: TransformerLens 4.3's adapters run no rotary hooks (M-RoPE, applied inside transformers' attention).
     dataclasses.replace(
         _FAMILIES["qwen2"], name="qwen2_5_vl", architecture="Qwen2_5_VLForConditionalGeneration", text_prefix=_LM,
-        text_classes=("Qwen2ForCausalLM",), rotary=False,
-        tiny=dict(text_config=dict(_FAMILIES["qwen2"].tiny, bos_token_id=None, eos_token_id=1, rope_parameters=_MROPE),
-                  vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
-                                     spatial_merge_size=2, temporal_patch_size=2, window_size=56, out_hidden_size=128,
-                                     fullatt_block_indexes=[1]),
-                  **_QWEN_VL_IDS),
-        tiny_tokens=_QWEN_VL_TOKENS,
-        tiny_processor=_qwen_vl_processor("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", 14)),
+        text_classes=("Qwen2ForCausalLM",), rotary=False),
     dataclasses.replace(
         _FAMILIES["qwen3"], name="qwen3_vl", architecture="Qwen3VLForConditionalGeneration", text_prefix=_LM,
-        text_classes=("Qwen3LLMForCausalLM",), rotary=False,
-        tiny=dict(text_config=dict(_FAMILIES["qwen3"].tiny, rope_parameters=dict(_MROPE, mrope_interleaved=True)),
-                  vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
-                                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
-                                     num_position_embeddings=16, deepstack_visual_indexes=[0]),
-                  **_QWEN_VL_IDS),
-        tiny_tokens=_QWEN_VL_TOKENS,
-        tiny_processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
+        text_classes=("Qwen3LLMForCausalLM",), rotary=False),
     dataclasses.replace(
         _FAMILIES["qwen3_moe"], name="qwen3_vl_moe", architecture="Qwen3VLMoeForConditionalGeneration",
-        text_prefix=_LM, text_classes=("Qwen3MoeLLMForCausalLM",), rotary=False,
-        # (2 * moe_intermediate_size != hidden_size: the fused experts' two layouts differ in shape)
-        tiny=dict(text_config=dict(_FAMILIES["qwen3_moe"].tiny, moe_intermediate_size=32, norm_topk_prob=True,
-                                   rope_parameters=dict(_MROPE, mrope_interleaved=True)),
-                  vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
-                                     spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128,
-                                     num_position_embeddings=16, deepstack_visual_indexes=[0]),
-                  **_QWEN_VL_IDS),
-        tiny_tokens=_QWEN_VL_TOKENS,
-        tiny_processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
+        text_prefix=_LM, text_classes=("Qwen3MoeLLMForCausalLM",), rotary=False),
     *(dataclasses.replace(
-        _FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM, text_classes=text_classes,
-        tiny=dict(text_config=dict(_FAMILIES[text].tiny, model_type=text),
-                  vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
-                                     projection_dim=64) if text == "llama" else
-                  dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=2, image_size=28, patch_size=14, vision_use_head=False),
-                  image_grid_pinpoints=[[28, 28], [28, 56]], tie_word_embeddings=False, **ids),
-        tiny_tokens=tokens, tiny_processor=processor)
-      for name, architecture, text, text_classes, ids, tokens, processor in (
+        _FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM, text_classes=text_classes)
+      for name, architecture, text, text_classes in (
           ("llava_next", "LlavaNextForConditionalGeneration", "llama",
-           ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
-           dict(image_token_index=512, image_seq_length=4),
-           dict(bos_token="t2", words={512: "<image>"}, extra_special_tokens=dict(image_token="<image>")),
-           ("LlavaNextProcessor", dict(
-               image_processor=("LlavaNextImageProcessorPil", dict(
-                   size=dict(shortest_edge=28), crop_size=dict(height=28, width=28),
-                   image_grid_pinpoints=[[28, 28], [28, 56]])),
-               patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1))),
-          ("llava_onevision", "LlavaOnevisionForConditionalGeneration", "qwen2", ("Qwen2ForCausalLM",),
-           dict(image_token_index=513, video_token_index=512, vision_feature_select_strategy="full",
-                vision_feature_layer=-1),
-           dict(words={512: "<video>", 513: "<image>"},
-                extra_special_tokens=dict(image_token="<image>", video_token="<video>")),
-           ("LlavaOnevisionProcessor", dict(
-               image_processor=("LlavaOnevisionImageProcessorPil", dict(
-                   size=dict(height=28, width=28), image_grid_pinpoints=[[28, 28], [28, 56]])),
-               video_processor=("LlavaOnevisionVideoProcessor", dict(size=dict(height=28, width=28))),
-               num_image_tokens=4, vision_feature_select_strategy="full"))),
-      )),
-    # Audio towers beside a text model (no torchvision needed).
-    *(dataclasses.replace(
-        _FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM, text_classes=(f"{text_class}",),
-        tiny=dict(text_config=dict(_FAMILIES[text].tiny, model_type=text), audio_config=audio,
-                  tie_word_embeddings=False, **ids),
-        tiny_tokens=tokens,
-        tiny_processor=(processor, dict(feature_extractor=("WhisperFeatureExtractor", dict(feature_size=128)))))
-      for name, architecture, text, text_class, audio, ids, tokens, processor in (
-          ("audioflamingo3", "AudioFlamingo3ForConditionalGeneration", "qwen2", "Qwen2ForCausalLM",
-           dict(num_mel_bins=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128, hidden_size=64,
-                max_source_positions=1500),
-           dict(audio_token_id=512), dict(words={512: "<sound>"}), "AudioFlamingo3Processor"),
-          ("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2", "Qwen2ForCausalLM",
-           dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=128, d_model=64),
-           dict(audio_token_index=514),
-           dict(words={512: "<|audio_bos|>", 513: "<|audio_eos|>", 514: "<|AUDIO|>"},
-                extra_special_tokens=dict(audio_token="<|AUDIO|>", audio_bos_token="<|audio_bos|>",
-                                          audio_eos_token="<|audio_eos|>")),
-           "Qwen2AudioProcessor"),
-          ("glmasr", "GlmAsrForConditionalGeneration", "llama", "LlamaForCausalLM",
-           dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_mel_bins=128),
-           dict(audio_token_id=512), dict(words={512: "<|pad|>"}), "GlmAsrProcessor"),
+           ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")),
+          ("llava_onevision", "LlavaOnevisionForConditionalGeneration", "qwen2", ("Qwen2ForCausalLM",)),
+          # Audio towers beside a text model (no torchvision needed).
+          ("audioflamingo3", "AudioFlamingo3ForConditionalGeneration", "qwen2", ("Qwen2ForCausalLM",)),
+          ("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2", ("Qwen2ForCausalLM",)),
+          ("glmasr", "GlmAsrForConditionalGeneration", "llama", ("LlamaForCausalLM",)),
       )),
     # Idefics3: vLLM's text model is a LlamaModel at model.text_model (lm_head at the top).
     dataclasses.replace(
         _FAMILIES["llama"], name="idefics3", architecture="Idefics3ForConditionalGeneration",
         text_prefix="model.text_model.", layer="layers.{i}", embed="embed_tokens", final_norm="norm",
-        text_classes=("LlamaModel",),
-        tiny=dict(text_config=dict(_FAMILIES["llama"].tiny, model_type="llama"),
-                  vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                                     image_size=56, patch_size=14),
-                  image_token_id=514, scale_factor=2, pad_token_id=0, tie_word_embeddings=False),
-        tiny_tokens=dict(_IMAGE_TOKENS, words={512: "<fake_token_around_image>", 513: "<global-img>", 514: "<image>"},
-                         extra_special_tokens=dict(image_token="<image>", fake_image_token="<fake_token_around_image>",
-                                                   global_image_token="<global-img>")),
-        tiny_processor=("Idefics3Processor", dict(
-            image_processor=("Idefics3ImageProcessorPil", dict(size=dict(longest_edge=56),
-                                                               max_image_size=dict(longest_edge=56),
-                                                               do_image_splitting=False)),
-            image_seq_len=4))),
+        text_classes=("LlamaModel",)),
     dataclasses.replace(
         _FAMILIES["gemma4"], name="gemma4_unified", architecture="Gemma4UnifiedForConditionalGeneration",
-        text_prefix=_LM, text_classes=("Gemma4ForCausalLM",),
-        # (transformers' Gemma4Unified has no per-layer inputs and no experts, which vLLM would build from the config)
-        tiny=dict(text_config={key: value for key, value in _FAMILIES["gemma4"].tiny.items() if key not in (
-                      "hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block", "num_experts",
-                      "top_k_experts", "moe_intermediate_size")},
-                  vision_config=dict(patch_size=14, pooling_kernel_size=2, mm_embed_dim=64, mm_posemb_size=64,
-                                     output_proj_dims=128),
-                  **_GEMMA4_IDS),
-        tiny_tokens=_GEMMA4_TOKENS,
-        tiny_processor=("Gemma4UnifiedProcessor", dict(
-            image_processor=("Gemma4UnifiedImageProcessor", dict(patch_size=14, pooling_kernel_size=2,
-                                                                 max_soft_tokens=70)),
-            video_processor=("Gemma4UnifiedVideoProcessor", dict(patch_size=14, pooling_kernel_size=2,
-                                                                 max_soft_tokens=70)),
-            feature_extractor=("Gemma4UnifiedAudioFeatureExtractor", {}), image_seq_length=70))),
+        text_prefix=_LM, text_classes=("Gemma4ForCausalLM",)),
     # Emu3: vLLM serves it with its Transformers backend (transformers' tree; its VQ-VAE is built beside the text
     # model), which reads the processor at boot.
     dataclasses.replace(
         _BACKEND, name="emu3", architecture="Emu3ForConditionalGeneration",
         vllm_class="TransformersMultiModalForCausalLM", text_prefix="model.text_model.", layer="layers.{i}",
-        embed="embed_tokens", final_norm="norm", text_classes=("Emu3TextModel",),
-        tiny=dict(text_config=dict(_KV1, pad_token_id=0, bos_token_id=2, eos_token_id=1),
-                  vq_config=dict(codebook_size=6, embed_dim=4, latent_channels=4, base_channels=32,
-                                 channel_multiplier=[1, 1], num_res_blocks=1, attn_resolutions=[], hidden_size=64,
-                                 temporal_downsample_factor=1),
-                  vocabulary_map={**{f"<|visual token {i:06d}|>": 512 + i for i in range(6)},
-                                  "<|image token|>": 518, "<|extra_201|>": 519, "<image>": 520,
-                                  "<|image start|>": 521, "<|image end|>": 522, "<|extra_200|>": 523}),
-        tiny_tokens=dict(_IMAGE_TOKENS, words={**{512 + i: f"<|visual token {i:06d}|>" for i in range(6)},
-                                               518: "<|image token|>", 519: "<|extra_201|>", 520: "<image>",
-                                               521: "<|image start|>", 522: "<|image end|>", 523: "<|extra_200|>"},
-                         extra_special_tokens=dict(image_token="<image>", boi_token="<|image start|>",
-                                                   eoi_token="<|image end|>", image_wrapper_token="<|image token|>",
-                                                   eof_token="<|extra_201|>")),
-        tiny_processor=("Emu3Processor", dict(image_processor=("Emu3ImageProcessor", dict(
-            min_pixels=16 * 16, max_pixels=32 * 32, spatial_factor=2))))),
+        embed="embed_tokens", final_norm="norm", text_classes=("Emu3TextModel",)),
     # MuseGlimmer: vLLM's MuseGlimmerForCausalLM holds the text model at its root; Gemma 2's sandwich norms (1 + w),
     # each taking the stream alone; the embedding is normalized (weightless) before layer 0, inside transformers'
     # embedding module (so hook_embed is what layer 0 receives). TransformerLens's norms and attention there are bare
@@ -784,14 +518,7 @@ _FAMILIES.update({family.name: family for family in (
             post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), norm="rms_offset",
             norm_inputs=_HIDDEN_INPUT, rotary=False, text_prefix="", text_classes=("MuseGlimmerForCausalLM",),
             refused=dict.fromkeys(_NORM_SITES, "TransformerLens 4.3's MuseGlimmer adapter runs no hook_normalized or "
-                                  "hook_scale (its norms are bare components)"),
-            tiny=dict(text_config=dict(_KV1, head_dim=64, sliding_window=16, pad_token_id=0, bos_token_id=2,
-                                       eos_token_id=1),
-                      vision_config=dict(patch_size=14, pos_emb_height=4, pos_emb_width=4, num_attention_heads=2,
-                                         num_hidden_layers=1, hidden_size=64, intermediate_size=128,
-                                         max_position_embeddings=16, output_dim=256),
-                      image_token_id=512, video_token_id=513, out_hidden_size=256, projector_hidden_size=64),
-            tiny_tokens=dict(bos_token="t2", words={512: "<|image|>", 513: "<|video|>"})),
+                                  "hook_scale (its norms are bare components)")),
 )})
 # fmt: on
 _ARCHITECTURES = {family.architecture: family for family in _FAMILIES.values()}

@@ -17,6 +17,7 @@ import argparse
 import atexit
 import collections
 import contextlib
+import dataclasses
 import difflib
 import functools
 import glob
@@ -777,6 +778,358 @@ _TINY_SHAPE = dict(  # tiny_model's common shape, as each family's config names 
 )
 
 
+# Each record's tiny test model, by record name. A record (tl_vllm_hooks._FAMILIES) holds its family's facts; the
+# model tiny_model builds for it is here: the settings beside _TINY_SHAPE that give each part of the record something
+# to act on (grouped queries, experts, sliding windows, shared layers, ...). A multimodal checkpoint's is its text
+# family's, with the smallest towers its config takes, the checkpoint's special tokens and its processor's files, so
+# that nothing is fetched.
+@dataclasses.dataclass(frozen=True)
+class _TinyModel:
+    """One record's tiny test model, as tiny_model builds it.
+
+    config: its transformers config's settings beside _TINY_SHAPE (a multimodal checkpoint's: its sub-configs as
+        dicts, ``text_config`` taking the common shape).
+    random_buffers: buffers made random too, as parameters are, by the last part of their names (released
+        checkpoints carry them far from their initial values).
+    tokens: its tokenizer's ``words``, {id: special token} after the tiny vocabulary's words (ids 512 on, which its
+        config's token ids name), and the rest the tokenizer's keyword arguments (bos_token, extra_special_tokens, ...).
+    processor: (transformers' processor class, its keyword arguments), a value that is such a pair itself being made
+        first (an image processor); saved beside the checkpoint. None: no processor.
+    """
+
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    _: dataclasses.KW_ONLY
+    random_buffers: tuple[str, ...] = ()
+    tokens: dict[str, Any] = dataclasses.field(default_factory=dict)
+    processor: tuple[str, dict[str, Any]] | None = None
+
+
+_KV1 = dict(num_key_value_heads=1)  # one key-value head (grouped queries) where the family has them
+_UNTIED = dict(num_key_value_heads=1, tie_word_embeddings=False)
+_MOE4 = dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+
+# fmt: off
+_TINY_MODELS = {
+    "llama": _TinyModel(_UNTIED),
+    "qwen2": _TinyModel(_UNTIED),
+    "qwen3": _TinyModel(dict(_UNTIED, head_dim=64)),
+    "mistral": _TinyModel(dict(_UNTIED, head_dim=64)),
+    "phi3": _TinyModel(dict(_UNTIED, pad_token_id=0)),
+    "gemma": _TinyModel(dict(_KV1, head_dim=64)),
+    "gemma2": _TinyModel(dict(_KV1, head_dim=64, query_pre_attn_scalar=64)),
+    "gemma3": _TinyModel(dict(_KV1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16)),
+    "mixtral": _TinyModel(dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": _TinyModel(dict(_MOE4, moe_intermediate_size=64, shared_expert_intermediate_size=128)),
+    "qwen3_moe": _TinyModel(dict(_MOE4, head_dim=64, moe_intermediate_size=64)),
+    "olmoe": _TinyModel(_MOE4),
+    "gpt_oss": _TinyModel(dict(_UNTIED, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
+    "granite": _TinyModel(dict(_KV1, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                               logits_scaling=2.0)),
+    "stablelm": _TinyModel(dict(_KV1, partial_rotary_factor=0.5)),
+    "exaone4": _TinyModel(dict(_KV1, head_dim=64, sliding_window=16)),
+    "cohere": _TinyModel(dict(_KV1, logit_scale=0.5)),
+    "gpt2": _TinyModel(dict(n_inner=256)),
+    "gptj": _TinyModel(dict(n_inner=256, rotary_dim=32, tie_word_embeddings=False)),
+    "opt": _TinyModel(dict(ffn_dim=256, word_embed_proj_dim=128, init_std=0.1)),
+    "bloom": _TinyModel(),
+    "falcon": _TinyModel(dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=True)),
+    "olmo": _TinyModel(_UNTIED),
+    "olmo2": _TinyModel(_UNTIED),
+    "phi": _TinyModel(dict(partial_rotary_factor=0.5)),
+    "starcoder2": _TinyModel(_KV1),
+    "gpt_neox": _TinyModel(dict(rotary_pct=0.25, tie_word_embeddings=False)),
+    "ministral3": _TinyModel(dict(
+        _UNTIED, head_dim=64, llama_4_scaling=dict(original_max_position_embeddings=8, beta=0.1),
+        rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=128.0, beta_fast=32.0,
+                             original_max_position_embeddings=8, max_position_embeddings=1024, beta_slow=1.0,
+                             mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1))),
+    "glm4": _TinyModel(dict(_UNTIED, head_dim=64, attention_bias=True, pad_token_id=0, eos_token_id=1)),
+    "glm4_moe": _TinyModel(
+        dict(_UNTIED, head_dim=64, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+             n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+             use_qk_norm=True, attention_bias=True, pad_token_id=0, eos_token_id=1),
+        random_buffers=("e_score_correction_bias",)),
+    # (vLLM 0.32's CPU router ignores ERNIE 4.5 MoE's correction bias, which stays at 0)
+    "ernie4_5_moe": _TinyModel(dict(_KV1, num_hidden_layers=4, moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
+                                    moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=3,
+                                    moe_layer_interval=2)),
+    "afmoe": _TinyModel(dict(_UNTIED, num_hidden_layers=4, num_dense_layers=1, head_dim=64, moe_intermediate_size=64,
+                             num_experts=4, num_experts_per_tok=2, num_shared_experts=1, route_scale=2.5,
+                             sliding_window=8, global_attn_every_n_layers=2, mup_enabled=True, score_func="sigmoid",
+                             route_norm=True, n_group=1, topk_group=1)),
+    "granitemoe": _TinyModel(dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0,
+                                  residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)),
+    "glm": _TinyModel(dict(_UNTIED, head_dim=64, attention_bias=True, pad_token_id=0, eos_token_id=1)),
+    "smollm3": _TinyModel(dict(_KV1, num_hidden_layers=4, no_rope_layers=[1, 1, 0, 1], pad_token_id=0,
+                               eos_token_id=1, bos_token_id=2)),
+    "vaultgemma": _TinyModel(dict(_KV1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  final_logit_softcapping=30.0, attn_logit_softcapping=50.0, pad_token_id=0,
+                                  eos_token_id=1, bos_token_id=2)),
+    "flexolmo": _TinyModel(dict(_UNTIED, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=0,
+                                eos_token_id=1)),
+    "ernie4_5": _TinyModel(dict(_KV1, head_dim=64)),
+    "gemma4": _TinyModel(
+        dict(_KV1, num_hidden_layers=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+             sliding_window=16, hidden_size_per_layer_input=32, vocab_size_per_layer_input=512,
+             num_kv_shared_layers=2, use_double_wide_mlp=True, attention_k_eq_v=True, enable_moe_block=True,
+             num_experts=4, top_k_experts=2, moe_intermediate_size=64, final_logit_softcapping=30.0, pad_token_id=0,
+             eos_token_id=1, bos_token_id=2),
+        random_buffers=("layer_scalar",)),
+    "llama4": _TinyModel(dict(_UNTIED, num_hidden_layers=4, head_dim=64, intermediate_size_mlp=384,
+                              num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                              no_rope_layers=[1, 1, 0, 1], attention_chunk_size=128, use_qk_norm=True,
+                              attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1)),
+    "apertus": _TinyModel(dict(_UNTIED, rope_parameters=dict(
+        rope_type="llama3", rope_theta=12e6, factor=8.0, original_max_position_embeddings=512, low_freq_factor=1.0,
+        high_freq_factor=4.0))),
+    "nemotron": _TinyModel(dict(_KV1, head_dim=64)),
+    # (vLLM's sliding window is one token wider than transformers': this one is wider than the test prompts)
+    "cohere2": _TinyModel(dict(_KV1, head_dim=64, logit_scale=0.5, sliding_window=512,
+                               layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "phimoe": _TinyModel(dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                              lm_head_bias=True)),
+    "arcee": _TinyModel(dict(_UNTIED, head_dim=64)),
+    "jais2": _TinyModel(dict(_KV1, head_dim=64)),
+    "seed_oss": _TinyModel(dict(_KV1, head_dim=64)),
+    "olmo3": _TinyModel(dict(_UNTIED, sliding_window=16,
+                             layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "hunyuan_dense": _TinyModel(dict(_UNTIED, head_dim=64)),
+    "gpt_bigcode": _TinyModel(dict(n_inner=256, multi_query=True)),
+}
+# fmt: on
+_IMAGE_TOKENS = dict(bos_token="t2", pad_token="t0")
+_GEMMA4_TOKENS = dict(
+    _IMAGE_TOKENS,
+    words={512: "<|image>", 513: "<image|>", 514: "<|image|>", 515: "<|video|>", 516: "<|audio>", 517: "<audio|>",
+           518: "<|audio|>"},
+    extra_special_tokens=dict(boi_token="<|image>", eoi_token="<image|>", image_token="<|image|>",
+                              boa_token="<|audio>", eoa_token="<audio|>", audio_token="<|audio|>"),
+)
+_GEMMA4_IDS = dict(audio_config=None, boi_token_id=512, eoi_token_id=513, image_token_id=514, video_token_id=515,
+                   boa_token_id=516, eoa_token_index=517, audio_token_id=518)
+_QWEN_VL_TOKENS = dict(
+    words={512: "<|vision_start|>", 513: "<|vision_end|>", 514: "<|video_pad|>", 515: "<|image_pad|>"},
+    extra_special_tokens=dict(image_token="<|image_pad|>", video_token="<|video_pad|>",
+                              vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>"),
+)
+_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 12, 12])  # M-RoPE's t, h and w sections
+_QWEN_VL_IDS = dict(image_token_id=515, video_token_id=514, vision_start_token_id=512, vision_end_token_id=513,
+                    tie_word_embeddings=False)
+_QWEN3_VL_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16,
+                        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=16,
+                        deepstack_visual_indexes=[0])
+
+
+def _qwen_vl_processor(processor: str, video: str, patch: int) -> tuple[str, dict[str, Any]]:
+    sizes = dict(patch_size=patch, merge_size=2, temporal_patch_size=2)
+    return processor, dict(
+        image_processor=("Qwen2VLImageProcessorPil", dict(sizes, size=dict(shortest_edge=(4 * patch) ** 2,
+                                                                             longest_edge=(4 * patch) ** 2))),
+        video_processor=(video, sizes),
+    )
+
+
+
+# fmt: off
+_TINY_MODELS.update({
+    "gemma3_mm": dataclasses.replace(
+        _TINY_MODELS["gemma3"],
+        config=dict(text_config=dict(_TINY_MODELS["gemma3"].config,
+                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                    vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=56, patch_size=14, vision_use_head=False),
+                    mm_tokens_per_image=4, boi_token_index=512, eoi_token_index=513, image_token_index=514),
+        tokens=dict(_IMAGE_TOKENS, words={512: "<start_of_image>", 513: "<end_of_image>", 514: "<image_soft_token>"},
+                    extra_special_tokens=dict(boi_token="<start_of_image>", eoi_token="<end_of_image>",
+                                              image_token="<image_soft_token>")),
+        processor=("Gemma3Processor", dict(image_processor=("Gemma3ImageProcessorPil",
+                                                            dict(size=dict(height=56, width=56))),
+                                           image_seq_length=4))),
+    "gemma4_mm": dataclasses.replace(
+        _TINY_MODELS["gemma4"],
+        config=dict(text_config=_TINY_MODELS["gemma4"].config,
+                    vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, head_dim=32, patch_size=14,
+                                       pooling_kernel_size=2, position_embedding_size=64),
+                    **_GEMMA4_IDS),
+        tokens=_GEMMA4_TOKENS,
+        processor=("Gemma4Processor", dict(
+            image_processor=("Gemma4ImageProcessorPil", dict(patch_size=14, pooling_kernel_size=2,
+                                                             max_soft_tokens=70)),
+            video_processor=("Gemma4VideoProcessor", dict(patch_size=14, pooling_kernel_size=2)),
+            feature_extractor=("Gemma4AudioFeatureExtractor", {}), image_seq_length=70))),
+    "mistral3": dataclasses.replace(
+        _TINY_MODELS["mistral"],
+        config=dict(text_config=dict(_TINY_MODELS["mistral"].config, model_type="mistral"),
+                    vision_config=dict(model_type="pixtral", hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=1, num_attention_heads=2, head_dim=32, image_size=56,
+                                       patch_size=14),
+                    image_token_index=514, spatial_merge_size=2, vision_feature_layer=-1, tie_word_embeddings=False),
+        tokens=dict(bos_token="t2", words={512: "[IMG_END]", 513: "[IMG_BREAK]", 514: "[IMG]"}),
+        processor=("PixtralProcessor", dict(image_processor=("PixtralImageProcessorPil",
+                                                             dict(size=dict(longest_edge=56), patch_size=14)),
+                                            patch_size=14, spatial_merge_size=2))),
+    "llama4_mm": dataclasses.replace(
+        _TINY_MODELS["llama4"],
+        config=dict(text_config=_TINY_MODELS["llama4"].config,
+                    vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=56, patch_size=14, vision_output_dim=64,
+                                       projector_input_dim=64, projector_output_dim=64, pixel_shuffle_ratio=0.5),
+                    boi_token_index=512, eoi_token_index=513, image_token_index=515, tie_word_embeddings=False),
+        tokens=dict(bos_token="t2", words={512: "<|image_start|>", 513: "<|image_end|>", 514: "<|image|>",
+                                           515: "<|patch|>", 516: "<|tile_x_separator|>",
+                                           517: "<|tile_y_separator|>"}),
+        processor=("Llama4Processor", dict(image_processor=("Llama4ImageProcessor",
+                                                            dict(size=dict(height=56, width=56), max_patches=1)),
+                                           patch_size=14, pixel_shuffle_ratio=0.5))),
+    "llava": dataclasses.replace(
+        _TINY_MODELS["llama"],
+        config=dict(text_config=dict(_TINY_MODELS["llama"].config, model_type="llama"),
+                    vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
+                                       projection_dim=64),
+                    image_token_index=512, image_seq_length=4, vision_feature_select_strategy="default",
+                    vision_feature_layer=-2, tie_word_embeddings=False),
+        tokens=dict(bos_token="t2", words={512: "<image>"}, extra_special_tokens=dict(image_token="<image>")),
+        processor=("LlavaProcessor", dict(
+            image_processor=("CLIPImageProcessorPil", dict(size=dict(shortest_edge=28),
+                                                           crop_size=dict(height=28, width=28))),
+            patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1))),
+    "qwen2_5_vl": dataclasses.replace(
+        _TINY_MODELS["qwen2"],
+        config=dict(text_config=dict(_TINY_MODELS["qwen2"].config, bos_token_id=None, eos_token_id=1,
+                                     rope_parameters=_MROPE),
+                    vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=14,
+                                       spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                                       out_hidden_size=128, fullatt_block_indexes=[1]),
+                    **_QWEN_VL_IDS),
+        tokens=_QWEN_VL_TOKENS,
+        processor=_qwen_vl_processor("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", 14)),
+    "qwen3_vl": dataclasses.replace(
+        _TINY_MODELS["qwen3"],
+        config=dict(text_config=dict(_TINY_MODELS["qwen3"].config,
+                                     rope_parameters=dict(_MROPE, mrope_interleaved=True)),
+                    vision_config=_QWEN3_VL_VISION, **_QWEN_VL_IDS),
+        tokens=_QWEN_VL_TOKENS,
+        processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
+    # (2 * moe_intermediate_size != hidden_size: the fused experts' two layouts differ in shape)
+    "qwen3_vl_moe": dataclasses.replace(
+        _TINY_MODELS["qwen3_moe"],
+        config=dict(text_config=dict(_TINY_MODELS["qwen3_moe"].config, moe_intermediate_size=32,
+                                     norm_topk_prob=True, rope_parameters=dict(_MROPE, mrope_interleaved=True)),
+                    vision_config=_QWEN3_VL_VISION, **_QWEN_VL_IDS),
+        tokens=_QWEN_VL_TOKENS,
+        processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
+    "llava_next": dataclasses.replace(
+        _TINY_MODELS["llama"],
+        config=dict(text_config=dict(_TINY_MODELS["llama"].config, model_type="llama"),
+                    vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
+                                       projection_dim=64),
+                    image_grid_pinpoints=[[28, 28], [28, 56]], tie_word_embeddings=False, image_token_index=512,
+                    image_seq_length=4),
+        tokens=dict(bos_token="t2", words={512: "<image>"}, extra_special_tokens=dict(image_token="<image>")),
+        processor=("LlavaNextProcessor", dict(
+            image_processor=("LlavaNextImageProcessorPil", dict(
+                size=dict(shortest_edge=28), crop_size=dict(height=28, width=28),
+                image_grid_pinpoints=[[28, 28], [28, 56]])),
+            patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1))),
+    "llava_onevision": dataclasses.replace(
+        _TINY_MODELS["qwen2"],
+        config=dict(text_config=dict(_TINY_MODELS["qwen2"].config, model_type="qwen2"),
+                    vision_config=dict(model_type="siglip_vision_model", hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14,
+                                       vision_use_head=False),
+                    image_grid_pinpoints=[[28, 28], [28, 56]], tie_word_embeddings=False, image_token_index=513,
+                    video_token_index=512, vision_feature_select_strategy="full", vision_feature_layer=-1),
+        tokens=dict(words={512: "<video>", 513: "<image>"},
+                    extra_special_tokens=dict(image_token="<image>", video_token="<video>")),
+        processor=("LlavaOnevisionProcessor", dict(
+            image_processor=("LlavaOnevisionImageProcessorPil", dict(
+                size=dict(height=28, width=28), image_grid_pinpoints=[[28, 28], [28, 56]])),
+            video_processor=("LlavaOnevisionVideoProcessor", dict(size=dict(height=28, width=28))),
+            num_image_tokens=4, vision_feature_select_strategy="full"))),
+    **{name: dataclasses.replace(
+        _TINY_MODELS[text],
+        config=dict(text_config=dict(_TINY_MODELS[text].config, model_type=text), audio_config=audio,
+                    tie_word_embeddings=False, **ids),
+        tokens=tokens,
+        processor=(processor, dict(feature_extractor=("WhisperFeatureExtractor", dict(feature_size=128)))))
+       for name, text, audio, ids, tokens, processor in (
+           ("audioflamingo3", "qwen2",
+            dict(num_mel_bins=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128, hidden_size=64,
+                 max_source_positions=1500),
+            dict(audio_token_id=512), dict(words={512: "<sound>"}), "AudioFlamingo3Processor"),
+           ("qwen2_audio", "qwen2",
+            dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=128, d_model=64),
+            dict(audio_token_index=514),
+            dict(words={512: "<|audio_bos|>", 513: "<|audio_eos|>", 514: "<|AUDIO|>"},
+                 extra_special_tokens=dict(audio_token="<|AUDIO|>", audio_bos_token="<|audio_bos|>",
+                                           audio_eos_token="<|audio_eos|>")),
+            "Qwen2AudioProcessor"),
+           ("glmasr", "llama",
+            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, num_mel_bins=128),
+            dict(audio_token_id=512), dict(words={512: "<|pad|>"}), "GlmAsrProcessor"),
+       )},
+    "idefics3": dataclasses.replace(
+        _TINY_MODELS["llama"],
+        config=dict(text_config=dict(_TINY_MODELS["llama"].config, model_type="llama"),
+                    vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=56, patch_size=14),
+                    image_token_id=514, scale_factor=2, pad_token_id=0, tie_word_embeddings=False),
+        tokens=dict(_IMAGE_TOKENS, words={512: "<fake_token_around_image>", 513: "<global-img>", 514: "<image>"},
+                    extra_special_tokens=dict(image_token="<image>", fake_image_token="<fake_token_around_image>",
+                                              global_image_token="<global-img>")),
+        processor=("Idefics3Processor", dict(
+            image_processor=("Idefics3ImageProcessorPil", dict(size=dict(longest_edge=56),
+                                                               max_image_size=dict(longest_edge=56),
+                                                               do_image_splitting=False)),
+            image_seq_len=4))),
+    # (transformers' Gemma4Unified has no per-layer inputs and no experts, which vLLM would build from the config)
+    "gemma4_unified": dataclasses.replace(
+        _TINY_MODELS["gemma4"],
+        config=dict(text_config={key: value for key, value in _TINY_MODELS["gemma4"].config.items() if key not in (
+                        "hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block", "num_experts",
+                        "top_k_experts", "moe_intermediate_size")},
+                    vision_config=dict(patch_size=14, pooling_kernel_size=2, mm_embed_dim=64, mm_posemb_size=64,
+                                       output_proj_dims=128),
+                    **_GEMMA4_IDS),
+        tokens=_GEMMA4_TOKENS,
+        processor=("Gemma4UnifiedProcessor", dict(
+            image_processor=("Gemma4UnifiedImageProcessor", dict(patch_size=14, pooling_kernel_size=2,
+                                                                 max_soft_tokens=70)),
+            video_processor=("Gemma4UnifiedVideoProcessor", dict(patch_size=14, pooling_kernel_size=2,
+                                                                 max_soft_tokens=70)),
+            feature_extractor=("Gemma4UnifiedAudioFeatureExtractor", {}), image_seq_length=70))),
+    "emu3": _TinyModel(
+        dict(text_config=dict(_KV1, pad_token_id=0, bos_token_id=2, eos_token_id=1),
+             vq_config=dict(codebook_size=6, embed_dim=4, latent_channels=4, base_channels=32,
+                            channel_multiplier=[1, 1], num_res_blocks=1, attn_resolutions=[], hidden_size=64,
+                            temporal_downsample_factor=1),
+             vocabulary_map={**{f"<|visual token {i:06d}|>": 512 + i for i in range(6)}, "<|image token|>": 518,
+                             "<|extra_201|>": 519, "<image>": 520, "<|image start|>": 521, "<|image end|>": 522,
+                             "<|extra_200|>": 523}),
+        tokens=dict(_IMAGE_TOKENS, words={**{512 + i: f"<|visual token {i:06d}|>" for i in range(6)},
+                                          518: "<|image token|>", 519: "<|extra_201|>", 520: "<image>",
+                                          521: "<|image start|>", 522: "<|image end|>", 523: "<|extra_200|>"},
+                    extra_special_tokens=dict(image_token="<image>", boi_token="<|image start|>",
+                                              eoi_token="<|image end|>", image_wrapper_token="<|image token|>",
+                                              eof_token="<|extra_201|>")),
+        processor=("Emu3Processor", dict(image_processor=("Emu3ImageProcessor", dict(
+            min_pixels=16 * 16, max_pixels=32 * 32, spatial_factor=2))))),
+    "muse_glimmer": _TinyModel(
+        dict(text_config=dict(_KV1, head_dim=64, sliding_window=16, pad_token_id=0, bos_token_id=2, eos_token_id=1),
+             vision_config=dict(patch_size=14, pos_emb_height=4, pos_emb_width=4, num_attention_heads=2,
+                                num_hidden_layers=1, hidden_size=64, intermediate_size=128, max_position_embeddings=16,
+                                output_dim=256),
+             image_token_id=512, video_token_id=513, out_hidden_size=256, projector_hidden_size=64),
+        tokens=dict(bos_token="t2", words={512: "<|image|>", 513: "<|video|>"})),
+})
+# fmt: on
+
+
 def _fitted(config_class: Any, values: dict[str, Any]) -> dict[str, Any]:
     """Those of ``values`` that the config class takes (Bloom's MLP is 4 * hidden_size and has no setting)."""
     known = set(inspect.signature(config_class.__init__).parameters) | set(config_class.attribute_map)
@@ -789,36 +1142,36 @@ def tiny_config(family: str) -> Any:
 
     if family not in _FAMILIES:
         raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(_FAMILIES)}")
-    record = _FAMILIES[family]
+    record, tiny = _FAMILIES[family], _TINY_MODELS[family]
     config_class = getattr(transformers, record.hf_class or record.architecture).config_class
     if record.text_classes:  # a multimodal checkpoint's: the text model takes the common shape
-        text = dict(record.tiny.get("text_config") or {})
+        text = dict(tiny.config.get("text_config") or {})
         text_class = config_class.sub_configs["text_config"]
         if text_class is transformers.AutoConfig:
             text_class = transformers.CONFIG_MAPPING[text["model_type"]]
-        vocabulary = _TINY_SHAPE["vocab_size"] + len(record.tiny_tokens.get("words", {}))  # words, then specials
+        vocabulary = _TINY_SHAPE["vocab_size"] + len(tiny.tokens.get("words", {}))  # words, then specials
         settings = {
             **_fitted(config_class, dict(initializer_range=_TINY_SHAPE["initializer_range"])),
-            **record.tiny,
+            **tiny.config,
             "text_config": {**_fitted(text_class, dict(_TINY_SHAPE, vocab_size=vocabulary)), **text},
         }
     else:
-        settings = {**_fitted(config_class, _TINY_SHAPE), **record.tiny}
+        settings = {**_fitted(config_class, _TINY_SHAPE), **tiny.config}
     config = config_class(**settings, attn_implementation="eager")  # exact attention (SDPA drops soft-capping)
     config.architectures = [record.architecture]
     return config
 
 
-def _tiny_tokenizer(record: Any) -> Any:
+def _tiny_tokenizer(family: str) -> Any:
     """Words t0 .. t511 (t0 unknown, t1 the end), then the checkpoint's special tokens (which text prompts of the
     words never hold: some models embed a placeholder that comes without its image otherwise than vLLM does)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    settings = dict(record.tiny_tokens)
+    settings = dict(_TINY_MODELS[family].tokens)
     special = settings.pop("words", {})
     if sorted(special) != list(range(512, 512 + len(special))):
-        raise ValueError(f"tiny_model: {record.name}'s special tokens take ids 512 on, got {sorted(special)}")
+        raise ValueError(f"tiny_model: {family}'s special tokens take ids 512 on, got {sorted(special)}")
     vocabulary = {**{f"t{i}": i for i in range(512)}, **{token: i for i, token in special.items()}}
     words = Tokenizer(models.WordLevel(vocabulary, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -887,7 +1240,7 @@ def _released_layout(model: Any, directory: str) -> None:
 def tiny_model(directory: str, family: str = "llama") -> Any:
     """A random fp32 model small enough for a CPU, saved to ``directory`` with a tokenizer.
 
-    family: a supported family's name (its record's ``tiny`` config beside this
+    family: a supported family's name (its _TINY_MODELS entry's config beside this
     common shape); 3 layers, width 128, 2 heads of 64, MLP 256, vocabulary 512 (words
     ``t0`` .. ``t511``), as each family's config names them. Norm weights and
     biases are random too, so a tensor taken before a norm's weight never equals
@@ -900,7 +1253,7 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     import transformers
 
     config = tiny_config(family)
-    record = _FAMILIES[family]
+    record, tiny = _FAMILIES[family], _TINY_MODELS[family]
     torch.manual_seed(zlib.crc32(family.encode()))
     model_class = getattr(transformers, record.hf_class or record.architecture)
     model = model_class(config).to(torch.float32).eval()
@@ -911,7 +1264,7 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
             elif name.endswith("weight") and not parameter.any():  # (routers that would route by index)
                 parameter.normal_(0.0, 0.1)
         for name, buffer in model.named_buffers():
-            if name.rpartition(".")[2] in record.tiny_random:
+            if name.rpartition(".")[2] in tiny.random_buffers:
                 buffer.add_(0.2 * torch.randn_like(buffer))
     architectures = config.architectures
     model.save_pretrained(directory)
@@ -920,10 +1273,10 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
         model.config.save_pretrained(directory)
     if record.text_classes:
         _released_layout(model, directory)
-    tokenizer = _tiny_tokenizer(record)
+    tokenizer = _tiny_tokenizer(family)
     tokenizer.save_pretrained(directory)
-    if record.tiny_processor:
-        _made(record.tiny_processor, tokenizer=tokenizer).save_pretrained(directory)
+    if tiny.processor:
+        _made(tiny.processor, tokenizer=tokenizer).save_pretrained(directory)
     return model
 
 
