@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import gc
 import glob
 import importlib.util
@@ -55,6 +56,32 @@ HERE = Path(__file__).resolve().parent
 # imports (test_multimodal_checkpoints_in_the_vision_environment).
 FAMILIES = tuple(name for name, record in tlh._FAMILIES.items() if not record.text_classes)
 MULTIMODAL = tuple(name for name, record in tlh._FAMILIES.items() if record.text_classes)
+
+
+def tap_kinds(family: str) -> set:
+    """What the one-prompt flavour's row logic meets in a family: each site's tap on every layer, less its module
+    path (kind, inputs, norm, columns, multiplier, bias, routing), and where the text model sits in vLLM's tree."""
+    record = tlh._FAMILIES[family]
+    text = tools.tiny_config(family).get_text_config()
+    kinds = {("text_prefix", record.text_prefix)}
+    for layer in [None, *range(text.num_hidden_layers)]:
+        kinds |= {(site, dataclasses.replace(tap, module="")) for site, tap in tlh._taps(record, text, layer).items()}
+    return kinds
+
+
+def covering_families() -> tuple[str, ...]:
+    """The families, fewest first found (greedy), whose records together hold every tap kind of every record."""
+    kinds = {family: tap_kinds(family) for family in tlh._FAMILIES}
+    chosen, covered = [], set()
+    while uncovered := {family: len(found - covered) for family, found in kinds.items() if found - covered}:
+        chosen.append(max(uncovered, key=uncovered.get))
+        covered |= kinds[chosen[-1]]
+    return tuple(family for family in tlh._FAMILIES if family in chosen)
+
+
+# The one-prompt flavour's hooks are the batched flavour's (TestFamilies runs every family there); what differs
+# is which rows each tap reads and writes. It runs on the families that together hold every tap kind.
+ONE_PROMPT_FAMILIES = covering_families()
 # The sites the flavour, sink and serving tests hook on every layer (the first release's).
 CLASSIC_SITES = (
     "embed", "pos_embed", "resid_pre", "attn_z", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post",
@@ -580,9 +607,9 @@ class TestMultimodalCheckpoints:
     """The multimodal records (MULTIMODAL), in test_tl_vllm_hooks_vision.py."""
 
     def test_multimodal_checkpoints_in_the_vision_environment(self, vision_python, tmp_path):
-        """test_tl_vllm_hooks_vision.py, run where torchvision imports: every multimodal record's text model in
-        both flavours (TestFamilies' and TestFamiliesOnePromptFlavour's checks), every record's placement, and a
-        LLaVA image prompt at every position; fails with the inner run's output."""
+        """test_tl_vllm_hooks_vision.py, run where torchvision imports: every multimodal record's text model
+        (TestFamilies' checks, and TestFamiliesOnePromptFlavour's on those among ONE_PROMPT_FAMILIES), every
+        record's placement, and a LLaVA image prompt at every position; fails with the inner run's output."""
         environment = {key: value for key, value in os.environ.items()
                        if key != "VLLM_ENABLE_V1_MULTIPROCESSING" and not key.startswith("PYTEST_")}
         ran = subprocess.run(
@@ -1164,7 +1191,7 @@ class TestFamilies:
         check_per_request(llm, llm.model, [(BATCH[2], "all", edits)], tolerance=llm.tolerance)
 
 
-@pytest.fixture(scope="class", params=FAMILIES)
+@pytest.fixture(scope="class", params=[family for family in ONE_PROMPT_FAMILIES if family in FAMILIES])
 def one_prompt_flavour_llm(request, models):
     model = models[request.param]
     with engine(model, sites=model.sites, in_process=True, eager=True, **FAMILY_ENGINE_ARGUMENTS.get(request.param, {})) as llm:
@@ -1174,9 +1201,9 @@ def one_prompt_flavour_llm(request, models):
 
 
 class TestFamiliesOnePromptFlavour:
-    """Every family in the one-prompt flavour (one prompt's rows per capture, edit tables of
-    one row per hook), every site TransformerLens runs on it: unedited, then an edit at
-    each site alone, whose own rows must move."""
+    """The one-prompt flavour (one prompt's rows per capture, edit tables of one row per hook) on
+    ONE_PROMPT_FAMILIES, every site TransformerLens runs on each: unedited, then an edit at each
+    site alone, whose own rows must move."""
 
     def test_every_site_unedited_and_edited_matches_transformer_lens(self, one_prompt_flavour_llm):
         llm = one_prompt_flavour_llm

@@ -4,10 +4,11 @@ test_tl_vllm_hooks.py compares the text families, with its helpers.
 Runs in the environment scripts/vision_env.sh builds, where torchvision imports: vLLM's native
 multimodal classes import transformers' image processors, which import torchvision, and
 TransformerLens 4.3's Qwen-VL adapters require it (test_tl_vllm_hooks.py runs this file there,
-test_multimodal_checkpoints_in_the_vision_environment). For every multimodal record, in both
-flavours: every hook of its text model on text prompts (vLLM with language_model_only=True, the
-towers not built), unedited and under an edit at each site, a 300-token prompt chunked among them;
-and one LLaVA image prompt through the towers.
+test_multimodal_checkpoints_in_the_vision_environment). For every multimodal record, in the
+batched flavour (in the one-prompt flavour too where it is among base.ONE_PROMPT_FAMILIES): every
+hook of its text model on text prompts (vLLM with language_model_only=True, the towers not built),
+unedited and under an edit at each site, a 300-token prompt chunked among them; and one LLaVA
+image prompt through the towers.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class TestMultimodalFamilies(base.TestFamilies):
     under an edit at each site, one request per site, and one layer's edits composed."""
 
 
-@pytest.fixture(scope="class", params=MULTIMODAL)
+@pytest.fixture(scope="class", params=[family for family in base.ONE_PROMPT_FAMILIES if family in MULTIMODAL])
 def one_prompt_flavour_llm(request, models):
     model = models[request.param]
     with base.engine(model, sites=model.sites, in_process=True, eager=True, **engine_arguments(request.param)) as llm:
@@ -71,7 +72,7 @@ def one_prompt_flavour_llm(request, models):
 
 
 class TestMultimodalFamiliesOnePromptFlavour(base.TestFamiliesOnePromptFlavour):
-    """TestFamiliesOnePromptFlavour on each multimodal checkpoint's text model."""
+    """TestFamiliesOnePromptFlavour on the multimodal records among base.ONE_PROMPT_FAMILIES."""
 
 
 @base.NO_ENGINE
