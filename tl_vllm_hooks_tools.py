@@ -1281,13 +1281,15 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
 
 
 def families_markdown() -> str:
-    """The README's tables of supported families and refused architectures, from the records (the families command
-    prints them; a test holds the README to them): each family's sites as its tiny model has them, beside Llama's,
-    with the reasons for those not placed numbered below the table."""
+    """The README's lists of supported families and refused architectures, from the records (the families command
+    prints them; a test holds the README to them): one line per group of families with the same sites beside
+    Llama's, each family by name and architecture (with vLLM's class where it differs, and a multimodal checkpoint's
+    text model), the reasons for sites not placed numbered once, on one line below; then the refused architectures,
+    one table row per reason."""
     default = _family_sites(_FAMILIES["llama"], tiny_config("llama"))
     short = {site: SITES[site].removeprefix("blocks.{i}.") for site in SITES}
     notes: dict[str, int] = {}  # reason -> its number
-    rows = []
+    groups: dict[str, list[str]] = {}  # sites beside Llama's -> its families, in the records' order
     for name, record in _FAMILIES.items():
         sites = _family_sites(record, tiny_config(name).get_text_config())
         also = [short[site] for site in sites if site not in default]
@@ -1297,25 +1299,28 @@ def families_markdown() -> str:
         for site, why in record.refused.items():
             refused.setdefault(notes.setdefault(why, len(notes) + 1), []).append(short[site])
         cells += [f"not {', '.join(names)} [{number}]" for number, names in refused.items()]
-        vllm_class = f"`{record.vllm_class or record.architecture}`"
+        runs = []
+        if record.vllm_class and record.vllm_class != record.architecture:
+            runs.append(f"vLLM: `{record.vllm_class}`")
         if record.text_classes:  # a multimodal checkpoint's: where its text model sits
             text_classes = " or ".join(f"`{text_class}`" for text_class in record.text_classes)
-            vllm_class += f", its text model {text_classes} at `{record.text_prefix.rstrip('.') or '(its root)'}`"
-        rows.append(f"| {name} | `{record.architecture}` | {vllm_class} | {'; '.join(cells) or 'the same'} |")
+            runs.append(f"text model {text_classes} at `{record.text_prefix.rstrip('.') or '(its root)'}`")
+        family = f"{name} `{record.architecture}`" + (f" ({'; '.join(runs)})" if runs else "")
+        groups.setdefault("; ".join(cells) or "Llama's sites", []).append(family)
     reasons: dict[str, list[str]] = {}
     for architecture, why in _REFUSED.items():
         reasons.setdefault(why, []).append(f"`{architecture}`")
     return "\n".join(
         [
-            f"{len(_FAMILIES)} families supported, each compared with TransformerLens in CI. Llama's sites (those "
-            "of each layer named without `blocks.{i}.`):",
+            f"{len(_FAMILIES)} families supported, each compared with TransformerLens in CI, grouped by their sites "
+            "beside Llama's; each as its name and architecture (vLLM's class where it is another; a multimodal "
+            "checkpoint's text model and where it sits). Llama's sites (those of each layer named without "
+            "`blocks.{i}.`):",
             ", ".join(short[site] for site in default) + ".",
             "",
-            "| family | architecture | vLLM runs it with | sites beside Llama's |",
-            "|---|---|---|---|",
-            *rows,
+            *(f"- **{sites}:** {', '.join(families)}" for sites, families in groups.items()),
             "",
-            *(f"[{number}] {why}." for why, number in notes.items()),
+            " ".join(f"[{number}] {why}." for why, number in notes.items()),
             "",
             f"{len(_REFUSED)} architectures refused, each for the reason measured here:",
             "",

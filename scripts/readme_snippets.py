@@ -1,11 +1,12 @@
-"""Run the README's Python blocks as printed, each in a fresh directory and interpreter, as a new user would.
+"""Run the README's and the guide's Python blocks as printed, each in a fresh directory and interpreter.
 
     python3 scripts/readme_snippets.py             # each block on its own (CI runs this)
     python3 scripts/readme_snippets.py --together  # also all of them, in order, as one script
 
-The blocks are read from README.md itself, so what CI runs is what a reader copies. Each runs with this project's
-modules importable and without the environment CI sets for its tests (VLLM_CPU_KVCACHE_SPACE): a block must pass
-what a CPU needs itself. Exit code 1 if any block fails, with the end of its output.
+The blocks are read from the files themselves (DOCS: README.md, docs/guide.md), so what CI runs is what a reader
+copies. Each runs with this project's modules importable and without the environment CI sets for its tests
+(VLLM_CPU_KVCACHE_SPACE): a block must pass what a CPU needs itself, as a new user would. Exit code 1 if any block
+fails, with the end of its output.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ("README.md", "docs/guide.md")  # every file whose ```python blocks a reader runs
 
 
 def python_blocks(readme: str) -> list[tuple[int, str]]:
@@ -51,10 +53,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--together", action="store_true", help="also run every block in order as one script")
     args = parser.parse_args()
-    with open(os.path.join(ROOT, "README.md")) as file:
-        blocks = python_blocks(file.read())
-    print(f"{len(blocks)} Python blocks in README.md", flush=True)
-    results = [run(f"README.md line {line}", code) for line, code in blocks]
+    blocks = []  # (where, code), in DOCS' order
+    for doc in DOCS:
+        with open(os.path.join(ROOT, doc)) as file:
+            found = python_blocks(file.read())
+        print(f"{len(found)} Python blocks in {doc}", flush=True)
+        blocks += [(f"{doc} line {line}", code) for line, code in found]
+    results = [run(where, code) for where, code in blocks]
     if args.together:
-        results.append(run("every block in order", "\n".join(code for _line, code in blocks)))
+        results.append(run("every block in order", "\n".join(code for _where, code in blocks)))
     sys.exit(0 if blocks and all(results) else 1)
