@@ -1129,11 +1129,10 @@ def check_every_site_edit(llm, model: Model, baseline: dict, reference=None, tol
 
 
 def check_every_site_edit_per_request(llm, model: Model, reference=None, tolerance=TOLERANCE) -> float:
-    """Batched flavour: one generate, one request per site carrying that site's edit (prompts of
-    31 to 59 tokens, so that each reaches position 30 of the position-limited edits), and a
+    """Batched flavour: one generate, one request per site carrying that site's edit, and a
     300-token prompt (chunked prefill) editing the last site."""
     edits = site_edits(hook_shapes(llm))
-    requests = [([(3 * i + 5 * n) % 512 for i in range(31 + 7 * n % 29)], "all", {hook: edit})
+    requests = [([(3 * i + 5 * n) % 512 for i in range(12 + 7 * n)], "all", {hook: edit})
                 for n, (hook, edit) in enumerate(edits.items())]
     requests.append((BATCH[1], "all", dict([list(edits.items())[-1]])))
     _outputs, worst = check_per_request(llm, reference or model, requests, tolerance=tolerance)
