@@ -457,52 +457,40 @@ _FAMILIES = {family.name: family for family in (
 # text family's).
 _LM = "language_model."
 
+
+def _text_model_under_lm(text: str, name: str, architecture: str, text_classes: tuple[str, ...], **changes) -> _Family:
+    """The record of a multimodal checkpoint whose text model is the ``text`` family's, at language_model."""
+    return dataclasses.replace(_FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM,
+                               text_classes=text_classes, **changes)
+
+
+_LLAVA_TEXT = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # fmt: off
 _FAMILIES.update({family.name: family for family in (
-    dataclasses.replace(
-        _FAMILIES["gemma3"], name="gemma3_mm", architecture="Gemma3ForConditionalGeneration", text_prefix=_LM,
-        text_classes=("Gemma3ForCausalLM",)),
-    dataclasses.replace(
-        _FAMILIES["gemma4"], name="gemma4_mm", architecture="Gemma4ForConditionalGeneration", text_prefix=_LM,
-        text_classes=("Gemma4ForCausalLM",)),
-    dataclasses.replace(
-        _FAMILIES["mistral"], name="mistral3", architecture="Mistral3ForConditionalGeneration", text_prefix=_LM,
-        text_classes=("MistralForCausalLM",)),
-    dataclasses.replace(
-        _FAMILIES["llama4"], name="llama4_mm", architecture="Llama4ForConditionalGeneration", text_prefix=_LM,
-        text_classes=("Llama4ForCausalLM",)),
-    dataclasses.replace(
-        _FAMILIES["llama"], name="llava", architecture="LlavaForConditionalGeneration", text_prefix=_LM,
-        text_classes=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")),
+    _text_model_under_lm("gemma3", "gemma3_mm", "Gemma3ForConditionalGeneration", ("Gemma3ForCausalLM",)),
+    _text_model_under_lm("gemma4", "gemma4_mm", "Gemma4ForConditionalGeneration", ("Gemma4ForCausalLM",)),
+    _text_model_under_lm("mistral", "mistral3", "Mistral3ForConditionalGeneration", ("MistralForCausalLM",)),
+    _text_model_under_lm("llama4", "llama4_mm", "Llama4ForConditionalGeneration", ("Llama4ForCausalLM",)),
+    _text_model_under_lm("llama", "llava", "LlavaForConditionalGeneration", _LLAVA_TEXT),
     # Qwen-VL: TransformerLens 4.3's adapters run no rotary hooks (M-RoPE, applied inside transformers' attention).
-    dataclasses.replace(
-        _FAMILIES["qwen2"], name="qwen2_5_vl", architecture="Qwen2_5_VLForConditionalGeneration", text_prefix=_LM,
-        text_classes=("Qwen2ForCausalLM",), rotary=False),
-    dataclasses.replace(
-        _FAMILIES["qwen3"], name="qwen3_vl", architecture="Qwen3VLForConditionalGeneration", text_prefix=_LM,
-        text_classes=("Qwen3LLMForCausalLM",), rotary=False),
-    dataclasses.replace(
-        _FAMILIES["qwen3_moe"], name="qwen3_vl_moe", architecture="Qwen3VLMoeForConditionalGeneration",
-        text_prefix=_LM, text_classes=("Qwen3MoeLLMForCausalLM",), rotary=False),
-    *(dataclasses.replace(
-        _FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM, text_classes=text_classes)
-      for name, architecture, text, text_classes in (
-          ("llava_next", "LlavaNextForConditionalGeneration", "llama",
-           ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")),
-          ("llava_onevision", "LlavaOnevisionForConditionalGeneration", "qwen2", ("Qwen2ForCausalLM",)),
-          # Audio towers beside a text model (no torchvision needed).
-          ("audioflamingo3", "AudioFlamingo3ForConditionalGeneration", "qwen2", ("Qwen2ForCausalLM",)),
-          ("qwen2_audio", "Qwen2AudioForConditionalGeneration", "qwen2", ("Qwen2ForCausalLM",)),
-          ("glmasr", "GlmAsrForConditionalGeneration", "llama", ("LlamaForCausalLM",)),
-      )),
+    _text_model_under_lm("qwen2", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", ("Qwen2ForCausalLM",),
+                         rotary=False),
+    _text_model_under_lm("qwen3", "qwen3_vl", "Qwen3VLForConditionalGeneration", ("Qwen3LLMForCausalLM",),
+                         rotary=False),
+    _text_model_under_lm("qwen3_moe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
+                         ("Qwen3MoeLLMForCausalLM",), rotary=False),
+    _text_model_under_lm("llama", "llava_next", "LlavaNextForConditionalGeneration", _LLAVA_TEXT),
+    _text_model_under_lm("qwen2", "llava_onevision", "LlavaOnevisionForConditionalGeneration", ("Qwen2ForCausalLM",)),
+    # Audio towers beside a text model (no torchvision needed).
+    _text_model_under_lm("qwen2", "audioflamingo3", "AudioFlamingo3ForConditionalGeneration", ("Qwen2ForCausalLM",)),
+    _text_model_under_lm("qwen2", "qwen2_audio", "Qwen2AudioForConditionalGeneration", ("Qwen2ForCausalLM",)),
+    _text_model_under_lm("llama", "glmasr", "GlmAsrForConditionalGeneration", ("LlamaForCausalLM",)),
     # Idefics3: vLLM's text model is a LlamaModel at model.text_model (lm_head at the top).
     dataclasses.replace(
         _FAMILIES["llama"], name="idefics3", architecture="Idefics3ForConditionalGeneration",
         text_prefix="model.text_model.", layer="layers.{i}", embed="embed_tokens", final_norm="norm",
         text_classes=("LlamaModel",)),
-    dataclasses.replace(
-        _FAMILIES["gemma4"], name="gemma4_unified", architecture="Gemma4UnifiedForConditionalGeneration",
-        text_prefix=_LM, text_classes=("Gemma4ForCausalLM",)),
+    _text_model_under_lm("gemma4", "gemma4_unified", "Gemma4UnifiedForConditionalGeneration", ("Gemma4ForCausalLM",)),
     # Emu3: vLLM serves it with its Transformers backend (transformers' tree; its VQ-VAE is built beside the text
     # model), which reads the processor at boot.
     dataclasses.replace(
