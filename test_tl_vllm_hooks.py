@@ -47,6 +47,25 @@ import tl_vllm_hooks_tools as tools
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+
+def _share_of_the_cores() -> None:
+    """Under pytest-xdist, give this worker its own share of the cores: torch's threads here (TransformerLens and the
+    in-process engines), OMP_NUM_THREADS for the commands the tests start, and VLLM_CPU_OMP_THREADS_BIND for the
+    separate-process engines (whose default binds every engine to the same core). OpenMP threads spin while they
+    wait, so two workers' engines that share cores take 2.6-3x as long (measured, BENCHMARKS.md)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if workers < 2 or len(cores) < workers:
+        return
+    worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    share = cores[worker * len(cores) // workers : (worker + 1) * len(cores) // workers]
+    torch.set_num_threads(len(share))
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(share)))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, share)))
+
+
+_share_of_the_cores()
+
 TOLERANCE = 1e-5
 NO_ENGINE = pytest.mark.no_engine  # the inner loop's tier: pytest -m no_engine
 MAX_TOKENS_PER_FORWARD = 128
@@ -555,7 +574,24 @@ def engine(
 
 
 def shutdown(llm, in_process):
-    llm.llm_engine.engine_core.shutdown()
+    import psutil
+
+    core = llm.llm_engine.engine_core
+    resources = getattr(core, "resources", None)  # (separate processes only)
+    engine_processes = []
+    for process in getattr(getattr(resources, "engine_manager", None), "processes", ()):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            engine_processes += [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    try:
+        core.shutdown()
+    except psutil.NoSuchProcess:
+        # vLLM's kill_process_tree names each process before it kills it, and gives up at the first that exited
+        # meanwhile (seen once in CI, tensor parallel 2 on the CPU): kill what is left of the engine's, and close
+        # the sockets that the shutdown did not reach.
+        for process in engine_processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        resources()
     del llm
     if in_process:  # (which collects the garbage, the engine included)
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
