@@ -1176,10 +1176,8 @@ def check_every_site_edit_per_request(llm, model: Model, reference=None, toleran
 
 
 # --- the other families ------------------------------------------------------------------
-# Llama and Qwen2 run every check above; Gemma 2, GPT-2 and GPT-NeoX run these in
-# each flavour. GPT-NeoX runs only in separate processes: vLLM serves it through its
-# Transformers backend, which rewires transformers' GPT-NeoX classes in the process
-# that loads the model, and TransformerLens's bridge in the test process uses them.
+# Llama runs every check above. Every family runs TestFamilies' checks in the batched flavour, and each of
+# ONE_PROMPT_FAMILIES TestFamiliesOnePromptFlavour's in the one-prompt flavour too.
 
 
 # TestFamilies' engines run eager in this process (a CPU compile costs ~70 s an engine),
@@ -1258,6 +1256,21 @@ PLACED_HERE = tuple(
     family for family in MULTIMODAL
     if importlib.util.find_spec("transformer_lens") and (torchvision_imports() or not needs_torchvision(family))
 )
+
+
+@NO_ENGINE
+@pytest.mark.parametrize("family", FAMILIES + PLACED_HERE)
+def test_each_familys_norms_have_random_weights_and_biases(models, family):
+    """The tiny models (built by the module's companion) must have norm weights and biases that are not constant:
+    with a constant weight (transformers' 1, or Gemma's 0 of 1 + w) a hook on the wrong side of a norm's weight
+    would pass every comparison. Each is drawn around its start with a standard deviation of 0.1."""
+    norms = {name: module for name, module in models[family].hf.named_modules() if "norm" in type(module).__name__.lower()}
+    assert norms, f"{family}: no norm module found"
+    for name, module in norms.items():
+        for kind in ("weight", "bias"):
+            parameter = getattr(module, kind, None)
+            if isinstance(parameter, torch.nn.Parameter):
+                assert parameter.float().std() > 0.05, f"{family}: {name}.{kind} is (nearly) constant"
 
 
 @NO_ENGINE
@@ -1563,6 +1576,13 @@ class TestOnePrompt:
     def test_reading_more_rows_than_the_buffer_is_refused(self, llm):
         with pytest.raises(ValueError, match="num_rows must be an int in"):
             tlh.read_captures(llm, MAX_TOKENS_PER_FORWARD + 1)
+
+    def test_reading_past_the_rows_the_forward_wrote_is_refused(self, llm):
+        """Reading 6 rows after a 5-token prompt returned a sixth row that forward never wrote (stale or zero)."""
+        first = capture(llm, PROMPT[:5])["blocks.0.hook_resid_post"]
+        with pytest.raises(ValueError, match="wrote 5 rows .* read at most 5"):
+            tlh.read_captures(llm, 6)
+        assert torch.equal(tlh.read_captures(llm, 3)["blocks.0.hook_resid_post"], first[:3])
 
     def test_reading_before_any_forward_is_refused(self, llm):
         tlh.open_capture(llm)
@@ -2362,14 +2382,20 @@ class TestSAEs:
             assert relative_error(expected[TRANSCODES[hook]], plain[TRANSCODES[hook]]) > 1e-3, f"{name}: no change"
 
     def test_an_unedited_request_is_bit_exact_beside_feature_edits(self, llm):
-        prompt = SAE_PROMPTS[0]
-        (alone,) = generate(llm, [prompt], 2)
-        before = tlh.read_batched(llm, [alone.request_id])[alone.request_id]
-        edit = {features("blocks.1.hook_resid_post"): {"op": "set", "features": [3], "value": 9.0, "positions": [200]},
-                features("blocks.1.mlp.hook_in"): {"op": "set", "features": [3], "value": 9.0, "positions": [200]}}
-        (beside,) = generate(llm, [prompt], 2, [tlh.request_args(llm.config, edits=edit)])  # (past its rows)
-        after = tlh.read_batched(llm, [beside.request_id])[beside.request_id]
-        assert all(torch.equal(before[name], after[name]) for name in before), "a feature edit elsewhere changes no bit"
+        """The same batch twice, the second time with feature edits (that apply, at position 3) on one request: the
+        other request's rows do not change by one bit, and the edited one's do."""
+        prompts, hook = SAE_PROMPTS[:2], "blocks.1.hook_resid_post"
+        edit = {features(hook): {"op": "set", "features": [3], "value": 9.0, "positions": [3]},
+                features("blocks.1.mlp.hook_in"): {"op": "set", "features": [3], "value": 9.0, "positions": [3]}}
+        rows = []
+        for extra in ([None, None], [None, tlh.request_args(llm.config, edits=edit)]):
+            outputs = generate(llm, prompts, 2, extra)
+            read = tlh.read_batched(llm, [o.request_id for o in outputs])
+            rows.append([read[o.request_id] for o in outputs])
+        (unedited, plain), (beside, edited) = rows
+        assert all(torch.equal(unedited[name], beside[name]) for name in unedited), "a feature edit elsewhere changes no bit"
+        assert not torch.equal(plain[hook][3], edited[hook][3]), "the edit applies"
+        assert torch.equal(plain[hook][:3], edited[hook][:3]), "and only from its position on"
 
     def test_feature_edits_are_refused_where_vllm_takes_the_request(self, llm):
         bad = {"tl_vllm_hooks": json.dumps({"edits": {features("blocks.1.hook_resid_post"): {"op": "set", "features": [256], "value": 1.0}}})}

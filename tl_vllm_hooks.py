@@ -2595,20 +2595,28 @@ class _OnePrompt(_HookState):
         rows, by_position = self.config.max_num_batched_tokens, self.config.enable_position_interventions
         self.positions = torch.zeros(rows, dtype=torch.int64, device=self.device) if by_position else None
         self.table_rows = _global_rows(self.config) if by_position else None
+        # The rows the first forward since open_capture wrote: None before any open_capture, 0 until that forward.
+        self.forward_rows: int | None = None
 
     def row_index(self, _hook_index: int) -> torch.Tensor | None:
         return self.positions
 
     def attach(self, worker: Any) -> None:
-        if self.positions is not None:
-            self.runner = worker.model_runner
-            _wrap_steps(self.runner, self)
+        self.runner = worker.model_runner
+        _wrap_steps(self.runner, self)
 
-    # The steps _wrap_steps calls: only the positions of each forward matter here.
-    def schedule(self, _scheduler_output: Any) -> None:
-        """(Nothing to plan: every row is kept.)"""
+    def open_capture(self) -> None:
+        super().open_capture()
+        self.forward_rows = 0
+
+    # The steps _wrap_steps calls: the rows of the captured forward, and the positions of each.
+    def schedule(self, scheduler_output: Any) -> None:
+        if self.forward_rows == 0:
+            self.forward_rows = scheduler_output.total_num_scheduled_tokens
 
     def prepared(self) -> None:
+        if self.positions is None:
+            return
         given = _step_positions(self.runner)
         rows = min(given.shape[0], self.positions.shape[0])
         self.positions.narrow(0, 0, rows).copy_(given.narrow(0, 0, rows))
@@ -2627,9 +2635,18 @@ class _OnePrompt(_HookState):
                 f"read_captures: num_rows must be an int in [1, {limit}] (the capture buffer), got {num_rows!r}; "
                 "a longer prompt is split by chunked prefill and only its first chunk is kept"
             )
+        if self.forward_rows is None:
+            raise RuntimeError("read_captures: nothing captured yet: call open_capture, then generate, then read")
         still_open = [n for n, flag in zip(self.hook_names, self.capture_flags.tolist()) if flag == 0]
+        if not self.forward_rows:
+            raise RuntimeError("read_captures: no forward ran since open_capture")
         if still_open:
             raise RuntimeError(f"read_captures: no forward ran since open_capture for hooks {still_open}")
+        if num_rows > self.forward_rows:
+            raise ValueError(
+                f"read_captures: the forward after open_capture wrote {self.forward_rows} rows (one per token it "
+                f"ran), so {num_rows} would include rows it never wrote; read at most {self.forward_rows}"
+            )
         rows = {name: buffer[:num_rows].view(num_rows, *shape) for name, buffer, shape in self.sources}
         return {"shards": self.shards(), "rows": {name: encode_tensor(r) for name, r in rows.items()}}
 
