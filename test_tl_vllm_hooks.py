@@ -1385,6 +1385,38 @@ class TestCaptureCommand:
         assert all(dataset.entry(request_id)["prompt_token_ids"] == lines[request_id] for request_id in user_ids)
         assert not list(out.glob("*.partial")), "the killed run's open shard is removed"
 
+    @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+    def test_a_signal_to_the_command_alone_stops_it_and_its_engine_within_seconds(self, tmp_path, models, stop):
+        """SIGINT or SIGTERM to the driver process alone (as a job runner sends it) while vLLM's engine starts: the
+        command was deaf to it until vLLM's 600 s start-up timeout, its engine left running. Now it exits with 128 +
+        the signal's number within seconds, says so in one line, and leaves no process of its session behind."""
+        import psutil
+
+        environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        command = subprocess.Popen(
+            [sys.executable, "-m", "tl_vllm_hooks", "capture", str(models["llama"].path), "--token-ids", "1 2 3",
+             "--out", str(tmp_path / "dataset")],
+            cwd=tmp_path, env={**environment, "PYTHONPATH": str(HERE)}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        first_line = command.stdout.readline()
+        assert "starting a batched" in first_line, first_line
+        time.sleep(3)  # (into vLLM's engine start)
+        command.send_signal(stop)
+        sent = time.monotonic()
+        stdout, stderr = command.communicate(timeout=60)
+        took = time.monotonic() - sent
+        assert command.returncode == 128 + stop, stdout + stderr[-3000:]
+        assert took < 20, f"{took:.0f} s to stop"
+        assert stderr.strip().splitlines()[-1].startswith(f"{stop.name}: stopped"), stderr[-3000:]
+        time.sleep(1)
+        left = []
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):  # (gone meanwhile)
+                if os.getsid(process.pid) == command.pid:
+                    left.append(process.cmdline())
+        assert not left, f"processes left behind: {left}"
+
     def test_capture_command_writes_what_compare_confirms(self, tmp_path, models, capture_run):
         _done, out, _listed = capture_run
         dataset = tlh.CaptureDataset(out)

@@ -1825,10 +1825,47 @@ def main(argv: list[str] | None = None) -> int:
     if args.vllm_args and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(args.vllm_args)}")
     command = {"demo": _demo, "capture": _capture, "compare": _compare, "serve": _serve}[args.command]
+    _stop_on_signals()
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
         return _run(command, args, sys.stderr)
     return _run_quietly(command, args)
+
+
+_STOP_GRACE_SECONDS = 5.0  # for the main thread to stop by KeyboardInterrupt before _stop_on_signals ends the process
+
+
+def _stop_on_signals() -> None:
+    """SIGINT or SIGTERM, to this process alone (as a job runner or an IDE's stop button sends them) or to its whole
+    group (a terminal's Ctrl-C), stops the command and its engine within seconds. Python runs a signal's handler only
+    between the main thread's bytecodes, and while vLLM's engine starts that thread waits in a zmq poll that retries
+    on EINTR (up to VLLM_ENGINE_READY_TIMEOUT_S, 600 s): so a thread that the signal wakes (signal.set_wakeup_fd)
+    gives the main thread _STOP_GRACE_SECONDS to stop by KeyboardInterrupt, then kills this process's children
+    (the engine's) and ends it with 128 + the signal's number, saying so."""
+    import psutil  # (a dependency of vLLM's)
+
+    def interrupt(number: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(number).name)
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    woken, wake = os.pipe()
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
+    terminal = os.dup(2)  # (before _run_quietly sends fd 2 to its log)
+
+    def watch() -> None:
+        while (number := os.read(woken, 1)[0]) not in (signal.SIGINT, signal.SIGTERM):
+            pass
+        time.sleep(_STOP_GRACE_SECONDS)
+        name = signal.Signals(number).name
+        os.write(terminal, f"{name}: stopped; the engine did not stop by itself, so its processes were killed\n".encode())
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        os._exit(128 + number)
+
+    threading.Thread(target=watch, name="tl_vllm_hooks-stop", daemon=True).start()
 
 
 def _run(command: Any, args: argparse.Namespace, errors: Any) -> int:
@@ -1838,6 +1875,10 @@ def _run(command: Any, args: argparse.Namespace, errors: Any) -> int:
     except (ValueError, KeyError, OSError) as error:
         print(f"error: {error}", file=errors)
         return 2
+    except KeyboardInterrupt as stop:
+        name = stop.args[0] if stop.args else "SIGINT"
+        print(f"{name}: stopped", file=errors)
+        return 128 + signal.Signals[name]
 
 
 def _run_quietly(command: Any, args: argparse.Namespace) -> int:
