@@ -1439,8 +1439,7 @@ def _serve(args: argparse.Namespace) -> int:
         f"serving http://{args.host}:{args.port}/v1 ({time.perf_counter() - started:.0f} s to start; log "
         f"{process.log}); Ctrl-C stops it"
     )
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a kill stops the server too, as Ctrl-C does
-    try:
+    try:  # (SIGTERM too: _stop_on_signals)
         code = process.wait()
     except KeyboardInterrupt:
         process.terminate()
