@@ -792,10 +792,41 @@ def test_capture_specs_names_follow_transformer_lens():
     assert tlh.capture_specs(gpt2, sites=("pos_embed", "mlp_post")) == {"hook_pos_embed": (64,), "blocks.0.mlp.hook_post": (256,)}
     with pytest.raises(ValueError, match="valid:"):
         tlh.capture_specs(llama, sites=("resid",))
-    with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
-        tlh.capture_specs(llama, layers=[2])
-    with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
-        tlh.capture_specs(llama, layers=[True])
+
+
+@NO_ENGINE
+def test_capture_specs_take_one_site_one_layer_and_layers_from_the_end():
+    """A str is one site and an int one layer; negative layers count from the end, as in TransformerLens."""
+    from transformers import LlamaConfig
+
+    llama = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, intermediate_size=96)
+    llama.architectures = ["LlamaForCausalLM"]
+    assert tlh.capture_specs(llama, sites="resid_post", layers=1) == {"blocks.1.hook_resid_post": (64,)}
+    assert list(tlh.capture_specs(llama, sites=["mlp_out"], layers=[-1, 0, 2])) == [
+        "blocks.0.hook_mlp_out", "blocks.2.hook_mlp_out"
+    ], "-1 is layer 2, in forward order, once"
+    for layers in ([3], [-4], True, [False], 1.0, ["1"], "1"):
+        with pytest.raises(ValueError, match=r"layers .*: expected ints in \[-3, 3\) \(-1: the last\)"):
+            tlh.capture_specs(llama, layers=layers)
+    for sites in (1, None, [("resid_post",)]):
+        with pytest.raises(ValueError, match=r"unknown sites .*; one site or a list of them, valid: \['embed'"):
+            tlh.capture_specs(llama, sites=sites)
+
+
+@NO_ENGINE
+@pytest.mark.parametrize("site", ["pattern", "attn_scores"])
+def test_capture_specs_say_why_vllm_has_no_attention_pattern(site):
+    """The same explanation as configure's for the hook names (one owner)."""
+    from transformers import LlamaConfig
+
+    llama = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96)
+    llama.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError) as by_name:
+        tlh.configure({f"blocks.0.attn.hook_{site}": (4, 40)}, 64)
+    explanation = str(by_name.value).partition(": ")[2].partition(": ")[2]
+    assert "never hold the [query, key] matrix" in explanation
+    with pytest.raises(ValueError, match=re.escape(explanation)):
+        tlh.capture_specs(llama, sites=("resid_post", site))
 
 
 DECODERS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")

@@ -119,6 +119,11 @@ input (its norm's output, weight and bias applied)."""
 
 _READ_ONLY_SITES = ("expert_weights", "expert_indices")  # vLLM's fused MoE routes inside its kernel
 _NORM_SITES = ("ln1_scale", "ln1", "ln2_scale", "ln2", "final_norm_scale", "final_norm")
+# Why TransformerLens's attn.hook_pattern and hook_attn_scores have no site, wherever they are asked for.
+_NO_ATTENTION_MATRIX = (
+    "vLLM's attention kernels compute softmax(q k^T) blockwise and never hold the [query, key] matrix, so there is no "
+    "tensor to read; capture attn.hook_rot_q and attn.hook_rot_k (or hook_q, hook_k) and form it from them"
+)
 
 _HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
@@ -680,24 +685,18 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
 
 
 def capture_specs(
-    hf_config: Any, sites: tuple[str, ...] = ("resid_post",), layers: list[int] | None = None
+    hf_config: Any, sites: str | tuple[str, ...] = ("resid_post",), layers: int | list[int] | None = None
 ) -> dict[str, tuple[int, ...]]:
     """``{hook_name: row shape}`` for the model, in the order a forward reaches them. hf_config: its transformers
     config (``AutoConfig.from_pretrained(path)``), of an architecture a record describes (else ValueError naming the
-    supported ones). sites: keys of ``SITES``; layer sites expand over ``layers`` (default all) that have them (a
-    mixture of experts' sites over its MoE layers), and a site none of them has is refused by name."""
-    unknown = [s for s in sites if s not in SITES]
-    if unknown:
-        raise ValueError(f"capture_specs: unknown sites {unknown}; valid: {list(SITES)}")
+    supported ones). sites: keys of ``SITES`` (or one); layer sites expand over ``layers`` (or one; default all;
+    -1 the last) that have them (a mixture of experts' sites over its MoE layers), and a site none of them has is
+    refused by name."""
     family = _family(hf_config)
     config = hf_config.get_text_config()
-    num_layers = config.num_hidden_layers
-    layers = list(range(num_layers)) if layers is None else list(layers)
-    bad = [i for i in layers if not _int_at_least(i, 0) or i >= num_layers]
-    if bad:
-        raise ValueError(f"capture_specs: layers {bad} outside [0, {num_layers})")
+    sites, layers = _sites_and_layers(sites, layers, config.num_hidden_layers)
     specs, found = {}, set()
-    for layer in (None, *sorted(set(layers)), "final"):  # forward order: the embeddings, the layers, the final norm
+    for layer in (None, *layers, "final"):  # forward order: the embeddings, the layers, the final norm
         at = None if layer == "final" else layer
         taps, shapes = _taps(family, config, at), _row_shapes(family, config, at)
         chosen = [site for site in taps if site in sites and (layer == "final") == site.startswith("final_norm")]
@@ -710,10 +709,39 @@ def capture_specs(
         problems = [f"has no {absent}{parallel if family.parallel and 'resid_mid' in missing else ''}"] if absent else []
         problems += [f"does not place {SITES[site]}: {family.refused[site]}" for site in missing if site in family.refused]
         raise ValueError(
-            f"{family.architecture} " + "; ".join(problems) + f" (layers {sorted(set(layers))}); its sites: "
+            f"{family.architecture} " + "; ".join(problems) + f" (layers {layers}); its sites: "
             f"{_family_sites(family, config)}"
         )
     return specs
+
+
+def _sites_and_layers(sites: Any, layers: Any, num_layers: int) -> tuple[list[str], list[int]]:
+    """capture_specs's sites, and its layers sorted, once each, negative ones counted from the end as in Python and
+    TransformerLens; a str is one site and an int one layer. ValueError naming what is neither, and what is valid."""
+    listed = _listed(sites, str)
+    unknown = [sites] if listed is None else [s for s in listed if not isinstance(s, str) or s not in SITES]
+    if any(site in ("pattern", "attn_scores") for site in unknown):
+        raise ValueError(f"capture_specs: sites {unknown}: {_NO_ATTENTION_MATRIX}")
+    if unknown:
+        raise ValueError(f"capture_specs: unknown sites {unknown}; one site or a list of them, valid: {list(SITES)}")
+    chosen = list(range(num_layers)) if layers is None else _listed(layers, int)
+    bad = [layers] if chosen is None else [i for i in chosen if not _int_at_least(i, -num_layers) or i >= num_layers]
+    if bad:
+        raise ValueError(
+            f"capture_specs: layers {bad}: expected ints in [-{num_layers}, {num_layers}) (-1: the last), one or a "
+            "list of them, or None for all"
+        )
+    return listed, sorted({i % num_layers for i in chosen})
+
+
+def _listed(value: Any, one: type) -> list | None:
+    """``value`` as a list (one ``one`` alone as a list of it), or None where it is neither iterable nor that."""
+    if isinstance(value, one):
+        return [value]
+    try:
+        return list(value)
+    except TypeError:
+        return None
 
 
 def _family_sites(family: _Family, config: Any) -> list[str]:
@@ -916,11 +944,7 @@ def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
             "specs with capture_specs(hf_config)"
         )
     if re.fullmatch(r"blocks\.\d+\.attn\.(hook_pattern|hook_attn_scores)", name):
-        raise ValueError(
-            f"capture_specs: {name!r}: vLLM's attention kernels compute softmax(q k^T) blockwise and never hold the "
-            "[query, key] matrix, so there is no tensor to read; capture attn.hook_rot_q and attn.hook_rot_k (or "
-            "hook_q, hook_k) and form it from them"
-        )
+        raise ValueError(f"capture_specs: {name!r}: {_NO_ATTENTION_MATRIX}")
     if _parse_hook_name(name) is None:
         close = difflib.get_close_matches(name, [t.format(i=0) for t in SITES.values()], n=3)
         raise ValueError(
