@@ -829,6 +829,20 @@ def test_capture_specs_say_why_vllm_has_no_attention_pattern(site):
         tlh.capture_specs(llama, sites=("resid_post", site))
 
 
+@NO_ENGINE
+def test_capture_specs_name_a_config_that_is_not_the_checkpoints():
+    """A path where the config goes, and the text part of a multimodal checkpoint's config, say what to pass."""
+    for path in ("tiny", Path("tiny")):
+        with pytest.raises(ValueError, match=re.escape("expected a transformers config, got ") + ".*"
+                           + re.escape("pass AutoConfig.from_pretrained(path)")):
+            tlh.capture_specs(path)
+    llava = tools.tiny_config("llava")
+    assert list(tlh.capture_specs(llava, layers=0)) == ["blocks.0.hook_resid_post"]
+    with pytest.raises(ValueError, match=r"LlamaConfig \(model_type 'llama'\) names no architecture.* the text part "
+                       r"of a multimodal checkpoint's config .* pass the whole checkpoint's config"):
+        tlh.capture_specs(llava.get_text_config())
+
+
 DECODERS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 

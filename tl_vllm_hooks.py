@@ -555,7 +555,19 @@ _REFUSED = {  # architecture -> why no record describes it, as measured with vLL
 def _family(hf_config: Any) -> _Family:
     """The record of the model's architecture; ValueError naming it, why it is refused (or the supported ones), or a
     setting the record does not describe."""
-    architecture = (getattr(hf_config, "architectures", None) or ["(none given)"])[0]
+    if not hasattr(hf_config, "get_text_config"):
+        raise ValueError(
+            f"hf_config: expected a transformers config, got {hf_config!r:.100}: pass AutoConfig.from_pretrained(path)"
+        )
+    if not getattr(hf_config, "architectures", None):
+        raise ValueError(
+            f"hf_config: {type(hf_config).__name__} (model_type {getattr(hf_config, 'model_type', None)!r}) names no "
+            "architecture (config.architectures), which says where vLLM holds each tensor: if it is the text part of "
+            "a multimodal checkpoint's config (get_text_config()), pass the whole checkpoint's config, "
+            "AutoConfig.from_pretrained(path); one made by hand needs config.architectures = ['LlamaForCausalLM'] (or "
+            "another supported class)"
+        )
+    architecture = hf_config.architectures[0]
     family = _ARCHITECTURES.get(architecture)
     if architecture in _REFUSED:
         raise ValueError(f"architecture {architecture}: refused: {_REFUSED[architecture]}")
