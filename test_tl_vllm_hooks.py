@@ -1842,9 +1842,10 @@ class TestBatched:
     def test_a_dead_workers_row_files_are_removed_when_hooks_install(self, llm):
         assert not llm.stale_file.exists()
 
-    def test_reading_captures_is_refused(self, llm):
-        with pytest.raises(RuntimeError, match=r"read_captures: this engine has batched hooks; configure\(enable_batching=False\)"):
-            tlh.read_captures(llm, 4)
+    @pytest.mark.parametrize("name, args", [("open_capture", ()), ("read_captures", (4,))])
+    def test_the_one_prompt_flavours_calls_are_refused(self, llm, name, args):
+        with pytest.raises(RuntimeError, match=rf"{name}: this engine has batched hooks; configure\(enable_batching=False\)"):
+            getattr(tlh, name)(llm, *args)
 
 
 def dead_workers_row_file() -> Path:

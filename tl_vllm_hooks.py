@@ -1336,7 +1336,8 @@ class _HookState:
     """One worker's hooks: their flags, fire counts and handles (each _Hook holds its capture buffer and edit tables),
     subclassed by the two flavours. ``table_rows``: rows of each edit table (None: one, [width]); ``row_index(hook
     index)``: the buffer that picks each forward row's row of them (None: one); ``attach(worker)`` once the hooks are
-    in. The reads are each flavour's own (read_captures, or read_batched, flush_sink, reset_batched)."""
+    in. The reads are each flavour's own (open_capture and read_captures, or read_batched, flush_sink and
+    reset_batched), so that a call of the other flavour's is refused."""
 
     name = ""
     unread_requests = 0
@@ -1424,9 +1425,6 @@ class _HookState:
         tables = {name: _engine_wide_tables(edit, name, self.config) for name, edit in edits.items()}
         for name, target in self.targets.items():  # every edit checked (on every rank) before any table changes
             target.set_engine_wide(tables.get(name))
-
-    def open_capture(self) -> None:
-        self.capture_flags.zero_()
 
     def read_fire_counts(self) -> dict[str, int]:
         return dict(zip(self.hook_names, self.fire_counts.tolist()))
@@ -2654,6 +2652,9 @@ class _OnePrompt(_HookState):
 
     def finish(self) -> None:
         """(Nothing held per step.)"""
+
+    def open_capture(self) -> None:
+        self.capture_flags.zero_()
 
     def read_captures(self, num_rows: int) -> dict[str, Any]:
         """``{"shards", "rows": {name: encoded [num_rows, *row shape]}}`` of the armed forward (see sources)."""
