@@ -1016,12 +1016,24 @@ def test_unregister_puts_back_every_attribute_register_patched():
 @NO_ENGINE
 def test_request_ids_join_exactly():
     match = tlh._match_request_ids
-    assert match(["1", "11"], ["11-0123abcd", "1-89abcdef"]) == {"1": "1-89abcdef", "11": "11-0123abcd"}
-    assert match(["a-b"], ["a-b"]) == {"a-b": "a-b"}
+    assert match(["1", "11"], ["11-0123abcd", "1-89abcdef"], {}) == {"1": "1-89abcdef", "11": "11-0123abcd"}
+    assert match(["a-b"], ["a-b"], {}) == {"a-b": "a-b"}
     with pytest.raises(KeyError, match="no captured request"):
-        match(["2"], ["1-0123abcd"])
+        match(["2"], ["1-0123abcd"], {})
     with pytest.raises(KeyError, match="several"):
-        match(["1"], ["1-0123abcd", "1-89abcdef"])
+        match(["1"], ["1-0123abcd", "1-89abcdef"], {})
+
+
+@NO_ENGINE
+def test_read_batched_errors_name_the_users_ids_and_a_second_read():
+    """The ids in a refused read's message are those the user passes (vLLM's suffix dropped), and a request whose
+    rows were read is said to be, rather than unknown."""
+    match = tlh._match_request_ids
+    with pytest.raises(KeyError, match=re.escape("no captured request; unread: ['1', '5']")):
+        match(["2"], ["5-0123abcd", "1-89abcdef"], {})
+    with pytest.raises(KeyError, match=re.escape("id '1': already read: a request's rows are handed over once")):
+        match(["1"], ["5-0123abcd"], {"1-89abcdef": None, "1": None})
+    assert match(["1"], ["1-0123abcd"], {"1-89abcdef": None, "1": None}) == {"1": "1-0123abcd"}, "a new request, '1' again"
 
 
 @NO_ENGINE
@@ -1771,11 +1783,16 @@ class TestBatched:
         }
         check_mixed_requests(llm, llm.model, engine_edits)
 
-    def test_rows_are_freed_once_read(self, llm):
-        outputs = generate(llm, BATCH[:1])
-        tlh.read_batched(llm, [outputs[0].request_id])
-        with pytest.raises(KeyError, match="no captured request"):
-            tlh.read_batched(llm, [outputs[0].request_id])
+    def test_rows_are_freed_once_read_and_a_refused_read_names_the_users_ids(self, llm):
+        tlh.reset_batched(llm)  # (rows other tests left unread)
+        read, unread = generate(llm, [BATCH[0], BATCH[2]])
+        tlh.read_batched(llm, [read.request_id])
+        assert tlh.status(llm)["unread_requests"] == 1, "the read request's rows are freed"
+        with pytest.raises(KeyError, match=re.escape(f"id {read.request_id!r}: already read")):
+            tlh.read_batched(llm, [read.request_id])
+        with pytest.raises(KeyError, match=re.escape(f"id 'unknown' matches no captured request; unread: {[unread.request_id]}")):
+            tlh.read_batched(llm, ["unknown"])
+        assert list(tlh.read_batched(llm, [unread.request_id])) == [unread.request_id]
 
     def test_hand_written_options_are_refused_where_vllm_takes_the_request(self, llm):
         with pytest.raises(ValueError, match=r"capture: expected one of \['all'"):

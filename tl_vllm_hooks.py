@@ -25,6 +25,7 @@ process boundary as pickle: the config is JSON, tensors travel as dtype, shape a
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import difflib
@@ -2775,6 +2776,9 @@ class _Batched(_HookState):
         self.first_positions: dict[str, int] | None = None  # of the step being prepared
         self.step: _StepLayout | None = None  # of the step whose forward is in flight
         self.records: dict[str, _RequestRows] = {}
+        # The ids of the requests read_batched handed over, the last _READ_KEPT, each as vLLM's and as the user's
+        # (without vLLM's suffix), so that a second read of one says so.
+        self.read_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.incomplete: dict[str, str] = {}  # request id -> why its rows cannot be read
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shared = _SharedRows(self.copy_stream is not None, self._wait_for_copies)
@@ -3009,7 +3013,7 @@ class _Batched(_HookState):
 
     def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
         """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "files", "rows": {user id:
-        message}}``, the requests then forgotten (each id must match one captured request, or nothing is read). For a
+        message}}``, the requests' rows then freed (each id must match one captured request, or nothing is read). For a
         driver on this host, a request's message holds ``"pieces"``, where its rows are in the row ``files`` (tokens;
         see _map_row_file and _rows_in), one message per request, as a read of many requests of one row each costs
         per message; else ``"encoded"``, {name: encoded rows}; and ``"columns"``, where it keeps fewer features.
@@ -3024,7 +3028,7 @@ class _Batched(_HookState):
             return reply
         first_rank = _parallel_ranks()[0] == 0
         sources = [source for source in self.sources if first_rank or source[0] in reply["shards"]]
-        matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)))
+        matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)), self.read_ids)
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
                 raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
@@ -3034,6 +3038,9 @@ class _Batched(_HookState):
         same_host, files, firsts = driver_host == socket.gethostname(), {}, {}  # firsts: per step, see below
         for user_id, worker_id in matches.items():
             record = self.records.pop(worker_id)
+            self.read_ids.update(dict.fromkeys((worker_id, _VLLM_SUFFIX.sub("", worker_id))))
+            while len(self.read_ids) > 2 * _READ_KEPT:
+                self.read_ids.popitem(last=False)
             message = reply["rows"][user_id] = {"columns": record.columns} if record.columns else {}
             if same_host and all(chunk[4] is not None for chunk in record.chunks):
                 pieces = message["pieces"] = []
@@ -3068,10 +3075,13 @@ class _Batched(_HookState):
 
 
 _VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what vLLM adds to a user's request id
+_READ_KEPT = 1 << 16  # requests whose ids a worker keeps once read (see _Batched.read_ids)
 
 
-def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, str]:
-    """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix."""
+def _match_request_ids(user_ids: list[str], worker_ids: list[str], read: dict[str, None]) -> dict[str, str]:
+    """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix; KeyError for an id that matches
+    none (saying so if it is among the ``read`` ids) or several. Messages name ids as the user gives them, vLLM's
+    only where they alone tell two requests apart."""
     by_user_id: dict[str, list[str]] = {}
     for worker_id in worker_ids:
         by_user_id.setdefault(worker_id, []).append(worker_id)
@@ -3080,9 +3090,20 @@ def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, 
     matches = {}
     for user_id in user_ids:
         found = by_user_id.get(user_id, [])
-        if len(found) != 1:
-            problem = "no captured request" if not found else f"several captured requests {found}"
-            raise KeyError(f"read_batched: id {user_id!r} matches {problem}; captured: {sorted(worker_ids)[:10]}")
+        if not found and user_id in read:
+            raise KeyError(f"read_batched: id {user_id!r}: already read: a request's rows are handed over once")
+        if len(found) > 1:
+            raise KeyError(
+                f"read_batched: id {user_id!r} matches several captured requests, the id given again before their "
+                f"rows were read: read each by vLLM's id, one of {found}"
+            )
+        if not found:
+            unread = sorted({_VLLM_SUFFIX.sub("", worker_id) for worker_id in worker_ids})
+            raise KeyError(
+                f"read_batched: id {user_id!r} matches no captured request; unread: {unread[:10]}"
+                + (f" and {len(unread) - 10} more" if len(unread) > 10 else "")
+                + " (a request with capture='none' keeps no rows, and reset_batched drops unread ones)"
+            )
         matches[user_id] = found[0]
     return matches
 
