@@ -792,10 +792,55 @@ def test_capture_specs_names_follow_transformer_lens():
     assert tlh.capture_specs(gpt2, sites=("pos_embed", "mlp_post")) == {"hook_pos_embed": (64,), "blocks.0.mlp.hook_post": (256,)}
     with pytest.raises(ValueError, match="valid:"):
         tlh.capture_specs(llama, sites=("resid",))
-    with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
-        tlh.capture_specs(llama, layers=[2])
-    with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
-        tlh.capture_specs(llama, layers=[True])
+
+
+@NO_ENGINE
+def test_capture_specs_take_one_site_one_layer_and_layers_from_the_end():
+    """A str is one site and an int one layer; negative layers count from the end, as in TransformerLens."""
+    from transformers import LlamaConfig
+
+    llama = LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4, intermediate_size=96)
+    llama.architectures = ["LlamaForCausalLM"]
+    assert tlh.capture_specs(llama, sites="resid_post", layers=1) == {"blocks.1.hook_resid_post": (64,)}
+    assert list(tlh.capture_specs(llama, sites=["mlp_out"], layers=[-1, 0, 2])) == [
+        "blocks.0.hook_mlp_out", "blocks.2.hook_mlp_out"
+    ], "-1 is layer 2, in forward order, once"
+    for layers in ([3], [-4], True, [False], 1.0, ["1"], "1"):
+        with pytest.raises(ValueError, match=r"layers .*: expected ints in \[-3, 3\) \(-1: the last\)"):
+            tlh.capture_specs(llama, layers=layers)
+    for sites in (1, None, [("resid_post",)]):
+        with pytest.raises(ValueError, match=r"unknown sites .*; one site or a list of them, valid: \['embed'"):
+            tlh.capture_specs(llama, sites=sites)
+
+
+@NO_ENGINE
+@pytest.mark.parametrize("site", ["pattern", "attn_scores"])
+def test_capture_specs_say_why_vllm_has_no_attention_pattern(site):
+    """The same explanation as configure's for the hook names (one owner)."""
+    from transformers import LlamaConfig
+
+    llama = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96)
+    llama.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError) as by_name:
+        tlh.configure({f"blocks.0.attn.hook_{site}": (4, 40)}, 64)
+    explanation = str(by_name.value).partition(": ")[2].partition(": ")[2]
+    assert "never hold the [query, key] matrix" in explanation
+    with pytest.raises(ValueError, match=re.escape(explanation)):
+        tlh.capture_specs(llama, sites=("resid_post", site))
+
+
+@NO_ENGINE
+def test_capture_specs_name_a_config_that_is_not_the_checkpoints():
+    """A path where the config goes, and the text part of a multimodal checkpoint's config, say what to pass."""
+    for path in ("tiny", Path("tiny")):
+        with pytest.raises(ValueError, match=re.escape("expected a transformers config, got ") + ".*"
+                           + re.escape("pass AutoConfig.from_pretrained(path)")):
+            tlh.capture_specs(path)
+    llava = tools.tiny_config("llava")
+    assert list(tlh.capture_specs(llava, layers=0)) == ["blocks.0.hook_resid_post"]
+    with pytest.raises(ValueError, match=r"LlamaConfig \(model_type 'llama'\) names no architecture.* the text part "
+                       r"of a multimodal checkpoint's config .* pass the whole checkpoint's config"):
+        tlh.capture_specs(llava.get_text_config())
 
 
 DECODERS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
@@ -971,12 +1016,24 @@ def test_unregister_puts_back_every_attribute_register_patched():
 @NO_ENGINE
 def test_request_ids_join_exactly():
     match = tlh._match_request_ids
-    assert match(["1", "11"], ["11-0123abcd", "1-89abcdef"]) == {"1": "1-89abcdef", "11": "11-0123abcd"}
-    assert match(["a-b"], ["a-b"]) == {"a-b": "a-b"}
+    assert match(["1", "11"], ["11-0123abcd", "1-89abcdef"], {}) == {"1": "1-89abcdef", "11": "11-0123abcd"}
+    assert match(["a-b"], ["a-b"], {}) == {"a-b": "a-b"}
     with pytest.raises(KeyError, match="no captured request"):
-        match(["2"], ["1-0123abcd"])
+        match(["2"], ["1-0123abcd"], {})
     with pytest.raises(KeyError, match="several"):
-        match(["1"], ["1-0123abcd", "1-89abcdef"])
+        match(["1"], ["1-0123abcd", "1-89abcdef"], {})
+
+
+@NO_ENGINE
+def test_read_batched_errors_name_the_users_ids_and_a_second_read():
+    """The ids in a refused read's message are those the user passes (vLLM's suffix dropped), and a request whose
+    rows were read is said to be, rather than unknown."""
+    match = tlh._match_request_ids
+    with pytest.raises(KeyError, match=re.escape("no captured request; unread: ['1', '5']")):
+        match(["2"], ["5-0123abcd", "1-89abcdef"], {})
+    with pytest.raises(KeyError, match=re.escape("id '1': already read: a request's rows are handed over once")):
+        match(["1"], ["5-0123abcd"], {"1-89abcdef": None, "1": None})
+    assert match(["1"], ["1-0123abcd"], {"1-89abcdef": None, "1": None}) == {"1": "1-0123abcd"}, "a new request, '1' again"
 
 
 @NO_ENGINE
@@ -1778,11 +1835,16 @@ class TestBatched:
         }
         check_mixed_requests(llm, llm.model, engine_edits)
 
-    def test_rows_are_freed_once_read(self, llm):
-        outputs = generate(llm, BATCH[:1])
-        tlh.read_batched(llm, [outputs[0].request_id])
-        with pytest.raises(KeyError, match="no captured request"):
-            tlh.read_batched(llm, [outputs[0].request_id])
+    def test_rows_are_freed_once_read_and_a_refused_read_names_the_users_ids(self, llm):
+        tlh.reset_batched(llm)  # (rows other tests left unread)
+        read, unread = generate(llm, [BATCH[0], BATCH[2]])
+        tlh.read_batched(llm, [read.request_id])
+        assert tlh.status(llm)["unread_requests"] == 1, "the read request's rows are freed"
+        with pytest.raises(KeyError, match=re.escape(f"id {read.request_id!r}: already read")):
+            tlh.read_batched(llm, [read.request_id])
+        with pytest.raises(KeyError, match=re.escape(f"id 'unknown' matches no captured request; unread: {[unread.request_id]}")):
+            tlh.read_batched(llm, ["unknown"])
+        assert list(tlh.read_batched(llm, [unread.request_id])) == [unread.request_id]
 
     def test_hand_written_options_are_refused_where_vllm_takes_the_request(self, llm):
         with pytest.raises(ValueError, match=r"capture: expected one of \['all'"):
@@ -1849,9 +1911,10 @@ class TestBatched:
     def test_a_dead_workers_row_files_are_removed_when_hooks_install(self, llm):
         assert not llm.stale_file.exists()
 
-    def test_reading_captures_is_refused(self, llm):
-        with pytest.raises(RuntimeError, match=r"read_captures: this engine has batched hooks; configure\(enable_batching=False\)"):
-            tlh.read_captures(llm, 4)
+    @pytest.mark.parametrize("name, args", [("open_capture", ()), ("read_captures", (4,))])
+    def test_the_one_prompt_flavours_calls_are_refused(self, llm, name, args):
+        with pytest.raises(RuntimeError, match=rf"{name}: this engine has batched hooks; configure\(enable_batching=False\)"):
+            getattr(tlh, name)(llm, *args)
 
 
 def dead_workers_row_file() -> Path:

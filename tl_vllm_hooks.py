@@ -25,6 +25,7 @@ process boundary as pickle: the config is JSON, tensors travel as dtype, shape a
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import difflib
@@ -119,6 +120,11 @@ input (its norm's output, weight and bias applied)."""
 
 _READ_ONLY_SITES = ("expert_weights", "expert_indices")  # vLLM's fused MoE routes inside its kernel
 _NORM_SITES = ("ln1_scale", "ln1", "ln2_scale", "ln2", "final_norm_scale", "final_norm")
+# Why TransformerLens's attn.hook_pattern and hook_attn_scores have no site, wherever they are asked for.
+_NO_ATTENTION_MATRIX = (
+    "vLLM's attention kernels compute softmax(q k^T) blockwise and never hold the [query, key] matrix, so there is no "
+    "tensor to read; capture attn.hook_rot_q and attn.hook_rot_k (or hook_q, hook_k) and form it from them"
+)
 
 _HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
@@ -550,7 +556,19 @@ _REFUSED = {  # architecture -> why no record describes it, as measured with vLL
 def _family(hf_config: Any) -> _Family:
     """The record of the model's architecture; ValueError naming it, why it is refused (or the supported ones), or a
     setting the record does not describe."""
-    architecture = (getattr(hf_config, "architectures", None) or ["(none given)"])[0]
+    if not hasattr(hf_config, "get_text_config"):
+        raise ValueError(
+            f"hf_config: expected a transformers config, got {hf_config!r:.100}: pass AutoConfig.from_pretrained(path)"
+        )
+    if not getattr(hf_config, "architectures", None):
+        raise ValueError(
+            f"hf_config: {type(hf_config).__name__} (model_type {getattr(hf_config, 'model_type', None)!r}) names no "
+            "architecture (config.architectures), which says where vLLM holds each tensor: if it is the text part of "
+            "a multimodal checkpoint's config (get_text_config()), pass the whole checkpoint's config, "
+            "AutoConfig.from_pretrained(path); one made by hand needs config.architectures = ['LlamaForCausalLM'] (or "
+            "another supported class)"
+        )
+    architecture = hf_config.architectures[0]
     family = _ARCHITECTURES.get(architecture)
     if architecture in _REFUSED:
         raise ValueError(f"architecture {architecture}: refused: {_REFUSED[architecture]}")
@@ -680,24 +698,18 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
 
 
 def capture_specs(
-    hf_config: Any, sites: tuple[str, ...] = ("resid_post",), layers: list[int] | None = None
+    hf_config: Any, sites: str | tuple[str, ...] = ("resid_post",), layers: int | list[int] | None = None
 ) -> dict[str, tuple[int, ...]]:
     """``{hook_name: row shape}`` for the model, in the order a forward reaches them. hf_config: its transformers
     config (``AutoConfig.from_pretrained(path)``), of an architecture a record describes (else ValueError naming the
-    supported ones). sites: keys of ``SITES``; layer sites expand over ``layers`` (default all) that have them (a
-    mixture of experts' sites over its MoE layers), and a site none of them has is refused by name."""
-    unknown = [s for s in sites if s not in SITES]
-    if unknown:
-        raise ValueError(f"capture_specs: unknown sites {unknown}; valid: {list(SITES)}")
+    supported ones). sites: keys of ``SITES`` (or one); layer sites expand over ``layers`` (or one; default all;
+    -1 the last) that have them (a mixture of experts' sites over its MoE layers), and a site none of them has is
+    refused by name."""
     family = _family(hf_config)
     config = hf_config.get_text_config()
-    num_layers = config.num_hidden_layers
-    layers = list(range(num_layers)) if layers is None else list(layers)
-    bad = [i for i in layers if not _int_at_least(i, 0) or i >= num_layers]
-    if bad:
-        raise ValueError(f"capture_specs: layers {bad} outside [0, {num_layers})")
+    sites, layers = _sites_and_layers(sites, layers, config.num_hidden_layers)
     specs, found = {}, set()
-    for layer in (None, *sorted(set(layers)), "final"):  # forward order: the embeddings, the layers, the final norm
+    for layer in (None, *layers, "final"):  # forward order: the embeddings, the layers, the final norm
         at = None if layer == "final" else layer
         taps, shapes = _taps(family, config, at), _row_shapes(family, config, at)
         chosen = [site for site in taps if site in sites and (layer == "final") == site.startswith("final_norm")]
@@ -710,10 +722,39 @@ def capture_specs(
         problems = [f"has no {absent}{parallel if family.parallel and 'resid_mid' in missing else ''}"] if absent else []
         problems += [f"does not place {SITES[site]}: {family.refused[site]}" for site in missing if site in family.refused]
         raise ValueError(
-            f"{family.architecture} " + "; ".join(problems) + f" (layers {sorted(set(layers))}); its sites: "
+            f"{family.architecture} " + "; ".join(problems) + f" (layers {layers}); its sites: "
             f"{_family_sites(family, config)}"
         )
     return specs
+
+
+def _sites_and_layers(sites: Any, layers: Any, num_layers: int) -> tuple[list[str], list[int]]:
+    """capture_specs's sites, and its layers sorted, once each, negative ones counted from the end as in Python and
+    TransformerLens; a str is one site and an int one layer. ValueError naming what is neither, and what is valid."""
+    listed = _listed(sites, str)
+    unknown = [sites] if listed is None else [s for s in listed if not isinstance(s, str) or s not in SITES]
+    if any(site in ("pattern", "attn_scores") for site in unknown):
+        raise ValueError(f"capture_specs: sites {unknown}: {_NO_ATTENTION_MATRIX}")
+    if unknown:
+        raise ValueError(f"capture_specs: unknown sites {unknown}; one site or a list of them, valid: {list(SITES)}")
+    chosen = list(range(num_layers)) if layers is None else _listed(layers, int)
+    bad = [layers] if chosen is None else [i for i in chosen if not _int_at_least(i, -num_layers) or i >= num_layers]
+    if bad:
+        raise ValueError(
+            f"capture_specs: layers {bad}: expected ints in [-{num_layers}, {num_layers}) (-1: the last), one or a "
+            "list of them, or None for all"
+        )
+    return listed, sorted({i % num_layers for i in chosen})
+
+
+def _listed(value: Any, one: type) -> list | None:
+    """``value`` as a list (one ``one`` alone as a list of it), or None where it is neither iterable nor that."""
+    if isinstance(value, one):
+        return [value]
+    try:
+        return list(value)
+    except TypeError:
+        return None
 
 
 def _family_sites(family: _Family, config: Any) -> list[str]:
@@ -916,11 +957,7 @@ def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
             "specs with capture_specs(hf_config)"
         )
     if re.fullmatch(r"blocks\.\d+\.attn\.(hook_pattern|hook_attn_scores)", name):
-        raise ValueError(
-            f"capture_specs: {name!r}: vLLM's attention kernels compute softmax(q k^T) blockwise and never hold the "
-            "[query, key] matrix, so there is no tensor to read; capture attn.hook_rot_q and attn.hook_rot_k (or "
-            "hook_q, hook_k) and form it from them"
-        )
+        raise ValueError(f"capture_specs: {name!r}: {_NO_ATTENTION_MATRIX}")
     if _parse_hook_name(name) is None:
         close = difflib.get_close_matches(name, [t.format(i=0) for t in SITES.values()], n=3)
         raise ValueError(
@@ -1300,7 +1337,8 @@ class _HookState:
     """One worker's hooks: their flags, fire counts and handles (each _Hook holds its capture buffer and edit tables),
     subclassed by the two flavours. ``table_rows``: rows of each edit table (None: one, [width]); ``row_index(hook
     index)``: the buffer that picks each forward row's row of them (None: one); ``attach(worker)`` once the hooks are
-    in. The reads are each flavour's own (read_captures, or read_batched, flush_sink, reset_batched)."""
+    in. The reads are each flavour's own (open_capture and read_captures, or read_batched, flush_sink and
+    reset_batched), so that a call of the other flavour's is refused."""
 
     name = ""
     unread_requests = 0
@@ -1388,9 +1426,6 @@ class _HookState:
         tables = {name: _engine_wide_tables(edit, name, self.config) for name, edit in edits.items()}
         for name, target in self.targets.items():  # every edit checked (on every rank) before any table changes
             target.set_engine_wide(tables.get(name))
-
-    def open_capture(self) -> None:
-        self.capture_flags.zero_()
 
     def read_fire_counts(self) -> dict[str, int]:
         return dict(zip(self.hook_names, self.fire_counts.tolist()))
@@ -2627,6 +2662,9 @@ class _OnePrompt(_HookState):
     def finish(self) -> None:
         """(Nothing held per step.)"""
 
+    def open_capture(self) -> None:
+        self.capture_flags.zero_()
+
     def read_captures(self, num_rows: int) -> dict[str, Any]:
         """``{"shards", "rows": {name: encoded [num_rows, *row shape]}}`` of the armed forward (see sources)."""
         limit = self.config.max_num_batched_tokens
@@ -2755,6 +2793,9 @@ class _Batched(_HookState):
         self.first_positions: dict[str, int] | None = None  # of the step being prepared
         self.step: _StepLayout | None = None  # of the step whose forward is in flight
         self.records: dict[str, _RequestRows] = {}
+        # The ids of the requests read_batched handed over, the last _READ_KEPT, each as vLLM's and as the user's
+        # (without vLLM's suffix), so that a second read of one says so.
+        self.read_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.incomplete: dict[str, str] = {}  # request id -> why its rows cannot be read
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shared = _SharedRows(self.copy_stream is not None, self._wait_for_copies)
@@ -2989,7 +3030,7 @@ class _Batched(_HookState):
 
     def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
         """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "files", "rows": {user id:
-        message}}``, the requests then forgotten (each id must match one captured request, or nothing is read). For a
+        message}}``, the requests' rows then freed (each id must match one captured request, or nothing is read). For a
         driver on this host, a request's message holds ``"pieces"``, where its rows are in the row ``files`` (tokens;
         see _map_row_file and _rows_in), one message per request, as a read of many requests of one row each costs
         per message; else ``"encoded"``, {name: encoded rows}; and ``"columns"``, where it keeps fewer features.
@@ -3004,7 +3045,7 @@ class _Batched(_HookState):
             return reply
         first_rank = _parallel_ranks()[0] == 0
         sources = [source for source in self.sources if first_rank or source[0] in reply["shards"]]
-        matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)))
+        matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)), self.read_ids)
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
                 raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
@@ -3014,6 +3055,9 @@ class _Batched(_HookState):
         same_host, files, firsts = driver_host == socket.gethostname(), {}, {}  # firsts: per step, see below
         for user_id, worker_id in matches.items():
             record = self.records.pop(worker_id)
+            self.read_ids.update(dict.fromkeys((worker_id, _VLLM_SUFFIX.sub("", worker_id))))
+            while len(self.read_ids) > 2 * _READ_KEPT:
+                self.read_ids.popitem(last=False)
             message = reply["rows"][user_id] = {"columns": record.columns} if record.columns else {}
             if same_host and all(chunk[4] is not None for chunk in record.chunks):
                 pieces = message["pieces"] = []
@@ -3048,10 +3092,13 @@ class _Batched(_HookState):
 
 
 _VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what vLLM adds to a user's request id
+_READ_KEPT = 1 << 16  # requests whose ids a worker keeps once read (see _Batched.read_ids)
 
 
-def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, str]:
-    """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix."""
+def _match_request_ids(user_ids: list[str], worker_ids: list[str], read: dict[str, None]) -> dict[str, str]:
+    """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix; KeyError for an id that matches
+    none (saying so if it is among the ``read`` ids) or several. Messages name ids as the user gives them, vLLM's
+    only where they alone tell two requests apart."""
     by_user_id: dict[str, list[str]] = {}
     for worker_id in worker_ids:
         by_user_id.setdefault(worker_id, []).append(worker_id)
@@ -3060,9 +3107,20 @@ def _match_request_ids(user_ids: list[str], worker_ids: list[str]) -> dict[str, 
     matches = {}
     for user_id in user_ids:
         found = by_user_id.get(user_id, [])
-        if len(found) != 1:
-            problem = "no captured request" if not found else f"several captured requests {found}"
-            raise KeyError(f"read_batched: id {user_id!r} matches {problem}; captured: {sorted(worker_ids)[:10]}")
+        if not found and user_id in read:
+            raise KeyError(f"read_batched: id {user_id!r}: already read: a request's rows are handed over once")
+        if len(found) > 1:
+            raise KeyError(
+                f"read_batched: id {user_id!r} matches several captured requests, the id given again before their "
+                f"rows were read: read each by vLLM's id, one of {found}"
+            )
+        if not found:
+            unread = sorted({_VLLM_SUFFIX.sub("", worker_id) for worker_id in worker_ids})
+            raise KeyError(
+                f"read_batched: id {user_id!r} matches no captured request; unread: {unread[:10]}"
+                + (f" and {len(unread) - 10} more" if len(unread) > 10 else "")
+                + " (a request with capture='none' keeps no rows, and reset_batched drops unread ones)"
+            )
         matches[user_id] = found[0]
     return matches
 
