@@ -2038,6 +2038,43 @@ def test_a_shard_open_shard_seconds_closes_without_a_flush(tmp_path):
         assert torch.equal(opened.get_tensor("cmpl-7-0-0123abcd/blocks.0.hook_resid_post"), rows), "readable by safetensors alone"
 
 
+def shard_writer(config, model="m", versions=None, shard_bytes=1):
+    """The ShardWriter a batched engine's first worker makes for config's sink_dir, without the engine."""
+    header = {
+        **tools.sink_header(config), "writer": "pp0-tp0", "model": model, "versions": versions or {"vllm": "v"},
+        "writes": list(config.capture_specs), "shards": {},
+    }
+    return tools.ShardWriter(config.sink_dir, "pp0-tp0", header, shard_bytes=shard_bytes)
+
+
+def write_request(writer, config, request_id, rows):
+    """One finished request of len(rows) prompt tokens, the same rows at each of config's hooks."""
+    entry = {"prompt_token_ids": list(range(len(rows))), "positions": [[0, len(rows)]]}
+    writer.write(request_id, entry, [(name, list(rows.shape), [rows]) for name in config.capture_specs])
+
+
+@NO_ENGINE
+def test_a_user_id_several_requests_share_is_refused_naming_them(tmp_path):
+    """Two engines' llm.generate both number their requests from 0: in one sink_dir "0" then names two requests,
+    which dataset["0"] refuses, naming both; each full id reads its own rows."""
+    config = tlh.CaptureConfig({"blocks.0.hook_resid_post": (4,)}, enable_batching=True, sink_dir=str(tmp_path))
+    rows = {"0-8e6792c5": torch.zeros(3, 4), "1-0123abcd": torch.full((1, 4), 2.0), "0-9fa42abc": torch.ones(2, 4)}
+    for first, *others in (["0-8e6792c5", "1-0123abcd"], ["0-9fa42abc"]):  # one engine, then another
+        writer = shard_writer(config)
+        for request_id in (first, *others):
+            write_request(writer, config, request_id, rows[request_id])
+        writer.close()
+    dataset = tlh.CaptureDataset(tmp_path)
+    assert dataset.request_ids == list(rows) and "0" in dataset
+    for read in (dataset.__getitem__, dataset.entry):
+        with pytest.raises(KeyError, match=r"'0' matches 2 requests: \['0-8e6792c5', '0-9fa42abc'\]; .* full id"):
+            read("0")
+    assert torch.equal(dataset["1"]["blocks.0.hook_resid_post"], rows["1-0123abcd"]), "a user id of one request"
+    for request_id, expected in rows.items():
+        assert torch.equal(dataset[request_id]["blocks.0.hook_resid_post"], expected)
+        assert dataset.entry(request_id)["positions"] == [[0, len(expected)]]
+
+
 @NO_ENGINE
 def test_configure_refuses_a_sink_dir_it_cannot_write(tmp_path):
     with small_filesystem(tmp_path / "read-only", "1m", read_only=True) as directory:

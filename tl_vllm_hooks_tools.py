@@ -514,7 +514,8 @@ class CaptureDataset:
     ``CaptureDataset(directory)`` (what ``flush_sink`` returns) reads the manifests.
     ``request_ids``: the requests whose rows every writer has whole on disk, in the
     order written (vLLM's worker ids: the user's id plus ``-{8 hex}`` where vLLM adds
-    it; either form is accepted below). ``hooks``: ``{hook_name: row shape}``;
+    it; either form is accepted below, and a user's id that several requests share
+    raises KeyError naming their full ids). ``hooks``: ``{hook_name: row shape}``;
     ``dtype``, ``model`` and ``versions`` (vLLM, torch, tl_vllm_hooks) as written.
 
     ``dataset[request_id]``: ``{hook_name: [rows, *row shape]}`` CPU tensors of the
@@ -555,7 +556,9 @@ class CaptureDataset:
         self.hooks = {name: tuple(shape) for name, shape in first["hooks"].items() if name in written}
         self._whole = set.intersection(*(set(requests) for _header, requests in self._writers))
         self.request_ids = [request_id for request_id in self._writers[0][1] if request_id in self._whole]
-        self._by_user_id = {_VLLM_SUFFIX.sub("", request_id): request_id for request_id in self.request_ids}
+        self._by_user_id: dict[str, list[str]] = {}  # several, where engines run into one directory gave one id
+        for request_id in self.request_ids:
+            self._by_user_id.setdefault(_VLLM_SUFFIX.sub("", request_id), []).append(request_id)
         self._shard_headers: dict[str, dict[str, Any]] = {}
 
     @classmethod
@@ -590,8 +593,14 @@ class CaptureDataset:
     def _worker_id(self, request_id: str) -> str:
         if request_id in self._whole:
             return request_id
-        if request_id in self._by_user_id:
-            return self._by_user_id[request_id]
+        found = self._by_user_id.get(request_id, [])
+        if len(found) > 1:
+            raise KeyError(
+                f"{self.directory}: {request_id!r} matches {len(found)} requests: {found}; engines run into this "
+                "directory one after another gave that id to each: read one by its full id"
+            )
+        if found:
+            return found[0]
         raise KeyError(
             f"{self.directory}: no request {request_id!r}; it holds {len(self)}, e.g. {self.request_ids[:5]}"
         )
