@@ -37,6 +37,7 @@ import sys
 import textwrap
 import time
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -2051,6 +2052,33 @@ def write_request(writer, config, request_id, rows):
     """One finished request of len(rows) prompt tokens, the same rows at each of config's hooks."""
     entry = {"prompt_token_ids": list(range(len(rows))), "positions": [[0, len(rows)]]}
     writer.write(request_id, entry, [(name, list(rows.shape), [rows]) for name in config.capture_specs])
+
+
+@NO_ENGINE
+def test_configure_on_a_sink_dir_holding_a_dataset_warns_that_it_adds_to_it(tmp_path):
+    """A script run again into its sink_dir goes on with the dataset there, as a crashed run does, and says so once,
+    when configured, with how many whole requests are there; an empty directory is configured without a word."""
+    specs = {"blocks.0.hook_resid_post": (4,)}
+
+    def configure():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            config = tlh.configure(specs, enable_batching=True, sink_dir=str(tmp_path))
+        return config, [w for w in caught if str(tmp_path) in str(w.message)]
+
+    config, said = configure()
+    assert said == [], "an empty directory: nothing to say"
+    writer = shard_writer(config)  # a shard per request
+    for request_id in ("0-8e6792c5", "1-0123abcd", "2-89abcdef"):
+        write_request(writer, config, request_id, torch.ones(3, 4))
+    writer.close()
+    os.truncate(tmp_path / "shard-pp0-tp0-000003.safetensors", 100)  # a crash's: not counted, the workers drop it
+    _config, said = configure()
+    assert len(said) == 1 and said[0].category is UserWarning, said
+    assert said[0].filename == __file__, "pointing at the configure call"
+    assert str(said[0].message).startswith(
+        f"sink_dir: {tmp_path} already holds 2 requests an earlier engine wrote; this engine adds its requests to them"
+    ), str(said[0].message)
 
 
 @NO_ENGINE

@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -132,6 +133,12 @@ def _read_manifest(path: str) -> tuple[dict[str, Any] | None, list[dict[str, Any
     return header, lines[1:], whole
 
 
+def _is_whole(directory: str, line: dict[str, Any]) -> bool:
+    """Whether a manifest line's shard is on disk with the size it lists (not cut short by a crash)."""
+    path = os.path.join(directory, line["shard"])
+    return os.path.isfile(path) and os.path.getsize(path) == line["bytes"]
+
+
 def sink_header(config: CaptureConfig) -> dict[str, Any]:
     """What every manifest of a sink written with this config agrees on: the rows' dtype and each hook's row shape,
     and each SAE's features as ``{name}.indices`` (int32) and ``.values`` (see SAE_FEATURES), [sae_top_k] a row."""
@@ -143,7 +150,8 @@ def sink_header(config: CaptureConfig) -> dict[str, Any]:
 
 def check_sink_dir(config: CaptureConfig) -> None:
     """Refuse, before an engine is built, a sink directory that cannot be written or
-    that holds captures of other hooks or another dtype."""
+    that holds captures of other hooks or another dtype; warn (at configure's caller)
+    that an engine adds its requests to a dataset the directory holds."""
     directory = config.sink_dir
     try:
         os.makedirs(directory, exist_ok=True)
@@ -154,14 +162,25 @@ def check_sink_dir(config: CaptureConfig) -> None:
             f"sink_dir: cannot write to {directory}: {error.strerror}; give a writable directory"
         ) from None
     expected = sink_header(config)
+    requests = set()
     for path in sorted(glob.glob(_manifest_path(directory, "*"))):
-        header = _read_manifest(path)[0]
+        header, lines, _whole_bytes = _read_manifest(path)
         if header is not None and {key: header.get(key) for key in expected} != expected:
             raise ValueError(
                 f"sink_dir: {path} holds captures of other hooks or another dtype "
                 f"({header.get('dtype')}, {sorted(header.get('hooks', {}))}); give an empty directory, "
                 "or the config that wrote it to go on with it"
             )
+        whole = [line for line in lines if _is_whole(directory, line)]  # (the workers drop the others)
+        requests.update(request_id for line in whole for request_id in line["requests"])
+    if requests:
+        warnings.warn(
+            f"sink_dir: {directory} already holds {len(requests)} requests an earlier engine wrote; this "
+            "engine adds its requests to them, as it does after a crash. An id given again "
+            "(llm.generate numbers each engine's requests from 0) then matches several, each read by its full id "
+            "(CaptureDataset.request_ids). For a dataset of its own, give an empty directory",
+            stacklevel=3,  # configure's caller
+        )
 
 
 class RankSink:
@@ -402,7 +421,7 @@ class ShardWriter:
                     f"sink_dir: {self.manifest} was written with another {', '.join(differs)}; "
                     "give an empty directory, or the same model, hooks, dtype and versions to go on with it"
                 )
-            kept = [line for line in lines if self._is_whole(line)]
+            kept = [line for line in lines if _is_whole(self.directory, line)]
             if old_header is None or len(kept) < len(lines) or whole < os.path.getsize(self.manifest):
                 dropped = [line["shard"] for line in lines if line not in kept]
                 if dropped:
@@ -416,10 +435,6 @@ class ShardWriter:
                 os.unlink(path)
         numbers = [int(re.search(r"-(\d+)\.safetensors$", line["shard"]).group(1)) for line in kept]
         return len(kept), sum(len(line["requests"]) for line in kept), max(numbers, default=0) + 1
-
-    def _is_whole(self, line: dict[str, Any]) -> bool:
-        path = os.path.join(self.directory, line["shard"])
-        return os.path.isfile(path) and os.path.getsize(path) == line["bytes"]
 
     def _rewrite_manifest(self, header: dict[str, Any], lines: list[dict[str, Any]]) -> None:
         staged = self.manifest + ".partial"
