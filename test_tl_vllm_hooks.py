@@ -1372,6 +1372,9 @@ class TestCaptureCommand:
         assert sorted(user_ids) == sorted(lines), "each prompt once"
         assert all(dataset.entry(request_id)["prompt_token_ids"] == lines[request_id] for request_id in user_ids)
         assert not list(out.glob("*.partial")), "the killed run's open shard is removed"
+        again = run_command(done.args[1:], out.parent)  # the same command once more
+        assert again.returncode == 0 and again.stdout.startswith(f"capture: {out} holds all 300 prompts already ")
+        assert again.stdout.endswith("; nothing to do, no engine started\n"), again.stdout + again.stderr[-2000:]
 
     def test_capture_command_writes_what_compare_confirms(self, tmp_path, models, capture_run):
         _done, out, _listed = capture_run
@@ -2101,6 +2104,35 @@ def test_a_user_id_several_requests_share_is_refused_naming_them(tmp_path):
     for request_id, expected in rows.items():
         assert torch.equal(dataset[request_id]["blocks.0.hook_resid_post"], expected)
         assert dataset.entry(request_id)["positions"] == [[0, len(expected)]]
+
+
+@NO_ENGINE
+def test_capture_into_a_directory_holding_every_prompt_starts_no_engine(tmp_path, models, capfd, monkeypatch):
+    """The capture command run again on the directory it finished says there is nothing to do, without an engine;
+    one more prompt starts one."""
+    import vllm
+
+    model = str(models["llama"].path)
+    out = tmp_path / "acts"
+    specs = tlh.capture_specs(models["llama"].hf.config, sites=("resid_post",))
+    config = tlh.configure(specs, 2048, torch.float32, enable_batching=True, sink_dir=str(out))  # the command's
+    writer = shard_writer(config, model=model, versions=tools.versions(), shard_bytes=1 << 20)
+    for request_id in ("prompt-1-0123abcd", "prompt-2-89abcdef"):
+        write_request(writer, config, request_id, torch.ones(3, 128))
+    writer.close()
+
+    def started(*args, **kwargs):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(vllm, "LLM", started)
+    arguments = ["capture", model, "--token-ids", "1 2 3", "--token-ids", "4 5 6", "--out", str(out)]
+    capfd.readouterr()  # (what building the model printed)
+    assert tools.main(arguments) == 0
+    assert capfd.readouterr().out == (
+        f"capture: {out} holds all 2 prompts already (2 requests of {model}); nothing to do, no engine started\n"
+    )
+    with pytest.raises(AssertionError, match="an engine was started"):
+        tools.main([*arguments, "--token-ids", "7 8"])
 
 
 @NO_ENGINE

@@ -1601,9 +1601,10 @@ def _check_model(model: str) -> None:
         raise ValueError(f"model: no such directory: {model}{hint}")
 
 
-def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
-    """(how many, an iterator of (request id, token ids)) over the command's prompts, read
-    lazily: a file's prompt is named by its line number, so a resumed run finds it again."""
+def _prompts(args: argparse.Namespace) -> tuple[int, Callable[[set[str]], Any]]:
+    """(how many, a function of the request ids done giving an iterator of (request id, token ids) over the others)
+    of the command's prompts, read lazily: a file's prompt is named by its line number, so a resumed run finds it
+    again, and skips it untokenized."""
     if sum(map(bool, (args.token_ids, args.prompts, args.token_ids_file))) != 1:
         raise ValueError('give one of --token-ids "1 2 3" (repeatable), --prompts FILE or --token-ids-file FILE')
 
@@ -1618,7 +1619,7 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
 
     if args.token_ids:
         prompts = [(f"prompt-{i}", token_ids(text, "--token-ids")) for i, text in enumerate(args.token_ids, 1)]
-        return len(prompts), iter(prompts)
+        return len(prompts), lambda done: ((request_id, ids) for request_id, ids in prompts if request_id not in done)
     path = args.prompts or args.token_ids_file
     if not os.path.isfile(path):
         raise ValueError(f"{'--prompts' if args.prompts else '--token-ids-file'} {path}: no such file")
@@ -1632,19 +1633,19 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
     else:
         parse = lambda text, number: token_ids(text, f"{path}:{number}")  # noqa: E731
 
-    def read():
+    def read(done: set[str]):
         with open(path, encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
-                if line.strip():
+                if line.strip() and f"line-{number}" not in done:
                     yield f"line-{number}", parse(line.rstrip("\n"), number)
 
-    return count, read()
+    return count, read
 
 
 def _capture(args: argparse.Namespace) -> int:
     """Capture every prompt's rows into a sink directory with one batched, eager engine,
-    going on from what an earlier run of it left there; a run that fails before writing a
-    shard leaves no directory it made."""
+    going on from what an earlier run of it left there (none started when that holds every
+    prompt); a run that fails before writing a shard leaves no directory it made."""
     made = not os.path.exists(args.out)
     try:
         return _capture_into(args)
@@ -1663,6 +1664,13 @@ def _capture_into(args: argparse.Namespace) -> int:
     _check_model(args.model)
     count, prompts = _prompts(args)  # a missing prompts file fails here, before the output directory is made
     config = _batched_config(args, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
+    finished = _finished_dataset(args.model, config.sink_dir, prompts)
+    if finished is not None:
+        print(
+            f"capture: {finished.directory} holds all {count} prompts already ({len(finished)} requests of "
+            f"{args.model}); nothing to do, no engine started"
+        )
+        return 0
     params = SamplingParams(max_tokens=1, detokenize=False, extra_args=request_args(config, capture=args.keep))
     started = _say(
         f"capture: {count} prompts of {args.model}, {len(config.capture_specs)} hooks ({args.dtype}), "
@@ -1678,7 +1686,7 @@ def _capture_into(args: argparse.Namespace) -> int:
         **config.llm_kwargs,
     )
     # The workers have dropped what an interrupted run left unfinished: go on after it.
-    done = {_VLLM_SUFFIX.sub("", request_id) for request_id in CaptureDataset(config.sink_dir)}
+    done = _user_ids(CaptureDataset(config.sink_dir))
     _say(f"engine ready in {time.perf_counter() - started:.0f} s; {len(done)} prompts done by an earlier run")
     engine, running, rows, tokens, started = llm.llm_engine, 0, 0, 0, time.perf_counter()
     # A bar on a terminal; elsewhere (a log, CI) a line every 5 s.
@@ -1686,7 +1694,7 @@ def _capture_into(args: argparse.Namespace) -> int:
         total=count, initial=len(done), unit="prompt", file=args.terminal, disable=not args.terminal.isatty()
     )
     finished, said = len(done), time.perf_counter()
-    waiting = ((request_id, ids) for request_id, ids in prompts if request_id not in done)
+    waiting = prompts(done)
     while True:
         for request_id, ids in itertools.islice(waiting, args.max_in_flight - running):
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
@@ -1711,6 +1719,23 @@ def _capture_into(args: argparse.Namespace) -> int:
         f"{len(dataset.hooks)} hooks ({args.dtype}); read them with tl_vllm_hooks.CaptureDataset"
     )
     return 0
+
+
+def _user_ids(dataset: CaptureDataset) -> set[str]:
+    return {_VLLM_SUFFIX.sub("", request_id) for request_id in dataset}
+
+
+def _finished_dataset(model: str, directory: str, prompts: Callable[[set[str]], Any]) -> CaptureDataset | None:
+    """The directory's dataset if it holds every prompt, written with this model and these versions (an engine
+    would go on from it, and run nothing); None where an engine has prompts to run, or must first drop shards a
+    crash cut short, or refuse the directory."""
+    try:
+        dataset = CaptureDataset(directory)
+    except ValueError:  # no dataset yet, or one an engine repairs or refuses
+        return None
+    if dataset.model != model or dataset.versions != versions() or next(prompts(_user_ids(dataset)), None):
+        return None
+    return dataset
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -1819,7 +1844,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU's memory (on a CPU: of RAM)"
     )
     capture.add_argument(
-        "--out", required=True, help="the directory to write; a run into one an earlier run began goes on from it"
+        "--out",
+        required=True,
+        help="the directory to write; a run into one an earlier run began goes on from it (finished: nothing to do)",
     )
     compare = commands.add_parser(
         "compare",
