@@ -37,6 +37,7 @@ import sys
 import textwrap
 import time
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -1441,6 +1442,9 @@ class TestCaptureCommand:
         assert sorted(user_ids) == sorted(lines), "each prompt once"
         assert all(dataset.entry(request_id)["prompt_token_ids"] == lines[request_id] for request_id in user_ids)
         assert not list(out.glob("*.partial")), "the killed run's open shard is removed"
+        again = run_command(done.args[1:], out.parent)  # the same command once more
+        assert again.returncode == 0 and again.stdout.startswith(f"capture: {out} holds all 300 prompts already ")
+        assert again.stdout.endswith("; nothing to do, no engine started\n"), again.stdout + again.stderr[-2000:]
 
     @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
     def test_a_signal_to_the_command_alone_stops_it_and_its_engine_within_seconds(self, tmp_path, models, stop):
@@ -2163,6 +2167,99 @@ def test_a_shard_open_shard_seconds_closes_without_a_flush(tmp_path):
 
     with safe_open(shards[0], "pt") as opened:
         assert torch.equal(opened.get_tensor("cmpl-7-0-0123abcd/blocks.0.hook_resid_post"), rows), "readable by safetensors alone"
+
+
+def shard_writer(config, model="m", versions=None, shard_bytes=1):
+    """The ShardWriter a batched engine's first worker makes for config's sink_dir, without the engine."""
+    header = {
+        **tools.sink_header(config), "writer": "pp0-tp0", "model": model, "versions": versions or {"vllm": "v"},
+        "writes": list(config.capture_specs), "shards": {},
+    }
+    return tools.ShardWriter(config.sink_dir, "pp0-tp0", header, shard_bytes=shard_bytes)
+
+
+def write_request(writer, config, request_id, rows):
+    """One finished request of len(rows) prompt tokens, the same rows at each of config's hooks."""
+    entry = {"prompt_token_ids": list(range(len(rows))), "positions": [[0, len(rows)]]}
+    writer.write(request_id, entry, [(name, list(rows.shape), [rows]) for name in config.capture_specs])
+
+
+@NO_ENGINE
+def test_configure_on_a_sink_dir_holding_a_dataset_warns_that_it_adds_to_it(tmp_path):
+    """A script run again into its sink_dir goes on with the dataset there, as a crashed run does, and says so once,
+    when configured, with how many whole requests are there; an empty directory is configured without a word."""
+    specs = {"blocks.0.hook_resid_post": (4,)}
+
+    def configure():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            config = tlh.configure(specs, enable_batching=True, sink_dir=str(tmp_path))
+        return config, [w for w in caught if str(tmp_path) in str(w.message)]
+
+    config, said = configure()
+    assert said == [], "an empty directory: nothing to say"
+    writer = shard_writer(config)  # a shard per request
+    for request_id in ("0-8e6792c5", "1-0123abcd", "2-89abcdef"):
+        write_request(writer, config, request_id, torch.ones(3, 4))
+    writer.close()
+    os.truncate(tmp_path / "shard-pp0-tp0-000003.safetensors", 100)  # a crash's: not counted, the workers drop it
+    _config, said = configure()
+    assert len(said) == 1 and said[0].category is UserWarning, said
+    assert said[0].filename == __file__, "pointing at the configure call"
+    assert str(said[0].message).startswith(
+        f"sink_dir: {tmp_path} already holds 2 requests an earlier engine wrote; this engine adds its requests to them"
+    ), str(said[0].message)
+
+
+@NO_ENGINE
+def test_a_user_id_several_requests_share_is_refused_naming_them(tmp_path):
+    """Two engines' llm.generate both number their requests from 0: in one sink_dir "0" then names two requests,
+    which dataset["0"] refuses, naming both; each full id reads its own rows."""
+    config = tlh.CaptureConfig({"blocks.0.hook_resid_post": (4,)}, enable_batching=True, sink_dir=str(tmp_path))
+    rows = {"0-8e6792c5": torch.zeros(3, 4), "1-0123abcd": torch.full((1, 4), 2.0), "0-9fa42abc": torch.ones(2, 4)}
+    for first, *others in (["0-8e6792c5", "1-0123abcd"], ["0-9fa42abc"]):  # one engine, then another
+        writer = shard_writer(config)
+        for request_id in (first, *others):
+            write_request(writer, config, request_id, rows[request_id])
+        writer.close()
+    dataset = tlh.CaptureDataset(tmp_path)
+    assert dataset.request_ids == list(rows) and "0" in dataset
+    for read in (dataset.__getitem__, dataset.entry):
+        with pytest.raises(KeyError, match=r"'0' matches 2 requests: \['0-8e6792c5', '0-9fa42abc'\]; .* full id"):
+            read("0")
+    assert torch.equal(dataset["1"]["blocks.0.hook_resid_post"], rows["1-0123abcd"]), "a user id of one request"
+    for request_id, expected in rows.items():
+        assert torch.equal(dataset[request_id]["blocks.0.hook_resid_post"], expected)
+        assert dataset.entry(request_id)["positions"] == [[0, len(expected)]]
+
+
+@NO_ENGINE
+def test_capture_into_a_directory_holding_every_prompt_starts_no_engine(tmp_path, models, capfd, monkeypatch):
+    """The capture command run again on the directory it finished says there is nothing to do, without an engine;
+    one more prompt starts one."""
+    import vllm
+
+    model = str(models["llama"].path)
+    out = tmp_path / "acts"
+    specs = tlh.capture_specs(models["llama"].hf.config, sites=("resid_post",))
+    config = tlh.configure(specs, 2048, torch.float32, enable_batching=True, sink_dir=str(out))  # the command's
+    writer = shard_writer(config, model=model, versions=tools.versions(), shard_bytes=1 << 20)
+    for request_id in ("prompt-1-0123abcd", "prompt-2-89abcdef"):
+        write_request(writer, config, request_id, torch.ones(3, 128))
+    writer.close()
+
+    def started(*args, **kwargs):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(vllm, "LLM", started)
+    arguments = ["capture", model, "--token-ids", "1 2 3", "--token-ids", "4 5 6", "--out", str(out)]
+    capfd.readouterr()  # (what building the model printed)
+    assert tools.main(arguments) == 0
+    assert capfd.readouterr().out == (
+        f"capture: {out} holds all 2 prompts already (2 requests of {model}); nothing to do, no engine started\n"
+    )
+    with pytest.raises(AssertionError, match="an engine was started"):
+        tools.main([*arguments, "--token-ids", "7 8"])
 
 
 @NO_ENGINE

@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -132,6 +133,12 @@ def _read_manifest(path: str) -> tuple[dict[str, Any] | None, list[dict[str, Any
     return header, lines[1:], whole
 
 
+def _is_whole(directory: str, line: dict[str, Any]) -> bool:
+    """Whether a manifest line's shard is on disk with the size it lists (not cut short by a crash)."""
+    path = os.path.join(directory, line["shard"])
+    return os.path.isfile(path) and os.path.getsize(path) == line["bytes"]
+
+
 def sink_header(config: CaptureConfig) -> dict[str, Any]:
     """What every manifest of a sink written with this config agrees on: the rows' dtype and each hook's row shape,
     and each SAE's features as ``{name}.indices`` (int32) and ``.values`` (see SAE_FEATURES), [sae_top_k] a row."""
@@ -143,7 +150,8 @@ def sink_header(config: CaptureConfig) -> dict[str, Any]:
 
 def check_sink_dir(config: CaptureConfig) -> None:
     """Refuse, before an engine is built, a sink directory that cannot be written or
-    that holds captures of other hooks or another dtype."""
+    that holds captures of other hooks or another dtype; warn (at configure's caller)
+    that an engine adds its requests to a dataset the directory holds."""
     directory = config.sink_dir
     try:
         os.makedirs(directory, exist_ok=True)
@@ -154,14 +162,25 @@ def check_sink_dir(config: CaptureConfig) -> None:
             f"sink_dir: cannot write to {directory}: {error.strerror}; give a writable directory"
         ) from None
     expected = sink_header(config)
+    requests = set()
     for path in sorted(glob.glob(_manifest_path(directory, "*"))):
-        header = _read_manifest(path)[0]
+        header, lines, _whole_bytes = _read_manifest(path)
         if header is not None and {key: header.get(key) for key in expected} != expected:
             raise ValueError(
                 f"sink_dir: {path} holds captures of other hooks or another dtype "
                 f"({header.get('dtype')}, {sorted(header.get('hooks', {}))}); give an empty directory, "
                 "or the config that wrote it to go on with it"
             )
+        whole = [line for line in lines if _is_whole(directory, line)]  # (the workers drop the others)
+        requests.update(request_id for line in whole for request_id in line["requests"])
+    if requests:
+        warnings.warn(
+            f"sink_dir: {directory} already holds {len(requests)} requests an earlier engine wrote; this "
+            "engine adds its requests to them, as it does after a crash. An id given again "
+            "(llm.generate numbers each engine's requests from 0) then matches several, each read by its full id "
+            "(CaptureDataset.request_ids). For a dataset of its own, give an empty directory",
+            stacklevel=3,  # configure's caller
+        )
 
 
 class RankSink:
@@ -402,7 +421,7 @@ class ShardWriter:
                     f"sink_dir: {self.manifest} was written with another {', '.join(differs)}; "
                     "give an empty directory, or the same model, hooks, dtype and versions to go on with it"
                 )
-            kept = [line for line in lines if self._is_whole(line)]
+            kept = [line for line in lines if _is_whole(self.directory, line)]
             if old_header is None or len(kept) < len(lines) or whole < os.path.getsize(self.manifest):
                 dropped = [line["shard"] for line in lines if line not in kept]
                 if dropped:
@@ -416,10 +435,6 @@ class ShardWriter:
                 os.unlink(path)
         numbers = [int(re.search(r"-(\d+)\.safetensors$", line["shard"]).group(1)) for line in kept]
         return len(kept), sum(len(line["requests"]) for line in kept), max(numbers, default=0) + 1
-
-    def _is_whole(self, line: dict[str, Any]) -> bool:
-        path = os.path.join(self.directory, line["shard"])
-        return os.path.isfile(path) and os.path.getsize(path) == line["bytes"]
 
     def _rewrite_manifest(self, header: dict[str, Any], lines: list[dict[str, Any]]) -> None:
         staged = self.manifest + ".partial"
@@ -514,7 +529,8 @@ class CaptureDataset:
     ``CaptureDataset(directory)`` (what ``flush_sink`` returns) reads the manifests.
     ``request_ids``: the requests whose rows every writer has whole on disk, in the
     order written (vLLM's worker ids: the user's id plus ``-{8 hex}`` where vLLM adds
-    it; either form is accepted below). ``hooks``: ``{hook_name: row shape}``;
+    it; either form is accepted below, and a user's id that several requests share
+    raises KeyError naming their full ids). ``hooks``: ``{hook_name: row shape}``;
     ``dtype``, ``model`` and ``versions`` (vLLM, torch, tl_vllm_hooks) as written.
 
     ``dataset[request_id]``: ``{hook_name: [rows, *row shape]}`` CPU tensors of the
@@ -555,7 +571,9 @@ class CaptureDataset:
         self.hooks = {name: tuple(shape) for name, shape in first["hooks"].items() if name in written}
         self._whole = set.intersection(*(set(requests) for _header, requests in self._writers))
         self.request_ids = [request_id for request_id in self._writers[0][1] if request_id in self._whole]
-        self._by_user_id = {_VLLM_SUFFIX.sub("", request_id): request_id for request_id in self.request_ids}
+        self._by_user_id: dict[str, list[str]] = {}  # several, where engines run into one directory gave one id
+        for request_id in self.request_ids:
+            self._by_user_id.setdefault(_VLLM_SUFFIX.sub("", request_id), []).append(request_id)
         self._shard_headers: dict[str, dict[str, Any]] = {}
 
     @classmethod
@@ -590,8 +608,14 @@ class CaptureDataset:
     def _worker_id(self, request_id: str) -> str:
         if request_id in self._whole:
             return request_id
-        if request_id in self._by_user_id:
-            return self._by_user_id[request_id]
+        found = self._by_user_id.get(request_id, [])
+        if len(found) > 1:
+            raise KeyError(
+                f"{self.directory}: {request_id!r} matches {len(found)} requests: {found}; engines run into this "
+                "directory one after another gave that id to each: read one by its full id"
+            )
+        if found:
+            return found[0]
         raise KeyError(
             f"{self.directory}: no request {request_id!r}; it holds {len(self)}, e.g. {self.request_ids[:5]}"
         )
@@ -1576,9 +1600,10 @@ def _check_model(model: str) -> None:
         raise ValueError(f"model: no such directory: {model}{hint}")
 
 
-def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
-    """(how many, an iterator of (request id, token ids)) over the command's prompts, read
-    lazily: a file's prompt is named by its line number, so a resumed run finds it again."""
+def _prompts(args: argparse.Namespace) -> tuple[int, Callable[[set[str]], Any]]:
+    """(how many, a function of the request ids done giving an iterator of (request id, token ids) over the others)
+    of the command's prompts, read lazily: a file's prompt is named by its line number, so a resumed run finds it
+    again, and skips it untokenized."""
     if sum(map(bool, (args.token_ids, args.prompts, args.token_ids_file))) != 1:
         raise ValueError('give one of --token-ids "1 2 3" (repeatable), --prompts FILE or --token-ids-file FILE')
 
@@ -1593,7 +1618,7 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
 
     if args.token_ids:
         prompts = [(f"prompt-{i}", token_ids(text, "--token-ids")) for i, text in enumerate(args.token_ids, 1)]
-        return len(prompts), iter(prompts)
+        return len(prompts), lambda done: ((request_id, ids) for request_id, ids in prompts if request_id not in done)
     path = args.prompts or args.token_ids_file
     if not os.path.isfile(path):
         raise ValueError(f"{'--prompts' if args.prompts else '--token-ids-file'} {path}: no such file")
@@ -1607,19 +1632,19 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
     else:
         parse = lambda text, number: token_ids(text, f"{path}:{number}")  # noqa: E731
 
-    def read():
+    def read(done: set[str]):
         with open(path, encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
-                if line.strip():
+                if line.strip() and f"line-{number}" not in done:
                     yield f"line-{number}", parse(line.rstrip("\n"), number)
 
-    return count, read()
+    return count, read
 
 
 def _capture(args: argparse.Namespace) -> int:
     """Capture every prompt's rows into a sink directory with one batched, eager engine,
-    going on from what an earlier run of it left there; a run that fails before writing a
-    shard leaves no directory it made."""
+    going on from what an earlier run of it left there (none started when that holds every
+    prompt); a run that fails before writing a shard leaves no directory it made."""
     made = not os.path.exists(args.out)
     try:
         return _capture_into(args)
@@ -1638,6 +1663,13 @@ def _capture_into(args: argparse.Namespace) -> int:
     _check_model(args.model)
     count, prompts = _prompts(args)  # a missing prompts file fails here, before the output directory is made
     config = _batched_config(args, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
+    finished = _finished_dataset(args.model, config.sink_dir, prompts)
+    if finished is not None:
+        print(
+            f"capture: {finished.directory} holds all {count} prompts already ({len(finished)} requests of "
+            f"{args.model}); nothing to do, no engine started"
+        )
+        return 0
     params = SamplingParams(max_tokens=1, detokenize=False, extra_args=request_args(config, capture=args.keep))
     started = _say(
         f"capture: {count} prompts of {args.model}, {len(config.capture_specs)} hooks ({args.dtype}), "
@@ -1653,7 +1685,7 @@ def _capture_into(args: argparse.Namespace) -> int:
         **config.llm_kwargs,
     )
     # The workers have dropped what an interrupted run left unfinished: go on after it.
-    done = {_VLLM_SUFFIX.sub("", request_id) for request_id in CaptureDataset(config.sink_dir)}
+    done = _user_ids(CaptureDataset(config.sink_dir))
     _say(f"engine ready in {time.perf_counter() - started:.0f} s; {len(done)} prompts done by an earlier run")
     engine, running, rows, tokens, started = llm.llm_engine, 0, 0, 0, time.perf_counter()
     # A bar on a terminal; elsewhere (a log, CI) a line every 5 s.
@@ -1661,7 +1693,7 @@ def _capture_into(args: argparse.Namespace) -> int:
         total=count, initial=len(done), unit="prompt", file=args.terminal, disable=not args.terminal.isatty()
     )
     finished, said = len(done), time.perf_counter()
-    waiting = ((request_id, ids) for request_id, ids in prompts if request_id not in done)
+    waiting = prompts(done)
     while True:
         for request_id, ids in itertools.islice(waiting, args.max_in_flight - running):
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
@@ -1686,6 +1718,23 @@ def _capture_into(args: argparse.Namespace) -> int:
         f"{len(dataset.hooks)} hooks ({args.dtype}); read them with tl_vllm_hooks.CaptureDataset"
     )
     return 0
+
+
+def _user_ids(dataset: CaptureDataset) -> set[str]:
+    return {_VLLM_SUFFIX.sub("", request_id) for request_id in dataset}
+
+
+def _finished_dataset(model: str, directory: str, prompts: Callable[[set[str]], Any]) -> CaptureDataset | None:
+    """The directory's dataset if it holds every prompt, written with this model and these versions (an engine
+    would go on from it, and run nothing); None where an engine has prompts to run, or must first drop shards a
+    crash cut short, or refuse the directory."""
+    try:
+        dataset = CaptureDataset(directory)
+    except ValueError:  # no dataset yet, or one an engine repairs or refuses
+        return None
+    if dataset.model != model or dataset.versions != versions() or next(prompts(_user_ids(dataset)), None):
+        return None
+    return dataset
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -1794,7 +1843,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU's memory (on a CPU: of RAM)"
     )
     capture.add_argument(
-        "--out", required=True, help="the directory to write; a run into one an earlier run began goes on from it"
+        "--out",
+        required=True,
+        help="the directory to write; a run into one an earlier run began goes on from it (finished: nothing to do)",
     )
     compare = commands.add_parser(
         "compare",
