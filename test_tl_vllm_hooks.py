@@ -1395,24 +1395,37 @@ class TestCaptureCommand:
     [
         (["capture", "MODEL", "--token-ids", "1 two 3", "--out", "x.safetensors"], "--token-ids: expected integers"),
         (["capture", "MODEL", "--out", "x"], "give one of --token-ids"),
-        (["capture", "MODEL", "--token-ids", "1", "--sites", "resid", "--out", "x"], "unknown sites"),
+        (["capture", "MODEL", "--token-ids", "1", "--sites", "resid", "--out", "x"], "unknown site 'resid'; did you"),
+        (["capture", "MODEL", "--token-ids", "1", "--sites", "embed,resid_postt", "--out", "x"], "mean resid_post or"),
         (["capture", "MODEL", "--token-ids", "1", "--sites", "pos_embed", "--out", "x"], "LlamaForCausalLM has no"),
-        (["capture", "tny", "--token-ids", "1", "--out", "x"], "model: no such directory: tny"),
+        (["capture", "MODEL", "--token-ids", "1", "--layers", "3", "--out", "x"], "layers [3] outside [0, 3)"),
+        (["capture", "tny", "--token-ids", "1", "--out", "x"], "model: no such directory: tny; give a model directory"),
+        (["capture", "MODELl", "--token-ids", "1", "--out", "x"], "no such directory: MODELl; did you mean MODEL"),
         (["capture", "MODEL", "--token-ids-file", "nope.txt", "--out", "x"], "--token-ids-file nope.txt: no such file"),
-        (["compare", "missing"], "no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory"),
+        (["capture", "MODEL", "--prompts", "prompt.txt", "--out", "x"], "no such file; did you mean prompts.txt?"),
+        (["compare", "missing"], "no such directory: missing; give a directory the capture command wrote"),
+        (["compare", "act"], "compare: no such directory: act; did you mean acts?"),
+        (["compare", "."], "no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory"),
+        (["compare", "acts", "--model", "MODELl"], "no such directory: MODELl; did you mean MODEL"),
         (["compare", "missing", "--plot", "errors.png"], "--plot errors.png: needs matplotlib"),
         (["serve", "tny"], "model: no such directory: tny"),
+        (["serve", "MODEL", "--sites", "resid_postt"], "unknown site 'resid_postt'; did you mean resid_post or"),
     ],
 )
 def test_command_line_errors_are_one_line(tmp_path, models, arguments, message, capfd, monkeypatch):
-    """Each mistake is one line, said before any engine starts, and leaves no output directory behind."""
+    """Each mistake is one line, said before vLLM is imported (seconds) and any engine starts, and leaves no output
+    directory behind. A misspelt model, site, prompts file or capture directory comes with the close ones."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed, as far as the command can tell
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing it fails: the checks come first
+    (tmp_path / "prompts.txt").write_text("one prompt\n")
+    (tmp_path / "acts").mkdir()
+    (tmp_path / "acts" / "manifest-pp0-tp0.jsonl").write_text("")  # (a capture directory, to be near)
     model = str(models["llama"].path)
     capfd.readouterr()  # (what building the model printed)
-    assert tools.main([model if a == "MODEL" else a for a in arguments]) == 2
+    assert tools.main([a.replace("MODEL", model) for a in arguments]) == 2
     errors = capfd.readouterr().err
-    assert message in errors and len(errors.strip().splitlines()) == 1, errors[-2000:]
+    assert message.replace("MODEL", model) in errors and len(errors.strip().splitlines()) == 1, errors[-2000:]
     assert not glob.glob(str(tmp_path / "x*")), "a failed command leaves no output directory"
 
 

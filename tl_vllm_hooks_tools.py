@@ -1415,20 +1415,19 @@ def _write_entry_point(root: str, distribution: str, name: str, target: str) -> 
     return root
 
 
-def _batched_config(args: argparse.Namespace, **sink: Any) -> CaptureConfig:
-    """The batched config a command's hook flags (--sites, --layers, --dtype, --max-num-batched-tokens) ask for."""
+def _batched_config(args: argparse.Namespace, sites: tuple[str, ...], **sink: Any) -> CaptureConfig:
+    """The batched config a command's hook flags (--sites, checked by _sites, --layers, --dtype,
+    --max-num-batched-tokens) ask for."""
     from transformers import AutoConfig
 
-    specs = capture_specs(
-        AutoConfig.from_pretrained(args.model), sites=tuple(args.sites.split(",")), layers=args.layers
-    )
+    specs = capture_specs(AutoConfig.from_pretrained(args.model), sites=sites, layers=args.layers)
     return configure(specs, args.max_num_batched_tokens, getattr(torch, args.dtype), enable_batching=True, **sink)
 
 
 def _serve(args: argparse.Namespace) -> int:
     """The serve command: configure from the flags, start the server, wait until it stops."""
     _check_model(args.model)
-    config = _batched_config(args, sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
+    config = _batched_config(args, _sites(args.sites), sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
     started = _say(
         f"serve: {args.model} with {len(config.capture_specs)} hooks ({args.dtype}), rows to "
         f"{os.path.abspath(args.sink_dir) if args.sink_dir else 'no sink (--sink-dir DIR writes them)'}; "
@@ -1566,15 +1565,38 @@ def _say(line: str) -> float:
     return time.perf_counter()
 
 
+def _near(path: str, keep: Callable[[str], bool]) -> str:
+    """"; did you mean A or B?" naming the entries beside ``path`` (in its directory) whose names are close to its
+    name and that ``keep`` accepts; "" where there are none."""
+    parent, name = os.path.split(os.path.normpath(path))
+    try:
+        names = [entry for entry in os.listdir(parent or ".") if keep(os.path.join(parent, entry))]
+    except OSError:  # (no such parent either)
+        return ""
+    close = [os.path.join(parent, entry) for entry in difflib.get_close_matches(name, names, n=3)]
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
 def _check_model(model: str) -> None:
-    """A model that is neither a directory here nor shaped like a hub id ("org/name") is refused before any engine
-    starts, with the directories here it may have meant."""
+    """A model that is neither a directory nor shaped like a hub id ("org/name") is refused before any engine
+    starts, with the directories beside it that it may have meant."""
     if os.path.isdir(model):
         return
-    close = difflib.get_close_matches(model, [d for d in os.listdir(".") if os.path.isdir(d)], n=3)
-    if close or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        hint = f"; did you mean {' or '.join(close)}?" if close else "; give a model directory or a hub id (org/name)"
+    hint = _near(model, os.path.isdir)
+    if hint or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        hint = hint or "; give a model directory or a hub id (org/name)"
         raise ValueError(f"model: no such directory: {model}{hint}")
+
+
+def _sites(text: str) -> tuple[str, ...]:
+    """The --sites flag's comma list, each a key of SITES (a misspelt one is refused with the close ones)."""
+    sites = tuple(site.strip() for site in text.split(","))
+    for site in sites:
+        if site not in SITES:
+            close = difflib.get_close_matches(site, SITES, n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ValueError(f"--sites: unknown site {site!r}; {hint}valid: {', '.join(SITES)}")
+    return sites
 
 
 def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
@@ -1597,7 +1619,8 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
         return len(prompts), iter(prompts)
     path = args.prompts or args.token_ids_file
     if not os.path.isfile(path):
-        raise ValueError(f"{'--prompts' if args.prompts else '--token-ids-file'} {path}: no such file")
+        flag = "--prompts" if args.prompts else "--token-ids-file"
+        raise ValueError(f"{flag} {path}: no such file{_near(path, os.path.isfile)}")
     with open(path, encoding="utf-8") as lines:
         count = sum(1 for line in lines if line.strip())
     if args.prompts:
@@ -1632,19 +1655,21 @@ def _capture(args: argparse.Namespace) -> int:
 
 def _capture_into(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Every mistake in the flags fails here, before configure imports vLLM (seconds) and the engine starts (a minute).
+    _check_model(args.model)
+    sites = _sites(args.sites)
+    count, prompts = _prompts(args)  # a missing prompts file fails here, before the output directory is made
+    config = _batched_config(args, sites, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
+    started = _say(
+        f"capture: {count} prompts of {args.model}, {len(config.capture_specs)} hooks ({args.dtype}), "
+        f"keeping {args.keep} rows, into {os.path.abspath(args.out)}; starting a batched, eager vLLM engine"
+    )
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    _check_model(args.model)
-    count, prompts = _prompts(args)  # a missing prompts file fails here, before the output directory is made
-    config = _batched_config(args, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
     params = SamplingParams(max_tokens=1, detokenize=False, extra_args=request_args(config, capture=args.keep))
-    started = _say(
-        f"capture: {count} prompts of {args.model}, {len(config.capture_specs)} hooks ({args.dtype}), "
-        f"keeping {args.keep} rows, "
-        f"into {os.path.abspath(args.out)}; starting a batched, eager vLLM engine"
-    )
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -1696,6 +1721,14 @@ def _compare(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError(f"--plot {args.plot}: needs matplotlib, which is not installed here") from None
+    if not os.path.isdir(args.directory):
+        hint = _near(args.directory, lambda path: bool(glob.glob(_manifest_path(path, "*"))))
+        raise ValueError(
+            f"compare: no such directory: {args.directory}{hint or '; give a directory the capture command wrote'}"
+        )
+    if args.model:
+        _check_model(args.model)
+    dataset = CaptureDataset(args.directory)  # (each of these fails before TransformerLens's slow import)
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError:
@@ -1703,7 +1736,6 @@ def _compare(args: argparse.Namespace) -> int:
             "compare checks hooks against TransformerLens, which is not installed here: "
             "pip install transformer-lens==4.3.0"
         ) from None
-    dataset = CaptureDataset(args.directory)
     hooks = [name for name in dataset.hooks if SAE_FEATURES not in name]  # (TransformerLens has no SAE here)
     bridge = TransformerBridge.boot_transformers(args.model or dataset.model, dtype=torch.float32, device="cpu")
     worst: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in hooks}
