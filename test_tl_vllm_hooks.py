@@ -1318,12 +1318,13 @@ CAPTURE_PROMPTS = [[(13 * i + 7 * r) % 500 + 1 for i in range(5 + r % 60)] for r
 def capture_run(tmp_path_factory, models):
     """The capture command on Gemma 2's tiny model over a file of 300 prompts, killed (its
     engine too) once two shards are on disk, its last shard then cut short, and run again.
+    Eager, which starts sooner (what --eager changes is test_capture_starts_a_compiled_engine_unless_eager's).
     Returns (the second run, the directory, what the first run had listed)."""
     directory = tmp_path_factory.mktemp("capture")
     (directory / "prompts.txt").write_text("".join(" ".join(map(str, p)) + "\n\n" for p in CAPTURE_PROMPTS))
     out = directory / "dataset"
     arguments = [
-        "-m", "tl_vllm_hooks", "capture", str(models["gemma2"].path), "--token-ids-file", "prompts.txt",
+        "-m", "tl_vllm_hooks", "capture", str(models["gemma2"].path), "--eager", "--token-ids-file", "prompts.txt",
         "--sites", "resid_mid,attn_z", "--layers", "0,2", "--max-in-flight", "4", "--shard-mb", "0.25",
         "--out", str(out),
     ]
@@ -1427,6 +1428,41 @@ def test_command_line_errors_are_one_line(tmp_path, models, arguments, message, 
     errors = capfd.readouterr().err
     assert message.replace("MODEL", model) in errors and len(errors.strip().splitlines()) == 1, errors[-2000:]
     assert not glob.glob(str(tmp_path / "x*")), "a failed command leaves no output directory"
+
+
+@pytest.fixture
+def stub_vllm(monkeypatch):
+    """A vllm module whose LLM records what it was given and fails as a failing engine start would: the commands'
+    paths up to their engine, without one. Returns the list of LLM calls' arguments."""
+    calls = []
+
+    def start(model, **arguments):
+        calls.append({"model": model, "model_is_there": os.path.isdir(model), **arguments})
+        raise ValueError("the stub vLLM starts no engine")
+
+    vllm, inputs = types.ModuleType("vllm"), types.ModuleType("vllm.inputs")
+    vllm.LLM, vllm.SamplingParams, inputs.TokensPrompt = start, dict, dict
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setattr(tlh, "register", lambda: None)  # (configure patches vLLM's classes: none here)
+    return calls
+
+
+@NO_ENGINE
+@pytest.mark.parametrize("eager", [False, True])
+def test_capture_starts_a_compiled_engine_unless_eager(tmp_path, models, stub_vllm, eager, capfd):
+    """Compiled by default, as the README recommends; the first line says which, and that compiling takes long."""
+    capfd.readouterr()
+    out = tmp_path / "acts"
+    flags = ["--eager"] if eager else []
+    assert tools.main(["capture", str(models["llama"].path), *flags, "--token-ids", "1 2", "--out", str(out)]) == 2
+    (call,) = stub_vllm
+    assert call["enforce_eager"] is eager
+    printed = capfd.readouterr()
+    said = "eager vLLM engine" if eager else "compiled vLLM engine (compiling takes a minute or more; --eager skips it)"
+    assert printed.out.splitlines()[0].endswith(f"starting a batched, {said}"), printed.out
+    assert "the stub vLLM starts no engine" in printed.err
+    assert not out.exists(), "the failed run removes the directory it made"
 
 
 class TestExamples:

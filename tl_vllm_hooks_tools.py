@@ -1559,6 +1559,11 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if worst <= args.tolerance else 1
 
 
+def _engine(eager: bool) -> str:
+    """What a command says it starts: an eager or a compiled vLLM engine, and how long compiling takes."""
+    return "eager vLLM engine" if eager else "compiled vLLM engine (compiling takes a minute or more; --eager skips it)"
+
+
 def _say(line: str) -> float:
     """Print one line of progress now (before a slow step); returns time.perf_counter()."""
     print(line, flush=True)
@@ -1641,9 +1646,9 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Any]:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    """Capture every prompt's rows into a sink directory with one batched, eager engine,
-    going on from what an earlier run of it left there; a run that fails before writing a
-    shard leaves no directory it made."""
+    """Capture every prompt's rows into a sink directory with one batched engine (compiled
+    unless --eager), going on from what an earlier run of it left there; a run that fails
+    before writing a shard leaves no directory it made."""
     made = not os.path.exists(args.out)
     try:
         return _capture_into(args)
@@ -1664,7 +1669,7 @@ def _capture_into(args: argparse.Namespace) -> int:
     config = _batched_config(args, sites, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
     started = _say(
         f"capture: {count} prompts of {args.model}, {len(config.capture_specs)} hooks ({args.dtype}), "
-        f"keeping {args.keep} rows, into {os.path.abspath(args.out)}; starting a batched, eager vLLM engine"
+        f"keeping {args.keep} rows, into {os.path.abspath(args.out)}; starting a batched, {_engine(args.eager)}"
     )
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -1673,7 +1678,7 @@ def _capture_into(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model,
         dtype=args.dtype,
-        enforce_eager=True,
+        enforce_eager=args.eager,
         skip_tokenizer_init=True,
         gpu_memory_utilization=args.gpu_memory_utilization,
         **config.llm_kwargs,
@@ -1791,6 +1796,12 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true", help="show vLLM's logging and progress bars")
     defaults = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows its defaults
+    eager = argparse.ArgumentParser(add_help=False)  # the engine demo and capture start
+    eager.add_argument(
+        "--eager",
+        action="store_true",
+        help="an eager engine (enforce_eager=True) instead of a compiled one: starts sooner, runs slower",
+    )
     hooks = argparse.ArgumentParser(add_help=False)  # what capture and serve hook, and their engine's shape
     hooks.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
     hooks.add_argument(
@@ -1805,15 +1816,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo = commands.add_parser(
         "demo",
-        parents=[common],
+        parents=[common, eager],
         formatter_class=defaults,
         help="capture and edit a tiny random Llama in vLLM and check it against transformers",
     )
-    demo.add_argument("--eager", action="store_true", help="build the engine with enforce_eager=True")
     demo.add_argument("--tolerance", type=float, default=1e-5, help="exit 1 past this relative error")
     capture = commands.add_parser(
         "capture",
-        parents=[common, hooks],
+        parents=[common, eager, hooks],
         formatter_class=defaults,
         help="capture hooks of many prompts into a directory of safetensors shards",
     )
