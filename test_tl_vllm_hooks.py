@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import types
@@ -1463,6 +1464,22 @@ def test_capture_starts_a_compiled_engine_unless_eager(tmp_path, models, stub_vl
     assert printed.out.splitlines()[0].endswith(f"starting a batched, {said}"), printed.out
     assert "the stub vLLM starts no engine" in printed.err
     assert not out.exists(), "the failed run removes the directory it made"
+
+
+@NO_ENGINE
+def test_demo_says_what_it_starts_and_removes_its_model_even_when_it_fails(tmp_path, stub_vllm, capfd, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    capfd.readouterr()
+    assert tools.main(["demo"]) == 2
+    (call,) = stub_vllm
+    assert call["model_is_there"] and call["model"].startswith(str(tmp_path / "tl_vllm_hooks_demo_"))
+    assert call["enforce_eager"] is False
+    printed = capfd.readouterr()
+    assert printed.out.splitlines()[0].endswith(
+        "starting a compiled vLLM engine (compiling takes a minute or more; --eager skips it)"
+    ), printed.out
+    assert "the stub vLLM starts no engine" in printed.err
+    assert not list(tmp_path.iterdir()), "the demo's model directory is gone"
 
 
 class TestExamples:
