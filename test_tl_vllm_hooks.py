@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import types
@@ -1389,12 +1390,13 @@ CAPTURE_PROMPTS = [[(13 * i + 7 * r) % 500 + 1 for i in range(5 + r % 60)] for r
 def capture_run(tmp_path_factory, models):
     """The capture command on Gemma 2's tiny model over a file of 300 prompts, killed (its
     engine too) once two shards are on disk, its last shard then cut short, and run again.
+    Eager, which starts sooner (what --eager changes is test_capture_starts_a_compiled_engine_unless_eager's).
     Returns (the second run, the directory, what the first run had listed)."""
     directory = tmp_path_factory.mktemp("capture")
     (directory / "prompts.txt").write_text("".join(" ".join(map(str, p)) + "\n\n" for p in CAPTURE_PROMPTS))
     out = directory / "dataset"
     arguments = [
-        "-m", "tl_vllm_hooks", "capture", str(models["gemma2"].path), "--token-ids-file", "prompts.txt",
+        "-m", "tl_vllm_hooks", "capture", str(models["gemma2"].path), "--eager", "--token-ids-file", "prompts.txt",
         "--sites", "resid_mid,attn_z", "--layers", "0,2", "--max-in-flight", "4", "--shard-mb", "0.25",
         "--out", str(out),
     ]
@@ -1501,25 +1503,89 @@ class TestCaptureCommand:
     [
         (["capture", "MODEL", "--token-ids", "1 two 3", "--out", "x.safetensors"], "--token-ids: expected integers"),
         (["capture", "MODEL", "--out", "x"], "give one of --token-ids"),
-        (["capture", "MODEL", "--token-ids", "1", "--sites", "resid", "--out", "x"], "unknown sites"),
+        (["capture", "MODEL", "--token-ids", "1", "--sites", "resid", "--out", "x"], "unknown site 'resid'; did you"),
+        (["capture", "MODEL", "--token-ids", "1", "--sites", "embed,resid_postt", "--out", "x"], "mean resid_post or"),
         (["capture", "MODEL", "--token-ids", "1", "--sites", "pos_embed", "--out", "x"], "LlamaForCausalLM has no"),
-        (["capture", "tny", "--token-ids", "1", "--out", "x"], "model: no such directory: tny"),
+        (["capture", "MODEL", "--token-ids", "1", "--layers", "3", "--out", "x"], "layers [3] outside [0, 3)"),
+        (["capture", "tny", "--token-ids", "1", "--out", "x"], "model: no such directory: tny; give a model directory"),
+        (["capture", "MODELl", "--token-ids", "1", "--out", "x"], "no such directory: MODELl; did you mean MODEL"),
         (["capture", "MODEL", "--token-ids-file", "nope.txt", "--out", "x"], "--token-ids-file nope.txt: no such file"),
-        (["compare", "missing"], "no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory"),
+        (["capture", "MODEL", "--prompts", "prompt.txt", "--out", "x"], "no such file; did you mean prompts.txt?"),
+        (["compare", "missing"], "no such directory: missing; give a directory the capture command wrote"),
+        (["compare", "act"], "compare: no such directory: act; did you mean acts?"),
+        (["compare", "."], "no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory"),
+        (["compare", "acts", "--model", "MODELl"], "no such directory: MODELl; did you mean MODEL"),
         (["compare", "missing", "--plot", "errors.png"], "--plot errors.png: needs matplotlib"),
         (["serve", "tny"], "model: no such directory: tny"),
+        (["serve", "MODEL", "--sites", "resid_postt"], "unknown site 'resid_postt'; did you mean resid_post or"),
     ],
 )
 def test_command_line_errors_are_one_line(tmp_path, models, arguments, message, capfd, monkeypatch):
-    """Each mistake is one line, said before any engine starts, and leaves no output directory behind."""
+    """Each mistake is one line, said before vLLM is imported (seconds) and any engine starts, and leaves no output
+    directory behind. A misspelt model, site, prompts file or capture directory comes with the close ones."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed, as far as the command can tell
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing it fails: the checks come first
+    (tmp_path / "prompts.txt").write_text("one prompt\n")
+    (tmp_path / "acts").mkdir()
+    (tmp_path / "acts" / "manifest-pp0-tp0.jsonl").write_text("")  # (a capture directory, to be near)
     model = str(models["llama"].path)
     capfd.readouterr()  # (what building the model printed)
-    assert tools.main([model if a == "MODEL" else a for a in arguments]) == 2
+    assert tools.main([a.replace("MODEL", model) for a in arguments]) == 2
     errors = capfd.readouterr().err
-    assert message in errors and len(errors.strip().splitlines()) == 1, errors[-2000:]
+    assert message.replace("MODEL", model) in errors and len(errors.strip().splitlines()) == 1, errors[-2000:]
     assert not glob.glob(str(tmp_path / "x*")), "a failed command leaves no output directory"
+
+
+@pytest.fixture
+def stub_vllm(monkeypatch):
+    """A vllm module whose LLM records what it was given and fails as a failing engine start would: the commands'
+    paths up to their engine, without one. Returns the list of LLM calls' arguments."""
+    calls = []
+
+    def start(model, **arguments):
+        calls.append({"model": model, "model_is_there": os.path.isdir(model), **arguments})
+        raise ValueError("the stub vLLM starts no engine")
+
+    vllm, inputs = types.ModuleType("vllm"), types.ModuleType("vllm.inputs")
+    vllm.LLM, vllm.SamplingParams, inputs.TokensPrompt = start, dict, dict
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setattr(tlh, "register", lambda: None)  # (configure patches vLLM's classes: none here)
+    return calls
+
+
+@NO_ENGINE
+@pytest.mark.parametrize("eager", [False, True])
+def test_capture_starts_a_compiled_engine_unless_eager(tmp_path, models, stub_vllm, eager, capfd):
+    """Compiled by default, as the README recommends; the first line says which, and that compiling takes long."""
+    capfd.readouterr()
+    out = tmp_path / "acts"
+    flags = ["--eager"] if eager else []
+    assert tools.main(["capture", str(models["llama"].path), *flags, "--token-ids", "1 2", "--out", str(out)]) == 2
+    (call,) = stub_vllm
+    assert call["enforce_eager"] is eager
+    printed = capfd.readouterr()
+    said = "eager vLLM engine" if eager else "compiled vLLM engine (compiling takes a minute or more; --eager skips it)"
+    assert printed.out.splitlines()[0].endswith(f"starting a batched, {said}"), printed.out
+    assert "the stub vLLM starts no engine" in printed.err
+    assert not out.exists(), "the failed run removes the directory it made"
+
+
+@NO_ENGINE
+def test_demo_says_what_it_starts_and_removes_its_model_even_when_it_fails(tmp_path, stub_vllm, capfd, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    capfd.readouterr()
+    assert tools.main(["demo"]) == 2
+    (call,) = stub_vllm
+    assert call["model_is_there"] and call["model"].startswith(str(tmp_path / "tl_vllm_hooks_demo_"))
+    assert call["enforce_eager"] is False
+    printed = capfd.readouterr()
+    assert printed.out.splitlines()[0].endswith(
+        "starting a compiled vLLM engine (compiling takes a minute or more; --eager skips it)"
+    ), printed.out
+    assert "the stub vLLM starts no engine" in printed.err
+    assert not list(tmp_path.iterdir()), "the demo's model directory is gone"
 
 
 class TestExamples:

@@ -1439,20 +1439,19 @@ def _write_entry_point(root: str, distribution: str, name: str, target: str) -> 
     return root
 
 
-def _batched_config(args: argparse.Namespace, **sink: Any) -> CaptureConfig:
-    """The batched config a command's hook flags (--sites, --layers, --dtype, --max-num-batched-tokens) ask for."""
+def _batched_config(args: argparse.Namespace, sites: tuple[str, ...], **sink: Any) -> CaptureConfig:
+    """The batched config a command's hook flags (--sites, checked by _sites, --layers, --dtype,
+    --max-num-batched-tokens) ask for."""
     from transformers import AutoConfig
 
-    specs = capture_specs(
-        AutoConfig.from_pretrained(args.model), sites=tuple(args.sites.split(",")), layers=args.layers
-    )
+    specs = capture_specs(AutoConfig.from_pretrained(args.model), sites=sites, layers=args.layers)
     return configure(specs, args.max_num_batched_tokens, getattr(torch, args.dtype), enable_batching=True, **sink)
 
 
 def _serve(args: argparse.Namespace) -> int:
     """The serve command: configure from the flags, start the server, wait until it stops."""
     _check_model(args.model)
-    config = _batched_config(args, sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
+    config = _batched_config(args, _sites(args.sites), sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
     started = _say(
         f"serve: {args.model} with {len(config.capture_specs)} hooks ({args.dtype}), rows to "
         f"{os.path.abspath(args.sink_dir) if args.sink_dir else 'no sink (--sink-dir DIR writes them)'}; "
@@ -1523,19 +1522,24 @@ def _demo_reference(hf_model: Any, token_ids: list[int], names: list[str], edits
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
+    """The demo, on a tiny random Llama in a temporary directory that it removes however it ends."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model_dir = tempfile.mkdtemp(prefix="tl_vllm_hooks_demo_")
+    with tempfile.TemporaryDirectory(prefix="tl_vllm_hooks_demo_") as model_dir:
+        return _demo_in(model_dir, args)
+
+
+def _demo_in(model_dir: str, args: argparse.Namespace) -> int:
     hf_model = tiny_model(model_dir)
     num_layers = hf_model.config.num_hidden_layers
     specs = capture_specs(hf_model.config, sites=("embed", "resid_post", "attn_out", "mlp_out", "final_norm"))
-    config = configure(specs, max_num_batched_tokens=256)
     started = _say(
-        f"tl_vllm_hooks {__version__} demo: a random Llama ({num_layers} layers x 128, fp32) in {model_dir}; "
-        f"starting a {'eager' if args.eager else 'compiled'} vLLM engine, one-prompt flavour, {len(specs)} hooks"
+        f"tl_vllm_hooks {__version__} demo: a random Llama ({num_layers} layers x 128, fp32), {len(specs)} hooks, "
+        f"one-prompt flavour; starting a {_engine(args.eager)}"
     )
+    config = configure(specs, max_num_batched_tokens=256)  # (which imports vLLM)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
     llm = LLM(
         model_dir,
         dtype="float32",
@@ -1568,7 +1572,7 @@ def _demo(args: argparse.Namespace) -> int:
     def error(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b.double()).norm() / b.double().norm())
 
-    print(f"{len(prompt)}-token prompt:")
+    print(f"{len(prompt)}-token prompt; the edit: blocks.0.hook_resid_post scaled by 0.5")
     print(f"{'hook':28} {'rows x width':>13} {'rel err vs HF':>14} " f"{'edit moved it':>14} {'edited rel err':>15}")
     worst = 0.0
     for name in specs:
@@ -1577,10 +1581,19 @@ def _demo(args: argparse.Namespace) -> int:
         worst = max(worst, *errors)
         moved = error(edited[name], plain[name])
         print(f"{name:28} {shape:>13} {errors[0]:>14.1e} {moved:>14.1e} {errors[1]:>15.1e}")
-    print(f"edit: blocks.0.hook_resid_post scaled by 0.5; worst relative error {worst:.1e}")
+    print(
+        '"edit moved it": |edited - unedited| / |unedited| of vLLM\'s rows: 0 before the edit, 0.5 at it; near 0 at '
+        "blocks.1.hook_attn_out is expected (attention reads the residual stream through an RMSNorm, which divides "
+        "the scale back out)"
+    )
     verdict = "within" if worst <= args.tolerance else "PAST"
-    print(f"verdict: every hook {verdict} the tolerance {args.tolerance:g} (fp32 agrees to about 1e-6)")
+    print(f"verdict: worst relative error {worst:.1e}, {verdict} the tolerance {args.tolerance:g} (fp32: about 1e-6)")
     return 0 if worst <= args.tolerance else 1
+
+
+def _engine(eager: bool) -> str:
+    """What a command says it starts: an eager or a compiled vLLM engine, and how long compiling takes."""
+    return "eager vLLM engine" if eager else "compiled vLLM engine (compiling takes a minute or more; --eager skips it)"
 
 
 def _say(line: str) -> float:
@@ -1589,15 +1602,38 @@ def _say(line: str) -> float:
     return time.perf_counter()
 
 
+def _near(path: str, keep: Callable[[str], bool]) -> str:
+    """"; did you mean A or B?" naming the entries beside ``path`` (in its directory) whose names are close to its
+    name and that ``keep`` accepts; "" where there are none."""
+    parent, name = os.path.split(os.path.normpath(path))
+    try:
+        names = [entry for entry in os.listdir(parent or ".") if keep(os.path.join(parent, entry))]
+    except OSError:  # (no such parent either)
+        return ""
+    close = [os.path.join(parent, entry) for entry in difflib.get_close_matches(name, names, n=3)]
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
 def _check_model(model: str) -> None:
-    """A model that is neither a directory here nor shaped like a hub id ("org/name") is refused before any engine
-    starts, with the directories here it may have meant."""
+    """A model that is neither a directory nor shaped like a hub id ("org/name") is refused before any engine
+    starts, with the directories beside it that it may have meant."""
     if os.path.isdir(model):
         return
-    close = difflib.get_close_matches(model, [d for d in os.listdir(".") if os.path.isdir(d)], n=3)
-    if close or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        hint = f"; did you mean {' or '.join(close)}?" if close else "; give a model directory or a hub id (org/name)"
+    hint = _near(model, os.path.isdir)
+    if hint or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        hint = hint or "; give a model directory or a hub id (org/name)"
         raise ValueError(f"model: no such directory: {model}{hint}")
+
+
+def _sites(text: str) -> tuple[str, ...]:
+    """The --sites flag's comma list, each a key of SITES (a misspelt one is refused with the close ones)."""
+    sites = tuple(site.strip() for site in text.split(","))
+    for site in sites:
+        if site not in SITES:
+            close = difflib.get_close_matches(site, SITES, n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ValueError(f"--sites: unknown site {site!r}; {hint}valid: {', '.join(SITES)}")
+    return sites
 
 
 def _prompts(args: argparse.Namespace) -> tuple[int, Callable[[set[str]], Any]]:
@@ -1621,7 +1657,8 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Callable[[set[str]], Any]]:
         return len(prompts), lambda done: ((request_id, ids) for request_id, ids in prompts if request_id not in done)
     path = args.prompts or args.token_ids_file
     if not os.path.isfile(path):
-        raise ValueError(f"{'--prompts' if args.prompts else '--token-ids-file'} {path}: no such file")
+        flag = "--prompts" if args.prompts else "--token-ids-file"
+        raise ValueError(f"{flag} {path}: no such file{_near(path, os.path.isfile)}")
     with open(path, encoding="utf-8") as lines:
         count = sum(1 for line in lines if line.strip())
     if args.prompts:
@@ -1642,9 +1679,9 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Callable[[set[str]], Any]]:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    """Capture every prompt's rows into a sink directory with one batched, eager engine,
-    going on from what an earlier run of it left there (none started when that holds every
-    prompt); a run that fails before writing a shard leaves no directory it made."""
+    """Capture every prompt's rows into a sink directory with one batched engine (compiled
+    unless --eager), going on from what an earlier run of it left there (none started when that
+    holds every prompt); a run that fails before writing a shard leaves no directory it made."""
     made = not os.path.exists(args.out)
     try:
         return _capture_into(args)
@@ -1656,13 +1693,13 @@ def _capture(args: argparse.Namespace) -> int:
 
 def _capture_into(args: argparse.Namespace) -> int:
     from tqdm import tqdm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # Every mistake in the flags fails here, before configure imports vLLM (seconds) and the engine starts (a minute).
     _check_model(args.model)
+    sites = _sites(args.sites)
     count, prompts = _prompts(args)  # a missing prompts file fails here, before the output directory is made
-    config = _batched_config(args, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
+    config = _batched_config(args, sites, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
     finished = _finished_dataset(args.model, config.sink_dir, prompts)
     if finished is not None:
         print(
@@ -1670,16 +1707,18 @@ def _capture_into(args: argparse.Namespace) -> int:
             f"{args.model}); nothing to do, no engine started"
         )
         return 0
-    params = SamplingParams(max_tokens=1, detokenize=False, extra_args=request_args(config, capture=args.keep))
     started = _say(
         f"capture: {count} prompts of {args.model}, {len(config.capture_specs)} hooks ({args.dtype}), "
-        f"keeping {args.keep} rows, "
-        f"into {os.path.abspath(args.out)}; starting a batched, eager vLLM engine"
+        f"keeping {args.keep} rows, into {os.path.abspath(args.out)}; starting a batched, {_engine(args.eager)}"
     )
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, detokenize=False, extra_args=request_args(config, capture=args.keep))
     llm = LLM(
         args.model,
         dtype=args.dtype,
-        enforce_eager=True,
+        enforce_eager=args.eager,
         skip_tokenizer_init=True,
         gpu_memory_utilization=args.gpu_memory_utilization,
         **config.llm_kwargs,
@@ -1744,6 +1783,14 @@ def _compare(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError(f"--plot {args.plot}: needs matplotlib, which is not installed here") from None
+    if not os.path.isdir(args.directory):
+        hint = _near(args.directory, lambda path: bool(glob.glob(_manifest_path(path, "*"))))
+        raise ValueError(
+            f"compare: no such directory: {args.directory}{hint or '; give a directory the capture command wrote'}"
+        )
+    if args.model:
+        _check_model(args.model)
+    dataset = CaptureDataset(args.directory)  # (each of these fails before TransformerLens's slow import)
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError:
@@ -1751,7 +1798,6 @@ def _compare(args: argparse.Namespace) -> int:
             "compare checks hooks against TransformerLens, which is not installed here: "
             "pip install transformer-lens==4.3.0"
         ) from None
-    dataset = CaptureDataset(args.directory)
     hooks = [name for name in dataset.hooks if SAE_FEATURES not in name]  # (TransformerLens has no SAE here)
     bridge = TransformerBridge.boot_transformers(args.model or dataset.model, dtype=torch.float32, device="cpu")
     worst: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in hooks}
@@ -1807,6 +1853,12 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true", help="show vLLM's logging and progress bars")
     defaults = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows its defaults
+    eager = argparse.ArgumentParser(add_help=False)  # the engine demo and capture start
+    eager.add_argument(
+        "--eager",
+        action="store_true",
+        help="an eager engine (enforce_eager=True) instead of a compiled one: starts sooner, runs slower",
+    )
     hooks = argparse.ArgumentParser(add_help=False)  # what capture and serve hook, and their engine's shape
     hooks.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
     hooks.add_argument(
@@ -1821,15 +1873,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo = commands.add_parser(
         "demo",
-        parents=[common],
+        parents=[common, eager],
         formatter_class=defaults,
         help="capture and edit a tiny random Llama in vLLM and check it against transformers",
     )
-    demo.add_argument("--eager", action="store_true", help="build the engine with enforce_eager=True")
     demo.add_argument("--tolerance", type=float, default=1e-5, help="exit 1 past this relative error")
     capture = commands.add_parser(
         "capture",
-        parents=[common, hooks],
+        parents=[common, eager, hooks],
         formatter_class=defaults,
         help="capture hooks of many prompts into a directory of safetensors shards",
     )
