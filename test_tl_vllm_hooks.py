@@ -1506,7 +1506,7 @@ class TestCaptureCommand:
         (["capture", "MODEL", "--token-ids", "1", "--sites", "resid", "--out", "x"], "unknown site 'resid'; did you"),
         (["capture", "MODEL", "--token-ids", "1", "--sites", "embed,resid_postt", "--out", "x"], "mean resid_post or"),
         (["capture", "MODEL", "--token-ids", "1", "--sites", "pos_embed", "--out", "x"], "LlamaForCausalLM has no"),
-        (["capture", "MODEL", "--token-ids", "1", "--layers", "3", "--out", "x"], "layers [3] outside [0, 3)"),
+        (["capture", "MODEL", "--token-ids", "1", "--layers", "3", "--out", "x"], "layers [3]: expected ints in [-3, 3)"),
         (["capture", "tny", "--token-ids", "1", "--out", "x"], "model: no such directory: tny; give a model directory"),
         (["capture", "MODELl", "--token-ids", "1", "--out", "x"], "no such directory: MODELl; did you mean MODEL"),
         (["capture", "MODEL", "--token-ids-file", "nope.txt", "--out", "x"], "--token-ids-file nope.txt: no such file"),
