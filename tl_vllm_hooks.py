@@ -2641,7 +2641,7 @@ class _OnePrompt(_HookState):
         _wrap_steps(self.runner, self)
 
     def open_capture(self) -> None:
-        super().open_capture()
+        self.capture_flags.zero_()
         self.forward_rows = 0
 
     # The steps _wrap_steps calls: the rows of the captured forward, and the positions of each.
@@ -2661,9 +2661,6 @@ class _OnePrompt(_HookState):
 
     def finish(self) -> None:
         """(Nothing held per step.)"""
-
-    def open_capture(self) -> None:
-        self.capture_flags.zero_()
 
     def read_captures(self, num_rows: int) -> dict[str, Any]:
         """``{"shards", "rows": {name: encoded [num_rows, *row shape]}}`` of the armed forward (see sources)."""
