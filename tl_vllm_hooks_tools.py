@@ -1406,16 +1406,23 @@ def serve(
     process.log = log
     health = f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}/health"
     deadline = time.monotonic() + timeout
-    while process.poll() is None:
+    try:
+        while process.poll() is None:
+            try:
+                with urllib.request.urlopen(health, timeout=1):
+                    return process
+            except OSError:  # not listening yet
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"serve: vLLM's server did not answer {health} within {timeout:g} s; its log: {log}")
+            time.sleep(0.5)
+    except BaseException:  # (the timeout, or a KeyboardInterrupt while it starts): no server left behind
+        process.terminate()
         try:
-            with urllib.request.urlopen(health, timeout=1):
-                return process
-        except OSError:  # not listening yet
-            pass
-        if time.monotonic() > deadline:
-            process.terminate()
-            raise TimeoutError(f"serve: vLLM's server did not answer {health} within {timeout:g} s; its log: {log}")
-        time.sleep(0.5)
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        raise
     raise RuntimeError(
         "\n".join([f"serve: vLLM's server exited with code {process.returncode}; the end of {log}:", *_tail(log)])
     )
