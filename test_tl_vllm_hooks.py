@@ -1448,22 +1448,28 @@ class TestCaptureCommand:
         assert again.returncode == 0 and again.stdout.startswith(f"capture: {out} holds all 300 prompts already ")
         assert again.stdout.endswith("; nothing to do, no engine started\n"), again.stdout + again.stderr[-2000:]
 
-    @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-    def test_a_signal_to_the_command_alone_stops_it_and_its_engine_within_seconds(self, tmp_path, models, stop):
+    @pytest.mark.parametrize(
+        "name, stop", [("capture", signal.SIGINT), ("capture", signal.SIGTERM), ("serve", signal.SIGINT)]
+    )
+    def test_a_signal_to_the_command_alone_stops_it_and_its_engine_within_seconds(self, tmp_path, models, name, stop):
         """SIGINT or SIGTERM to the driver process alone (as a job runner sends it) while vLLM's engine starts: the
-        command was deaf to it until vLLM's 600 s start-up timeout, its engine left running. Now it exits with 128 +
-        the signal's number within seconds, says so in one line, and leaves no process of its session behind."""
+        capture command was deaf to it until vLLM's 600 s start-up timeout, its engine left running, and serve left
+        its server running. Now each exits with 128 + the signal's number within seconds, says so in one line, and
+        leaves no process of its session behind."""
         import psutil
 
         environment = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        arguments = {
+            "capture": ["--token-ids", "1 2 3", "--eager", "--out", str(tmp_path / "dataset")],
+            "serve": ["--port", str(free_port())],
+        }[name]
         command = subprocess.Popen(
-            [sys.executable, "-m", "tl_vllm_hooks", "capture", str(models["llama"].path), "--token-ids", "1 2 3",
-             "--out", str(tmp_path / "dataset")],
+            [sys.executable, "-m", "tl_vllm_hooks", name, str(models["llama"].path), *arguments],
             cwd=tmp_path, env={**environment, "PYTHONPATH": str(HERE)}, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         first_line = command.stdout.readline()
-        assert "starting a batched" in first_line, first_line
+        assert "starting" in first_line, first_line
         time.sleep(3)  # (into vLLM's engine start)
         command.send_signal(stop)
         sent = time.monotonic()

@@ -5,11 +5,13 @@
 
 The blocks are read from the files themselves (DOCS: README.md, docs/guide.md), so what CI runs is what a reader
 copies. Each runs with this project's modules importable and without the environment CI sets for its tests
-(VLLM_CPU_KVCACHE_SPACE): a block must pass what a CPU needs itself, as a new user would. Exit code 1 if any block
-fails, with the end of its output.
+(VLLM_CPU_KVCACHE_SPACE): a block must pass what a CPU needs itself, as a new user would. A print line whose
+comment is a Python literal says what it prints, and the block must print it. Exit code 1 if any block fails, with
+the end of its output.
 """
 
 import argparse
+import ast
 import os
 import re
 import subprocess
@@ -29,6 +31,36 @@ def python_blocks(readme: str) -> list[tuple[int, str]]:
     ]
 
 
+def stated_results(code: str) -> list[object]:
+    """What the block's print lines say they print: a comment that is a Python literal, alone or before ": " and
+    prose (``print(x)  # [[12, 128], [5, 128]]``); an illustration with ``...`` in it states nothing."""
+    stated = []
+    for line in code.splitlines():
+        match = re.match(r"\s*print\(.*\)\s+#\s*(.+)$", line)
+        if match is None:
+            continue
+        comment = match.group(1)
+        for text in (comment, *(comment[: m.start()] for m in re.finditer(": ", comment))):
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                continue
+            if "Ellipsis" not in repr(value):
+                stated.append(value)
+            break
+    return stated
+
+
+def printed_values(stdout: str) -> list[object]:
+    values = []
+    for line in stdout.splitlines():
+        try:
+            values.append(ast.literal_eval(line.strip()))
+        except (ValueError, SyntaxError):
+            pass
+    return values
+
+
 def run(name: str, code: str) -> bool:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
@@ -40,6 +72,11 @@ def run(name: str, code: str) -> bool:
             [sys.executable, "snippet.py"], cwd=directory, env=env, capture_output=True, text=True, timeout=900
         )
     took = time.perf_counter() - started
+    missing = [value for value in stated_results(code) if value not in printed_values(done.stdout)]
+    if done.returncode == 0 and missing:
+        tail = done.stdout.splitlines()[-10:]
+        print("\n".join([f"{name}: FAILED: it did not print {missing}, as its comments say; it printed last:", *tail]))
+        return False
     if done.returncode == 0:
         printed = done.stdout.strip().splitlines()[-1:] or ["(nothing)"]
         print(f"{name}: ok in {took:.0f} s; it printed last: {printed[0][:300]}", flush=True)
