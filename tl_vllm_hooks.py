@@ -2756,17 +2756,35 @@ class _RunningRequest:
 
 
 @dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)  # (compared by identity: positions is an array)
+class _RowChunk:
+    """A request's rows of one step: rows [start:end] of that step's host rows by hook, sliced only when read."""
+
+    step_rows: dict[str, torch.Tensor]
+    start: int
+    end: int
+    positions: np.ndarray  # int64 [end - start]: each row's token position
+    file: _RowFile | None  # the row file holding step_rows, where they are in one
+
+
+@dataclasses.dataclass
 class _RequestRows:
-    """What one request kept so far: per step that kept rows, (that step's host rows by hook, first row, end row,
-    their positions, int64, and the row file holding them or None), sliced only when read."""
+    """What one request kept so far: a chunk per step that kept rows."""
 
     columns: dict[str, int]  # the request's (see _RequestOptions)
-    chunks: list[tuple[dict[str, torch.Tensor], int, int, np.ndarray, _RowFile | None]] = dataclasses.field(
-        default_factory=list
-    )
+    chunks: list[_RowChunk] = dataclasses.field(default_factory=list)
 
     def rows(self, name: str) -> list[torch.Tensor]:
-        return [step_rows[name][start:end] for step_rows, start, end, *_rest in self.chunks]
+        return [chunk.step_rows[name][chunk.start : chunk.end] for chunk in self.chunks]
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int64 [rows]: the token position of each row kept."""
+        return np.concatenate([c.positions for c in self.chunks]) if self.chunks else np.zeros(0, np.int64)
+
+    @property
+    def files(self) -> list[_RowFile | None]:
+        return [chunk.file for chunk in self.chunks]
 
 
 class _Batched(_HookState):
@@ -2826,8 +2844,8 @@ class _Batched(_HookState):
         """Drop every row not yet read, and the row files nothing maps."""
         self._wait_for_copies()
         for record in self.records.values():
-            for chunk in record.chunks:
-                self.shared.drop(chunk[4])
+            for file in record.files:
+                self.shared.drop(file)
         self.records.clear()
         self.incomplete.clear()
         self.shared.trim()
@@ -2948,7 +2966,7 @@ class _Batched(_HookState):
         offsets = np.cumsum(kept_per_request) - kept_per_request
         for i in np.flatnonzero(running & ((kept_per_request > 0) | (step.first_positions != expected))):
             start, end = int(offsets[i]), int(offsets[i] + kept_per_request[i])
-            chunk = (host_rows, start, end, step.row_positions[kept_rows[start:end]], file)
+            chunk = _RowChunk(host_rows, start, end, step.row_positions[kept_rows[start:end]], file)
             self._accumulate(step.request_ids[i], int(expected[i]), int(step.first_positions[i]), chunk)
 
     def finish(self) -> None:
@@ -2995,7 +3013,7 @@ class _Batched(_HookState):
                     rows.record_stream(self.copy_stream)
         return file, host_rows
 
-    def _accumulate(self, request_id: str, expected: int, first_position: int, chunk: tuple) -> None:
+    def _accumulate(self, request_id: str, expected: int, first_position: int, chunk: _RowChunk) -> None:
         """Add one step's chunk of a request whose rows ran from first_position; expected
         is the position its rows should have started at, had they followed on."""
         if first_position < expected:
@@ -3003,23 +3021,23 @@ class _Batched(_HookState):
             # twice.
             record = self.records.get(request_id)
             chunks, record_chunks = [], record.chunks if record is not None else []
-            for rows, start, _end, positions, file in record_chunks:
-                keep = int(np.searchsorted(positions, first_position))
+            for held in record_chunks:
+                keep = int(np.searchsorted(held.positions, first_position))
                 if keep:
-                    chunks.append((rows, start, start + keep, positions[:keep], file))
+                    chunks.append(dataclasses.replace(held, end=held.start + keep, positions=held.positions[:keep]))
                 else:
-                    self.shared.drop(file)
+                    self.shared.drop(held.file)
             if record is not None:
                 record.chunks = chunks
         elif first_position > expected:
             request = self.running.get(request_id)
             if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
                 self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
-        if chunk[2] > chunk[1]:  # (reset_batched may have dropped its record meanwhile)
+        if chunk.end > chunk.start:  # (reset_batched may have dropped its record meanwhile)
             request = self.running.get(request_id)
             record = self.records.setdefault(request_id, self._record(request.options if request else _KEEP_ALL))
             record.chunks.append(chunk)
-            self.shared.hold(chunk[4])
+            self.shared.hold(chunk.file)
 
     def _record(self, options: _RequestOptions) -> _RequestRows:
         """A new record of a request's rows: of its SAEs' chosen features, none unless it chose some."""
@@ -3056,11 +3074,12 @@ class _Batched(_HookState):
             while len(self.read_ids) > 2 * _READ_KEPT:
                 self.read_ids.popitem(last=False)
             message = reply["rows"][user_id] = {"columns": record.columns} if record.columns else {}
-            if same_host and all(chunk[4] is not None for chunk in record.chunks):
+            if same_host and None not in record.files:
                 pieces = message["pieces"] = []
-                for step_rows, start, end, _positions, file in record.chunks:
+                for chunk in record.chunks:
+                    step_rows = chunk.step_rows
                     if id(step_rows) not in firsts:  # the element offset of each source's rows of that step in file
-                        base = file.pages.data_ptr()
+                        base = chunk.file.pages.data_ptr()
                         firsts[id(step_rows)] = np.array(
                             [
                                 (step_rows[name].data_ptr() - base) // buffer.element_size()
@@ -3068,17 +3087,17 @@ class _Batched(_HookState):
                             ],
                             dtype=np.int64,
                         )
-                    first = firsts[id(step_rows)] + start * widths
-                    pieces.append([files.setdefault(file, len(files)), end - start, *first.tolist()])
+                    first = firsts[id(step_rows)] + chunk.start * widths
+                    pieces.append([files.setdefault(chunk.file, len(files)), chunk.end - chunk.start, *first.tolist()])
             else:
                 encoded = message["encoded"] = {}
-                num_rows = sum(c[2] - c[1] for c in record.chunks)
+                num_rows = sum(chunk.end - chunk.start for chunk in record.chunks)
                 for name, buffer, row_shape in sources:
                     shape, kept = [num_rows, *row_shape], record.rows(name)
                     rows = torch.cat(kept).view(shape) if kept else torch.empty(shape, dtype=buffer.dtype)
                     encoded[name] = encode_tensor(rows)
-            for chunk in record.chunks:
-                self.shared.drop(chunk[4])
+            for file in record.files:
+                self.shared.drop(file)
         reply["files"] = self.shared.lend(list(files))
         return reply
 

@@ -228,7 +228,7 @@ class RankSink:
         for request_id in request_ids:
             reason = state.incomplete.pop(request_id, None)
             record = state.records.pop(request_id, None)
-            files = [chunk[4] for chunk in record.chunks] if record is not None else []
+            files = record.files if record is not None else []
             if self.writer is None or not state.warmed_up or (record is None and reason is None):
                 self.written.extend(files)
                 continue
@@ -240,9 +240,7 @@ class RankSink:
                     request_id, {"prompt_token_ids": prompt, "positions": [], "error": reason}, [], copied
                 )
             else:
-                positions = (
-                    np.concatenate([chunk[3] for chunk in record.chunks]) if record.chunks else np.zeros(0, np.int64)
-                )
+                positions = record.positions
                 parts = []
                 for name, row_shape in self.sources:  # (a source a request keeps fewer columns of: those)
                     columns = record.columns.get(name)
