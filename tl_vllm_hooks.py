@@ -2787,6 +2787,19 @@ class _RequestRows:
         return [chunk.file for chunk in self.chunks]
 
 
+@dataclasses.dataclass(frozen=True)
+class _FinishedRequest:
+    """A finished request as _Batched.take_finished hands it to the sink: its rows, or why it has none (neither for
+    one that kept nothing, or one of vLLM's warm-up requests), and the row files its rows are in, which the sink
+    gives back (_Batched.release) once it has written them."""
+
+    request_id: str
+    prompt_token_ids: list[int] | None
+    rows: _RequestRows | None
+    error: str | None
+    files: list[_RowFile | None]
+
+
 class _Batched(_HookState):
     """Many requests per generate. Before each forward the host writes which edit-table row each token row uses
     (``row_edit_index``); after it, the rows each request keeps are gathered on the device and copied to host memory
@@ -2844,8 +2857,7 @@ class _Batched(_HookState):
         """Drop every row not yet read, and the row files nothing maps."""
         self._wait_for_copies()
         for record in self.records.values():
-            for file in record.files:
-                self.shared.drop(file)
+            self.release(record.files)
         self.records.clear()
         self.incomplete.clear()
         self.shared.trim()
@@ -2862,6 +2874,32 @@ class _Batched(_HookState):
     @property
     def unread_requests(self) -> int:
         return len(self.records)
+
+    # The sink's interface (tl_vllm_hooks_tools.RankSink reads this flavour through these, with sources and shards).
+
+    def take_finished(self, request_ids: list[str]) -> tuple[list[_FinishedRequest], Any]:
+        """These finished requests, each handed over once (its rows forgotten here), and a CUDA event by which the
+        copies of their rows to host memory are done (None on the CPU)."""
+        copied = self._copies_queued() if request_ids else None
+        finished = []
+        for request_id in request_ids:
+            error, rows = self.incomplete.pop(request_id, None), self.records.pop(request_id, None)
+            request = self.running.get(request_id)
+            prompt = None if request is None or request.prompt_token_ids is None else list(request.prompt_token_ids)
+            files = rows.files if rows is not None else []
+            if not self.warmed_up:
+                rows = error = None
+            finished.append(_FinishedRequest(request_id, prompt, rows, error, files))
+        return finished, copied
+
+    def held_request_ids(self) -> list[str]:
+        """Every request whose rows (or why it has none) are held here, not yet read or handed over."""
+        return sorted(set(self.records) | set(self.incomplete))
+
+    def release(self, files: list[_RowFile | None]) -> None:
+        """Give back row files whose rows are written: later steps may fill them again."""
+        for file in files:
+            self.shared.drop(file)
 
     # Steps, in the order _wrap_steps calls them.
 

@@ -222,37 +222,33 @@ class RankSink:
         row files the writer thread is done with back to the steps. The writer thread, not this step, waits for the
         rows' copies to host memory; their row files stay held until it has written them."""
         state = self.state
-        while self.written:
-            state.shared.drop(self.written.popleft())
-        copied = state._copies_queued() if request_ids else None
-        for request_id in request_ids:
-            reason = state.incomplete.pop(request_id, None)
-            record = state.records.pop(request_id, None)
-            files = record.files if record is not None else []
-            if self.writer is None or not state.warmed_up or (record is None and reason is None):
-                self.written.extend(files)
+        while self.written:  # (popleft, as the writer thread extends it meanwhile)
+            state.release([self.written.popleft()])
+        finished, copied = state.take_finished(request_ids)
+        for request in finished:
+            if self.writer is None or (request.rows is None and request.error is None):
+                self.written.extend(request.files)
                 continue
-            request = state.running.get(request_id)
-            prompt = None if request is None or request.prompt_token_ids is None else list(request.prompt_token_ids)
-            if reason is not None:
-                self.written.extend(files)
-                self.writer.write(
-                    request_id, {"prompt_token_ids": prompt, "positions": [], "error": reason}, [], copied
-                )
+            if request.error is not None:
+                self.written.extend(request.files)
+                entry = {"prompt_token_ids": request.prompt_token_ids, "positions": [], "error": request.error}
+                self.writer.write(request.request_id, entry, [], copied)
             else:
+                record = request.rows
                 positions = record.positions
                 parts = []
                 for name, row_shape in self.sources:  # (a source a request keeps fewer columns of: those)
                     columns = record.columns.get(name)
                     shape = [positions.size, *(row_shape if columns is None else [columns])]
                     parts.append((name, shape, record.rows(name)))
-                entry = {"prompt_token_ids": prompt, "positions": _position_ranges(positions)}
-                self.writer.write(request_id, entry, parts, copied, functools.partial(self.written.extend, files))
+                entry = {"prompt_token_ids": request.prompt_token_ids, "positions": _position_ranges(positions)}
+                written = functools.partial(self.written.extend, request.files)
+                self.writer.write(request.request_id, entry, parts, copied, written)
 
     def flush(self) -> dict[str, Any] | None:
         """Write every request held (the driver saw them all finish) and close the open
         shard; this rank's writer's status, None where the rank writes nothing."""
-        self.write(sorted(set(self.state.records) | set(self.state.incomplete)))
+        self.write(self.state.held_request_ids())
         self.close()
         self.write([])  # (the row files it wrote from)
         return self.status()
