@@ -2659,7 +2659,10 @@ class TestSAEs:
 
     def test_an_unedited_request_is_bit_exact_beside_feature_edits(self, llm):
         """The same batch twice, the second time with feature edits (that apply, at position 3) on one request: the
-        other request's rows do not change by one bit, and the edited one's do."""
+        other request's rows do not change by one bit, nor its features' indices, and the edited one's rows do. Its
+        feature values are compared at 1e-6: the SAE's encoder over a decode step's few rows gave values one float32
+        ulp apart from one generate to the next in 5 of 7 runs of this test (either way round, at the decode row
+        only, the rows it encodes bit-equal), which is vLLM's CPU matmul, not the edit."""
         prompts, hook = SAE_PROMPTS[:2], "blocks.1.hook_resid_post"
         edit = {features(hook): {"op": "set", "features": [3], "value": 9.0, "positions": [3]},
                 features("blocks.1.mlp.hook_in"): {"op": "set", "features": [3], "value": 9.0, "positions": [3]}}
@@ -2669,7 +2672,10 @@ class TestSAEs:
             read = tlh.read_batched(llm, [o.request_id for o in outputs])
             rows.append([read[o.request_id] for o in outputs])
         (unedited, plain), (beside, edited) = rows
-        assert all(torch.equal(unedited[name], beside[name]) for name in unedited), "a feature edit elsewhere changes no bit"
+        values = [name for name in unedited if name.endswith(".values")]
+        changed = [name for name in unedited if name not in values and not torch.equal(unedited[name], beside[name])]
+        assert not changed, f"a feature edit elsewhere changes no bit: {changed}"
+        assert all(relative_error(beside[name], unedited[name]) < 1e-6 for name in values), "nor a feature's value"
         assert not torch.equal(plain[hook][3], edited[hook][3]), "the edit applies"
         assert torch.equal(plain[hook][:3], edited[hook][:3]), "and only from its position on"
 
