@@ -100,9 +100,10 @@ def covering_families() -> tuple[str, ...]:
     return tuple(family for family in tlh._FAMILIES if family in chosen)
 
 
-# The one-prompt flavour's hooks are the batched flavour's (TestFamilies runs every family there); what differs
-# is which rows each tap reads and writes. It runs on the families that together hold every tap kind.
-ONE_PROMPT_FAMILIES = covering_families()
+# The one-prompt flavour runs on every text family; a multimodal checkpoint's text model, whose engines are the
+# heaviest, only where its record brings a tap kind the others lack (the flavour's hooks are the batched flavour's,
+# which TestFamilies runs on every family: what differs is which rows each tap reads and writes).
+ONE_PROMPT_FAMILIES = FAMILIES + tuple(family for family in covering_families() if family in MULTIMODAL)
 # The sites the flavour, sink and serving tests hook on every layer (the first release's).
 CLASSIC_SITES = (
     "embed", "pos_embed", "resid_pre", "attn_z", "attn_out", "resid_mid", "mlp_post", "mlp_out", "resid_post",
@@ -1236,7 +1237,8 @@ def check_every_site_edit_per_request(llm, model: Model, reference=None, toleran
 
 # --- the other families ------------------------------------------------------------------
 # Llama runs every check above. Every family runs TestFamilies' checks in the batched flavour, and each of
-# ONE_PROMPT_FAMILIES TestFamiliesOnePromptFlavour's in the one-prompt flavour too.
+# ONE_PROMPT_FAMILIES TestFamiliesOnePromptFlavour's in the one-prompt flavour too (the multimodal ones in
+# test_tl_vllm_hooks_vision.py).
 
 
 # TestFamilies' engines run eager in this process (a CPU compile costs ~70 s an engine),
@@ -1288,7 +1290,7 @@ class TestFamilies:
         check_per_request(llm, llm.model, [(BATCH[2], "all", edits)], tolerance=llm.tolerance)
 
 
-@pytest.fixture(scope="class", params=[family for family in ONE_PROMPT_FAMILIES if family in FAMILIES])
+@pytest.fixture(scope="class", params=FAMILIES)
 def one_prompt_flavour_llm(request, models):
     model = models[request.param]
     with engine(model, sites=model.sites, in_process=True, eager=True, **FAMILY_ENGINE_ARGUMENTS.get(request.param, {})) as llm:
