@@ -3098,7 +3098,7 @@ class _Batched(_HookState):
             return reply
         first_rank = _parallel_ranks()[0] == 0
         sources = [source for source in self.sources if first_rank or source[0] in reply["shards"]]
-        matches = _match_request_ids(request_ids, sorted(set(self.records) | set(self.incomplete)), self.read_ids)
+        matches = _match_request_ids(request_ids, self.held_request_ids(), self.read_ids)
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
                 raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
@@ -3134,8 +3134,7 @@ class _Batched(_HookState):
                     shape, kept = [num_rows, *row_shape], record.rows(name)
                     rows = torch.cat(kept).view(shape) if kept else torch.empty(shape, dtype=buffer.dtype)
                     encoded[name] = encode_tensor(rows)
-            for file in record.files:
-                self.shared.drop(file)
+            self.release(record.files)
         reply["files"] = self.shared.lend(list(files))
         return reply
 

@@ -1849,6 +1849,8 @@ def _plot_errors(worst: dict[str, tuple[float, float]], path: str, tolerance: fl
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; argv None: sys.argv's, this process is the command's own, and SIGINT and SIGTERM stop it and
+    its engine (_stop_on_signals), which a caller that passes argv keeps its own handlers for."""
     parser = argparse.ArgumentParser(prog="python -m tl_vllm_hooks", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -1927,7 +1929,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.vllm_args and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(args.vllm_args)}")
     command = {"demo": _demo, "capture": _capture, "compare": _compare, "serve": _serve}[args.command]
-    _stop_on_signals()
+    if argv is None:
+        _stop_on_signals()
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
         return _run(command, args, sys.stderr)
