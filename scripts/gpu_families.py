@@ -29,35 +29,13 @@ sys.path.insert(0, HERE)
 import tl_vllm_hooks as tlh  # noqa: E402
 import tl_vllm_hooks_tools as tools  # noqa: E402
 from hook_errors import placed  # noqa: E402  (this folder is on sys.path when run as a script)
-
-BATCH = [
-    [(5 * i + 1) % 512 for i in range(9)],
-    [(11 * i + 2) % 512 for i in range(300)],
-    [(3 * i + 7) % 512 for i in range(57)],
-]
-PROMPT = [(7 * i + 3) % 512 for i in range(40)]
-READ_ONLY = ("mlp.hook_expert_weights", "mlp.hook_expert_indices")
+# The tests' prompts and their one edit oracle (apply_edit, site_edits), not copies.
+from test_tl_vllm_hooks import BATCH, PROMPT, apply_edit, site_edits  # noqa: E402
 
 
 def every_placed_site(hf_config):
     """capture_specs of every site the module's table places for the model, every layer, in forward order."""
     return tlh.capture_specs(hf_config, sites=tuple(site for site in tlh.SITES if placed(hf_config, site)))
-
-
-def site_edits(specs):
-    """One edit at each site of layer 1 (and the global ones), the ops cycling."""
-    edits = {}
-    chosen = [(n, s) for n, s in specs.items() if (not n.startswith("blocks.") or n.startswith("blocks.1.")) and not n.endswith(READ_ONLY)]
-    for n, (name, shape) in enumerate(chosen):
-        vector = torch.linspace(-1.0, 1.0, int(torch.Size(shape).numel())).reshape(shape)
-        edits[name] = [
-            {"op": "suppress"},
-            {"op": "scale", "value": 0.5},
-            {"op": "add", "value": vector},
-            {"op": "set", "value": vector},
-            {"op": "scale", "value": vector + 1.5, "positions": [2, 30]},
-        ][n % 5]
-    return edits
 
 
 def edit_to_json(edit):
@@ -168,8 +146,6 @@ def compare(directory, out, tolerance):
             for hook in names:
                 actual = rows[flavour][f"{key}/{hook}"].double()
                 wanted = expected[hook][: len(actual)].double()
-                if hook.endswith("hook_expert_indices"):  # the same experts, in either order
-                    actual, wanted = actual.sort(-1).values, wanted.sort(-1).values
                 error = float((actual - wanted).norm() / wanted.norm()) if wanted.norm() else float((actual - wanted).norm())
                 if error >= worst.get(flavour, (0.0, ""))[0]:
                     worst[flavour] = (error, hook)
@@ -195,7 +171,9 @@ def reference(bridge, tokens, names, edits, routes=None, routing=None):
     vLLM's choice of experts (``routes``: layer -> its captured indices and weights) at
     each token where the two choose differently; ``routing`` records how many did and
     the widest router-logit gap TransformerLens saw between the experts that differ,
-    which must be a near-tie (bf16 rounding), never a real disagreement."""
+    which must be a near-tie (bf16 rounding), never a real disagreement. The indices are
+    compared in order (highest weight first): an order that differs is followed, and its
+    gap bounded, as another choice is."""
     captured = {}
     hooks = []
     for layer, (indices, weights) in (routes or {}).items():
@@ -204,13 +182,13 @@ def reference(bridge, tokens, names, edits, routes=None, routing=None):
         def follow_logits(logits, hook, indices=indices, differs=differs):
             logits = logits.reshape(-1, logits.shape[-1])[: len(indices)]
             mine = logits.softmax(-1).topk(indices.shape[-1], dim=-1).indices
-            where = (mine.sort(-1).values != indices.sort(-1).values).any(-1)
+            where = (mine != indices).any(-1)  # other experts, or the same in another order
             differs["rows"] = where
             routing["choices"] += len(where)
             routing["followed"] += int(where.sum())
             for row in where.nonzero().flatten().tolist():
-                gap = logits[row, mine[row]].min() - logits[row, indices[row]].min()
-                routing["gap"] = max(routing["gap"], float(gap.abs()))
+                gap = (logits[row, mine[row]] - logits[row, indices[row]]).abs().max()  # rank by rank
+                routing["gap"] = max(routing["gap"], float(gap))
 
         def follow(tensor, hook, chosen, differs=differs):
             rows = tensor.reshape(-1, tensor.shape[-1])
@@ -238,24 +216,6 @@ def reference(bridge, tokens, names, edits, routes=None, routing=None):
     with torch.no_grad():
         bridge.run_with_hooks(torch.tensor([tokens]), fwd_hooks=hooks + [(n, make_hook(n)) for n in names])
     return captured
-
-
-def apply_edit(rows, edit):
-    rows = rows.clone()
-    positions = edit.get("positions")
-    where = slice(None) if positions is None else [p for p in positions if p < len(rows)]
-    value = edit.get("value", 0.0)
-    value = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-    value = value.to(rows.dtype).reshape(rows.shape[1:] if value.numel() > 1 else ())
-    if edit["op"] == "suppress":
-        rows[where] = 0.0
-    elif edit["op"] == "scale":
-        rows[where] = rows[where] * value
-    elif edit["op"] == "add":
-        rows[where] = rows[where] + value
-    else:
-        rows[where] = value.expand_as(rows[where])
-    return rows
 
 
 if __name__ == "__main__":
