@@ -10,6 +10,8 @@
     python bench_tl_vllm_hooks.py --compilation-config '{"inductor_compile_config": {"combo_kernels": false}}'
     python bench_tl_vllm_hooks.py --tiny --cases plain,f --hidden-size 512 --num-layers 4 \
         --num-prompts 64 --prompt-len 256 --max-tokens 1 --repeats 3   # CPU: rows into the driver (GB/s)
+    python bench_tl_vllm_hooks.py --harvest --cases plain,h4,h16,h4s,h16s,sae65 --rounds 2   # prefill only, 1,024
+    python bench_tl_vllm_hooks.py --tiny --harvest --cases plain,h4,h4s --num-layers 8      # the same on a CPU
 
 Each case builds a fresh engine in a fresh subprocess (this file with ``--run-cases``),
 which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
@@ -38,6 +40,14 @@ prompts: its four files (``--peer-plugin DIR``, by default the installed transfo
 ``model_bridge/sources/vllm``) are copied into a package of their own beside an entry point,
 so that neither the rest of transformer_lens nor its installed entry point is loaded
 (``VLLM_PLUGINS`` names the two plugins the cases use).
+
+On a GPU every engine gets the KV cache its workload needs, in bytes (every prompt at once, the same for every
+case, so all schedule alike), rather than a fraction of the device: engines started one after another, side by side
+too, each take what they need and no more, whatever the overhead of the others.
+
+The harvest cases (h4, h16 and their sinks, with ``--harvest``) also report prompt tokens a second, with rows in
+hand, against plain's and against the device-to-host bound: a token's row bytes over the GPU's copy rate into pinned
+memory, measured in the same run.
 
 Peak memory covers the whole case, start-up included. On a GPU the worker runs in the
 case's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and ``torch.cuda.max_memory_allocated``
@@ -78,18 +88,25 @@ CASES = {
     "f1": "(f) at the middle layer only (the SAE cases' dense rows)",
     "sae16": "batched, compiled: a 16,384-feature SAE at the middle layer's resid_post, top 64 of every prompt token",
     "sae65": "(sae16) with 65,536 features",
+    "h4": "harvest: batched, compiled, resid_post of every prompt token at 4 layers, rows read (use --harvest)",
+    "h16": "(h4) at 16 layers",
+    "h4s": "(h4) written to a sink directory on local disk (flush_sink)",
+    "h16s": "(h16) written to a sink directory on local disk",
 }
 _SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",),
-          "f": ("resid_post",), "g": ("resid_post",), "s": ("resid_post",)}
+          "f": ("resid_post",), "g": ("resid_post",), "s": ("resid_post",), "f1": ("resid_post",),
+          "h4": ("resid_post",), "h16": ("resid_post",), "h4s": ("resid_post",), "h16s": ("resid_post",)}
 _BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt", "f1": "prompt", "sae16": "prompt",
-            "sae65": "prompt"}  # case -> request_args(capture=...)
+            "sae65": "prompt", "h4": "prompt", "h16": "prompt", "h4s": "prompt", "h16s": "prompt"}  # request_args' capture
+_LAYER_COUNT = {"f1": 1, "h4": 4, "h16": 16, "h4s": 4, "h16s": 16}  # case -> layers hooked (the others: every one)
+_SINK = ("s", "h4s", "h16s")  # cases that write their rows to a sink directory
 _SAES = {"sae16": 16384, "sae65": 65536}  # case -> features of its SAE (random, standard), features only, no rows
 _SAE_TOP_K = 64
 _EAGER = ("e", "plain-eager", "tl-e")
 _PLAIN = ("plain", "plain-eager")
 _PEER = ("tl-b", "tl-e")  # TransformerLens's plugin, its four files loaded as the package tl_peer_plugin
 _PEER_FILES = ("plugin.py", "internals.py", "worker_extension.py", "intervention_specs.py")
-_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b", "f1", "sae16", "sae65")  # hooks at identity
+_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b", "f1", "sae16", "sae65", *_LAYER_COUNT)  # identity
 
 # Llama-3.2-1B's shape, and a tiny one whose head_dim (64) vLLM's CPU attention accepts.
 _FULL_MODEL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -102,6 +119,32 @@ _WORKLOAD_FIELDS = ("num_prompts", "prompt_len", "max_tokens", "max_num_batched_
                     "tensor_parallel_size")
 _FULL_WORKLOAD = (256, 128, 64, 16384, 10, 1)  # 10 timed generates per engine: ~5 s beside ~40 s of start-up
 _TINY_WORKLOAD = (128, 32, 32, 2048, 1, 1)
+# The activation stores' workload (SAELens's, dictionary-learning's): prefill only over long documents.
+_HARVEST_WORKLOAD = (64, 1024, 1, 16384, 10, 1)
+_TINY_HARVEST_WORKLOAD = (16, 256, 1, 2048, 3, 1)
+
+
+def _case_layers(name: str, num_layers: int) -> list[int] | None:
+    """The layers a case hooks: None for every layer; the middle one for one layer; else evenly spaced, first and
+    last included."""
+    count = _LAYER_COUNT.get(name)
+    if count is None or count >= num_layers:
+        return None
+    if count == 1:
+        return [num_layers // 2]
+    return sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)})
+
+
+def _kv_cache_bytes(hf_config, args: argparse.Namespace) -> int:
+    """KV cache for every prompt and its generated tokens at once (the workload's whole batch), plus a step of
+    slack: every case gets the same, so every case schedules alike, and several engines fit on one GPU by bytes."""
+    import torch
+
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * torch.finfo(
+        getattr(torch, str(hf_config.dtype).removeprefix("torch."))).bits // 8
+    tokens = args.num_prompts * (args.prompt_len + args.max_tokens) + args.max_num_batched_tokens
+    return int(tokens * per_token * 1.1) + (256 << 20)
 
 
 def _make_model(path: str, shape: dict) -> None:
@@ -226,12 +269,14 @@ class _Engine:
                            seed=0, max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=name in _EAGER,
                            tensor_parallel_size=args.tensor_parallel_size,
                            gpu_memory_utilization=gpu_memory_utilization)
+        if self.on_gpu:  # by bytes: the KV cache the workload needs (start-up asks only for the small fraction free)
+            engine_args.update(kv_cache_memory_bytes=_kv_cache_bytes(hf_config, args), gpu_memory_utilization=0.05)
         if args.compilation_config:
             engine_args["compilation_config"] = json.loads(args.compilation_config)
         self.sites = _SITES.get(name)
         self.config = None
         extra_args = None
-        self.sink_dir = os.path.join(args.sink_dir, f"{name}-{os.getpid()}") if name == "s" else None
+        self.sink_dir = os.path.join(args.sink_dir, f"{name}-{os.getpid()}") if name in _SINK else None
         self.shards_seen, self.busy_seconds = set(), 0.0  # case s: shards of earlier generates, writer time
         if name in _PEER:
             import tl_peer_plugin.plugin as peer
@@ -241,13 +286,12 @@ class _Engine:
                             for i in range(hf_config.num_hidden_layers)},
                            args.max_num_batched_tokens, dtype, enable_batching=name == "tl-e")
             engine_args["worker_extension_cls"] = "tl_peer_plugin.worker_extension.TLWorkerExtension"
-        middle = hf_config.num_hidden_layers // 2
-        if self.sites or name in _SAES or name == "f1":
+        if self.sites or name in _SAES:
             if name in _SAES:
                 specs, saes = {}, {_sae_hook(hf_config): _sae_dir(args, _SAES[name])}
             else:
-                layers = [middle] if name == "f1" else None
-                specs, saes = tl.capture_specs(hf_config, sites=self.sites or ("resid_post",), layers=layers), {}
+                layers = _case_layers(name, hf_config.num_hidden_layers)
+                specs, saes = tl.capture_specs(hf_config, sites=self.sites, layers=layers), {}
             config = self.config = tl.configure(specs, dtype=dtype, max_num_batched_tokens=args.max_num_batched_tokens,
                                                 enable_batching=name in _BATCHED, sink_dir=self.sink_dir, saes=saes,
                                                 sae_top_k=_SAE_TOP_K)
@@ -294,7 +338,7 @@ class _Engine:
             if self.on_gpu and args.tensor_parallel_size == 1 and _IN_PROCESS:
                 torch.cuda.synchronize()  # every stream: captured rows still on their way to host memory too
             elapsed, start = time.perf_counter() - start, time.perf_counter()
-        if name == "s":
+        if name in _SINK:
             dataset = tl.flush_sink(llm)  # every row on disk, fsync'ed
             read_s = time.perf_counter() - start
             (writer,) = tl.status(llm)["sink"]
@@ -359,13 +403,14 @@ class _Engine:
             "vllm": vllm.__version__, "torch": torch.__version__,
             "generated_tokens": generated, "seconds": seconds, "seconds_each": [run[1] for run in runs],
             "tokens_per_s": generated / seconds,
+            "prompt_tokens_per_s": self.args.num_prompts * self.args.prompt_len / seconds,
             "tokens_per_s_fastest": generated / min(run[1] for run in runs),
             "sm_clock_mhz_each": [run[4] for run in runs],  # None without a readable NVML
             "peak_bytes": gpu_peak if self.on_gpu else rss,
             "peak_gpu_bytes": gpu_peak, "peak_rss_bytes": rss,
             "kv_blocks": self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
             "read_s": read_s, "capture_check": check, "read_bytes": read_bytes, "writer_busy_s": busy,
-            # Rows in the user's hands (in memory, or on disk for "s"): generate, then read.
+            # Rows in the user's hands (in memory, or on disk for the sink cases): generate, then read.
             "in_hand_seconds_each": [_in_hand_seconds(run) for run in runs],
             "in_process": _IN_PROCESS,
             "load_model_wrapped": self.load_model_wrapped,
@@ -658,6 +703,47 @@ def _rows_table(results: dict[str, dict], disk: dict | None) -> str:
     return "\n".join(rows)
 
 
+def _prefill_table(results: dict[str, dict], shape: dict, args: argparse.Namespace, copy: dict | None) -> str:
+    """Prompt tokens a second, the harvest workload's measure: generate alone, and with the rows in hand (read, or
+    on disk), against plain's and against the device-to-host bound (a token's row bytes / the copy rate)."""
+    def fmt(value, spec=""):
+        return "n/a" if value is None else format(value, spec)
+
+    plain = results.get("plain", {})
+    rows = ["| case | layers | row bytes a token | prompt tok/s | rows in hand: prompt tok/s | ratio to plain | "
+            "device-to-host bound (tok/s) | share of the bound |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if "error" in r:
+            continue
+        layers = _case_layers(name, shape["num_hidden_layers"])
+        count = shape["num_hidden_layers"] if layers is None else len(layers)
+        every_prompt_row = _SITES.get(name) == ("resid_post",) and _BATCHED.get(name) == "prompt"
+        row_bytes = count * shape["hidden_size"] * (2 if shape["dtype"] == "bfloat16" else 4) if every_prompt_row else 0
+        in_hand = args.num_prompts * args.prompt_len / statistics.median(r["in_hand_seconds_each"])
+        bound = copy["bytes_per_s"] / row_bytes if copy and row_bytes else None
+        ratio = in_hand / plain["prompt_tokens_per_s"] if plain.get("prompt_tokens_per_s") else None
+        rows.append(f"| {name} | {count if row_bytes else '-'} | {row_bytes or '-'} | {r['prompt_tokens_per_s']:.0f} "
+                    f"| {in_hand:.0f} | {fmt(ratio, '.3f')} | {fmt(bound, '.0f')} "
+                    f"| {fmt(bound and in_hand / bound, '.3f')} |")
+    if copy:
+        rows.append(f"\ndevice-to-host copy into pinned memory: {copy['bytes_per_s'] / 1e9:.1f} GB/s ({copy['how']})")
+    return "\n".join(rows)
+
+
+def _copy_rate() -> dict:
+    """The GPU's device-to-host copy rate into pinned host memory, measured in a process of its own (best of 5
+    copies of 1 GiB), so that no case's process holds the memory or the CUDA context it takes."""
+    code = ("import time, torch\n"
+            "x = torch.empty(1 << 29, dtype=torch.bfloat16, device='cuda'); y = torch.empty_like(x, device='cpu')"
+            ".pin_memory()\nbest = 1e9\n"
+            "for _ in range(6):\n"
+            "    torch.cuda.synchronize(); t = time.perf_counter(); y.copy_(x, non_blocking=True); "
+            "torch.cuda.synchronize(); best = min(best, time.perf_counter() - t)\n"
+            "print(x.numel() * 2 / best)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return {"bytes_per_s": float(done.stdout.split()[-1]), "how": "best of 6 copies of 1 GiB, bf16, one stream"}
+
+
 def _disk_write_speed(directory: str) -> dict:
     """dd's write speed (2 GiB, flushed to disk) in the sink's directory, for case s to stand beside."""
     import re
@@ -696,6 +782,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     parser.add_argument("--tiny", action="store_true", help="tiny fp32 model and workload, for a CPU")
+    parser.add_argument("--harvest", action="store_true",
+                        help="the activation stores' workload: prefill only (max_tokens 1) over 1,024-token prompts "
+                             "(256 with --tiny); set any of its fields with the flags below")
     parser.add_argument("--num-prompts", type=int)
     parser.add_argument("--prompt-len", type=int)
     parser.add_argument("--max-tokens", type=int, help="generated tokens per prompt")
@@ -722,7 +811,9 @@ def main() -> None:
                         help=f"tl-b, tl-e: the folder of TransformerLens's plugin ({', '.join(_PEER_FILES)}); "
                              "default: the installed transformer_lens's model_bridge/sources/vllm")
     args = parser.parse_args()
-    for field, default in zip(_WORKLOAD_FIELDS, _TINY_WORKLOAD if args.tiny else _FULL_WORKLOAD):
+    workload = {(False, False): _FULL_WORKLOAD, (True, False): _TINY_WORKLOAD, (False, True): _HARVEST_WORKLOAD,
+                (True, True): _TINY_HARVEST_WORKLOAD}[args.tiny, args.harvest]
+    for field, default in zip(_WORKLOAD_FIELDS, workload):
         if getattr(args, field) is None:
             setattr(args, field, default)
     if args.run_cases:
@@ -759,7 +850,8 @@ def main() -> None:
         peer_source = _peer_plugin(args.plugin_dir, args.peer_plugin) if set(cases) & set(_PEER) else None
         args.sink_dir = os.path.abspath(args.sink_dir or os.path.join(root, "sink"))
         os.makedirs(args.sink_dir, exist_ok=True)
-        disk = _disk_write_speed(args.sink_dir) if "s" in cases else None
+        disk = _disk_write_speed(args.sink_dir) if set(cases) & set(_SINK) else None
+        copy = _copy_rate() if args.on_gpu else None
         _make_model(args.model, shape)
         if set(cases) & set(_SAES):
             from transformers import AutoConfig
@@ -774,12 +866,13 @@ def main() -> None:
                   rounds=args.rounds, side_by_side=args.side_by_side,
                   compilation_config=json.loads(args.compilation_config or "null"), cases=results, disk=disk,
                   separate_processes=args.separate_processes or not args.on_gpu,
-                  token_groups=token_groups, peer_plugin=peer_source)
+                  token_groups=token_groups, peer_plugin=peer_source, copy=copy)
     print(f"\n{report['device']}, vLLM {report['vllm']}, torch {report['torch']}\n"
           f"model {shape}\nworkload {report['workload']}, {args.rounds} engine(s) per case"
           f"{', side by side' if args.side_by_side else ''}"
           f"{', compilation_config ' + args.compilation_config if args.compilation_config else ''}"
-          f"\n\n{_table(results)}\n\n{_rows_table(results, disk)}\n\ngreedy tokens by engine (same letter, same tokens): "
+          f"\n\n{_table(results)}\n\n{_rows_table(results, disk)}\n\n{_prefill_table(results, shape, args, copy)}"
+          f"\n\ngreedy tokens by engine (same letter, same tokens): "
           + ", ".join(f"{engine} {group}" for engine, group in token_groups.items()))
     for name, r in results.items():
         for error in ([r["error"]] if "error" in r else r.get("failed_engines", [])):
