@@ -75,14 +75,14 @@ HERE = Path(__file__).resolve().parent
 # Every family the module claims: one per record, read from the records (never typed here). A multimodal checkpoint's
 # (its text model under a text_prefix) runs in test_tl_vllm_hooks_vision.py, in an environment where torchvision
 # imports (test_multimodal_checkpoints_in_the_vision_environment).
-FAMILIES = tuple(name for name, record in tlh._FAMILIES.items() if not record.text_classes)
-MULTIMODAL = tuple(name for name, record in tlh._FAMILIES.items() if record.text_classes)
+FAMILIES = tuple(name for name, record in tlh.FAMILIES.items() if not record.text_classes)
+MULTIMODAL = tuple(name for name, record in tlh.FAMILIES.items() if record.text_classes)
 
 
 def tap_kinds(family: str) -> set:
     """What the one-prompt flavour's row logic meets in a family: each site's tap on every layer, less its module
     path (kind, inputs, norm, columns, multiplier, bias, routing), and where the text model sits in vLLM's tree."""
-    record = tlh._FAMILIES[family]
+    record = tlh.FAMILIES[family]
     text = tools.tiny_config(family).get_text_config()
     kinds = {("text_prefix", record.text_prefix)}
     for layer in [None, *range(text.num_hidden_layers)]:
@@ -92,12 +92,12 @@ def tap_kinds(family: str) -> set:
 
 def covering_families() -> tuple[str, ...]:
     """The families, fewest first found (greedy), whose records together hold every tap kind of every record."""
-    kinds = {family: tap_kinds(family) for family in tlh._FAMILIES}
+    kinds = {family: tap_kinds(family) for family in tlh.FAMILIES}
     chosen, covered = [], set()
     while uncovered := {family: len(found - covered) for family, found in kinds.items() if found - covered}:
         chosen.append(max(uncovered, key=uncovered.get))
         covered |= kinds[chosen[-1]]
-    return tuple(family for family in tlh._FAMILIES if family in chosen)
+    return tuple(family for family in tlh.FAMILIES if family in chosen)
 
 
 # The one-prompt flavour runs on every text family; a multimodal checkpoint's text model, whose engines are the
@@ -217,7 +217,7 @@ class Model:
         if self._expected is None:
             with torch.no_grad():
                 _logits, cache = self.bridge.run_with_cache(torch.tensor([PROMPT[:8]]))
-            refused = tlh._FAMILIES[self.family].refused
+            refused = tlh.FAMILIES[self.family].refused
             found = {}
             for name, tensor in cache.items():
                 site = site_of(name)
@@ -281,7 +281,7 @@ def needs_torchvision(family: str) -> bool:
     import transformers
     from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_ARCHITECTURES
 
-    record = tlh._FAMILIES[family]
+    record = tlh.FAMILIES[family]
     if "torchvision" in (getattr(SUPPORTED_ARCHITECTURES[record.architecture], "required_libraries", None) or []):
         return True
     processor = tools._TINY_MODELS[family].processor
@@ -862,12 +862,12 @@ def test_every_decoder_transformer_lens_and_vllm_share_is_supported_or_refused_w
         for architecture in set(SUPPORTED_ARCHITECTURES) & set(ModelRegistry.get_supported_archs())
         if architecture.endswith(DECODERS)
     }
-    supported = {family.architecture for family in tlh._FAMILIES.values()}
-    refused = set(tlh._REFUSED)
+    supported = {family.architecture for family in tlh.FAMILIES.values()}
+    refused = set(tlh.REFUSED)
     assert not supported & refused, f"both supported and refused: {sorted(supported & refused)}"
     assert not shared - supported - refused, f"neither supported nor refused: {sorted(shared - supported - refused)}"
     assert not (supported | refused) - shared, f"not in both registries: {sorted((supported | refused) - shared)}"
-    for architecture, reason in tlh._REFUSED.items():
+    for architecture, reason in tlh.REFUSED.items():
         config = types.SimpleNamespace(architectures=[architecture], get_text_config=lambda: None)
         with pytest.raises(ValueError, match=re.escape(f"{architecture}: refused: {reason}")):
             tlh.capture_specs(config)
@@ -889,8 +889,8 @@ def test_the_readmes_family_tables_are_the_records():
 @NO_ENGINE
 def test_every_record_has_one_tiny_model():
     """The companion's table of tiny test models (a dict: one entry a name) names every record, and no other."""
-    missing = sorted(set(tlh._FAMILIES) - set(tools._TINY_MODELS))
-    unknown = sorted(set(tools._TINY_MODELS) - set(tlh._FAMILIES))
+    missing = sorted(set(tlh.FAMILIES) - set(tools._TINY_MODELS))
+    unknown = sorted(set(tools._TINY_MODELS) - set(tlh.FAMILIES))
     assert not missing and not unknown, f"records without a tiny model: {missing}; tiny models of no record: {unknown}"
 
 
@@ -1342,7 +1342,7 @@ def test_each_family_places_exactly_the_hooks_transformer_lens_runs(models, fami
     each of which is refused by name with its reason; every other site is refused by name (for a
     multimodal checkpoint, the bridge booted on it, text prompts)."""
     model = models[family]
-    record = tlh._FAMILIES[family]
+    record = tlh.FAMILIES[family]
     assert tlh.capture_specs(model.hf.config, sites=model.sites) == model.expected
     assert not set(record.refused) & set(model.sites), "a site is both placed and refused"
     for site, reason in record.refused.items():

@@ -44,6 +44,7 @@ import socket
 import sys
 import warnings
 import weakref
+import typing
 from typing import Any
 
 import numpy as np
@@ -53,17 +54,19 @@ __version__ = "0.3.0"
 
 # fmt: off
 __all__ = [
-    "SAE_FEATURES", "SITES", "WORKER_EXTENSION", "CaptureConfig", "CaptureDataset", "WorkerExtension", "capture_specs",
-    "configure", "decode_tensor", "encode_tensor", "flush_sink", "open_capture", "read_batched", "read_captures",
-    "read_fire_counts", "register", "remove_hooks", "request_args", "reset_batched", "reset_edits",
-    "reset_fire_counts", "segment_by_request", "serve", "set_edits", "status", "tiny_model", "unregister"
+    "CAPTURE_DTYPES", "FAMILIES", "REFUSED", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION",
+    "CaptureConfig", "CaptureDataset", "SAESpec", "WorkerExtension", "capture_specs", "configure", "decode_tensor",
+    "encode_tensor", "flush_sink", "join_ranks", "model_sites", "open_capture", "parse_hook_name", "read_batched",
+    "read_captures", "read_fire_counts", "register", "remove_hooks", "request_args", "reset_batched", "reset_edits",
+    "reset_fire_counts", "segment_by_request", "serve", "set_edits", "status", "tiny_model", "unregister",
+    "user_request_id",
 ]
 # fmt: on
 
 logger = logging.getLogger(__name__)
 
 
-def _tools() -> Any:
+def _companion() -> Any:
     """The companion module (the sink, CaptureDataset, SAELens's files, tiny_model, the command line), imported when
     asked for."""
     try:
@@ -84,7 +87,7 @@ def _tools() -> Any:
 # (_Family), the one owner of what the module knows of it: module paths, norms, residual layout, multipliers, routing
 # and its config's settings (its tiny test model is the companion's, which builds it). _taps reads a record and places
 # every site of one layer. The records drive tiny_model, the tests and the README's table; an architecture no record
-# describes is refused, with the measured reason where _REFUSED holds one, never guessed.
+# describes is refused, with the measured reason where REFUSED holds one, never guessed.
 # ---------------------------------------------------------------------------
 
 # fmt: off
@@ -129,8 +132,9 @@ _NO_ATTENTION_MATRIX = (
 _HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
 
-def _parse_hook_name(name: str) -> tuple[str, int | None] | None:
-    """(site, layer or None) of a TransformerLens hook name this module knows, else None."""
+def parse_hook_name(name: str) -> tuple[str, int | None] | None:
+    """(site, layer) of a TransformerLens hook name this module knows (a key of SITES, and the layer or None for a
+    site outside the layers), else None: ``parse_hook_name("blocks.3.hook_resid_post") == ("resid_post", 3)``."""
     for pattern, site in _HOOK_NAME.items():
         match = pattern.match(name)
         if match:
@@ -309,7 +313,7 @@ _BACKEND = _Family(
 _H_LAYER = "transformer.h.{i}"
 
 # fmt: off
-_FAMILIES = {family.name: family for family in (
+FAMILIES = {family.name: family for family in (
     _Family("llama", "LlamaForCausalLM"),
     _Family("qwen2", "Qwen2ForCausalLM"),
     _Family("qwen3", "Qwen3ForCausalLM"),
@@ -466,13 +470,13 @@ _LM = "language_model."
 
 def _text_model_under_lm(text: str, name: str, architecture: str, text_classes: tuple[str, ...], **changes) -> _Family:
     """The record of a multimodal checkpoint whose text model is the ``text`` family's, at language_model."""
-    return dataclasses.replace(_FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM,
+    return dataclasses.replace(FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM,
                                text_classes=text_classes, **changes)
 
 
 _LLAVA_TEXT = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # fmt: off
-_FAMILIES.update({family.name: family for family in (
+FAMILIES.update({family.name: family for family in (
     _text_model_under_lm("gemma3", "gemma3_mm", "Gemma3ForConditionalGeneration", ("Gemma3ForCausalLM",)),
     _text_model_under_lm("gemma4", "gemma4_mm", "Gemma4ForConditionalGeneration", ("Gemma4ForCausalLM",)),
     _text_model_under_lm("mistral", "mistral3", "Mistral3ForConditionalGeneration", ("MistralForCausalLM",)),
@@ -493,7 +497,7 @@ _FAMILIES.update({family.name: family for family in (
     _text_model_under_lm("llama", "glmasr", "GlmAsrForConditionalGeneration", ("LlamaForCausalLM",)),
     # Idefics3: vLLM's text model is a LlamaModel at model.text_model (lm_head at the top).
     dataclasses.replace(
-        _FAMILIES["llama"], name="idefics3", architecture="Idefics3ForConditionalGeneration",
+        FAMILIES["llama"], name="idefics3", architecture="Idefics3ForConditionalGeneration",
         text_prefix="model.text_model.", layer="layers.{i}", embed="embed_tokens", final_norm="norm",
         text_classes=("LlamaModel",)),
     _text_model_under_lm("gemma4", "gemma4_unified", "Gemma4UnifiedForConditionalGeneration", ("Gemma4ForCausalLM",)),
@@ -515,9 +519,11 @@ _FAMILIES.update({family.name: family for family in (
                                   "hook_scale (its norms are bare components)")),
 )})
 # fmt: on
-_ARCHITECTURES = {family.architecture: family for family in _FAMILIES.values()}
+"""name -> the family's record (a frozen _Family: ``architecture``, ``vllm_class``, module paths, ``refused`` sites
+with why, ...), text families first, then multimodal checkpoints (``text_classes``); tiny_model takes the names."""
+_ARCHITECTURES = {family.architecture: family for family in FAMILIES.values()}
 # fmt: off
-_REFUSED = {  # architecture -> why no record describes it, as measured with vLLM 0.32 CPU, TransformerLens 4.3, transformers 5.19
+REFUSED = {  # architecture -> why no record describes it, as measured with vLLM 0.32 CPU, TransformerLens 4.3, transformers 5.19
     **dict.fromkeys(("ExaoneForCausalLM", "InternLM2ForCausalLM"), "transformers 5.19 has no class for it (its "
                     "checkpoints need remote code): 'Transformers does not recognize this architecture'"),
     **dict.fromkeys(("LagunaForCausalLM", "MiniMaxM2ForCausalLM"), "vLLM 0.32's CPU MoE router takes softmax "
@@ -551,6 +557,7 @@ _REFUSED = {  # architecture -> why no record describes it, as measured with vLL
                                        "the first PP rank')",
 }
 # fmt: on
+"""architecture (``config.architectures[0]``) -> why no record describes it: capture_specs refuses it saying so."""
 
 
 def _family(hf_config: Any) -> _Family:
@@ -570,8 +577,8 @@ def _family(hf_config: Any) -> _Family:
         )
     architecture = hf_config.architectures[0]
     family = _ARCHITECTURES.get(architecture)
-    if architecture in _REFUSED:
-        raise ValueError(f"architecture {architecture}: refused: {_REFUSED[architecture]}")
+    if architecture in REFUSED:
+        raise ValueError(f"architecture {architecture}: refused: {REFUSED[architecture]}")
     if family is None:
         raise ValueError(
             f"architecture {architecture}: TransformerLens hook names are placed per architecture and this module has "
@@ -765,6 +772,12 @@ def _family_sites(family: _Family, config: Any) -> list[str]:
     return [site for site in SITES if site in present]
 
 
+def model_sites(hf_config: Any) -> list[str]:
+    """The sites (keys of SITES) the model has, on some layer or outside them, in forward order: those capture_specs
+    takes. hf_config: as capture_specs's (ValueError for an architecture no record describes)."""
+    return _family_sites(_family(hf_config), hf_config.get_text_config())
+
+
 # ---------------------------------------------------------------------------
 # Config channel. vLLM builds its workers in other processes, so a module global set in the driver never reaches
 # them: the config travels as JSON in vLLM's own additional_config (which every worker receives, Ray's included, and
@@ -775,7 +788,8 @@ def _family_sites(family: _Family, config: Any) -> list[str]:
 _CONFIG_ENV = "TL_VLLM_HOOKS_CONFIG"
 _DISABLE_ENV = "TL_VLLM_HOOKS_DISABLE"
 _ADDITIONAL_CONFIG_KEY = "tl_vllm_hooks_config"
-_FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+CAPTURE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+"""The dtypes a CaptureConfig's buffers take, as torch names."""
 
 WORKER_EXTENSION = f"{__name__}.WorkerExtension"
 """vLLM's ``worker_extension_cls`` for this module (``config.llm_kwargs`` holds it)."""
@@ -841,12 +855,12 @@ class CaptureConfig:
                 f"them), got {self.sae_chosen_features!r}"
             )
         object.__setattr__(self, "saes", {n: os.path.abspath(d) if isinstance(d, str) else d for n, d in saes.items()})
-        object.__setattr__(self, "_sae_specs", {n: _tools().read_sae(n, d, self) for n, d in self.saes.items()})
+        object.__setattr__(self, "_sae_specs", {n: _companion().read_sae(n, d, self) for n, d in self.saes.items()})
         for field in ("max_num_batched_tokens", "shard_bytes"):
             if not _int_at_least(getattr(self, field), 1):
                 raise ValueError(f"{field}: must be a positive int, got {getattr(self, field)!r}")
-        if not isinstance(self.dtype, torch.dtype) or _dtype_name(self.dtype) not in _FLOAT_DTYPES:
-            raise ValueError(f"dtype: expected one of torch.{', torch.'.join(_FLOAT_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.dtype, torch.dtype) or _dtype_name(self.dtype) not in CAPTURE_DTYPES:
+            raise ValueError(f"dtype: expected one of torch.{', torch.'.join(CAPTURE_DTYPES)}, got {self.dtype!r}")
         for flag in ("enable_batching", "enable_position_interventions"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}: must be a bool, got {getattr(self, flag)!r}")
@@ -866,7 +880,7 @@ class CaptureConfig:
         """The shape of one row of hook ``name``: ``(width,)`` or ``(n_heads, d_head)``."""
         return _row_shape(self.capture_specs[name])
 
-    def sae(self, name: str) -> _SAESpec:
+    def sae(self, name: str) -> SAESpec:
         """The SAE encoding hook ``name`` (a key of ``saes``), as its files describe it."""
         return self._sae_specs[name]
 
@@ -929,8 +943,8 @@ class CaptureConfig:
                 f"{_CONFIG_ENV}: written by another version of tl_vllm_hooks than {__version__!r}; driver and workers "
                 "must load the same version"
             )
-        if data["dtype"] not in _FLOAT_DTYPES or not isinstance(data["capture_specs"], dict):
-            raise ValueError(f"{_CONFIG_ENV}: dtype must be one of {list(_FLOAT_DTYPES)} and capture_specs an object")
+        if data["dtype"] not in CAPTURE_DTYPES or not isinstance(data["capture_specs"], dict):
+            raise ValueError(f"{_CONFIG_ENV}: dtype must be one of {list(CAPTURE_DTYPES)} and capture_specs an object")
         data["capture_specs"] = {n: tuple(s) if isinstance(s, list) else s for n, s in data["capture_specs"].items()}
         return cls(**{**data, "dtype": getattr(torch, data["dtype"])})
 
@@ -958,7 +972,7 @@ def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
         )
     if re.fullmatch(r"blocks\.\d+\.attn\.(hook_pattern|hook_attn_scores)", name):
         raise ValueError(f"capture_specs: {name!r}: {_NO_ATTENTION_MATRIX}")
-    if _parse_hook_name(name) is None:
+    if parse_hook_name(name) is None:
         close = difflib.get_close_matches(name, [t.format(i=0) for t in SITES.values()], n=3)
         raise ValueError(
             f"capture_specs: {name!r} is not a hook this module knows; TransformerLens hooks here: "
@@ -992,7 +1006,7 @@ def configure(capture_specs: dict[str, tuple[int, ...] | tuple[str, int]], *args
     written or holds captures of other hooks or another dtype."""
     config = CaptureConfig(capture_specs, *args, **kwargs)
     if config.sink_dir is not None:
-        _tools().check_sink_dir(config)
+        _companion().check_sink_dir(config)
     register()
     return config
 
@@ -1019,8 +1033,7 @@ wherever at most k features fire (a value 0 is a feature that did not). With ``s
 ``{that}.chosen`` holds the activations of the features a request chose, in its order (``[rows, 0]`` for one that
 chose none)."""
 
-_SAE_WEIGHTS = {  # architecture -> the tensors of sae_weights.safetensors it encodes and steers with (a skip
-    # transcoder's W_skip, its linear path from input to output, does not change with its features)
+SAE_WEIGHTS = {
     name: ("W_enc", "W_dec", "b_enc", "b_dec", *(("threshold",) if "jumprelu" in name else ()))
     for name in (
         "standard",
@@ -1032,16 +1045,20 @@ _SAE_WEIGHTS = {  # architecture -> the tensors of sae_weights.safetensors it en
         "jumprelu_skip_transcoder",
     )
 }
-# Sites whose hooks can add a feature edit's change to the stream: not the norms' (whose edits reach the norm's output
-# as edited * weight + bias), not the router's (read-only).
-_SAE_SITES = tuple(site for site in SITES if site not in (*_NORM_SITES, *_READ_ONLY_SITES))
+"""SAELens architecture -> the tensors of its sae_weights.safetensors that encode and steer (a skip transcoder's
+W_skip, its linear path from input to output, does not change with its features)."""
+SAE_SITES = tuple(site for site in SITES if site not in (*_NORM_SITES, *_READ_ONLY_SITES))
+"""The sites an SAE may read: those whose hooks can add a feature edit's change to the stream, not the norms' (whose
+edits reach the norm's output as edited * weight + bias), not the router's (read-only)."""
 _FEATURE_EDITS = 8  # the most features one edit changes at a hook: the width of the feature edit tables
 
 
 @dataclasses.dataclass(frozen=True)
-class _SAESpec:
-    """An SAE as its cfg.json and the header of its weights file describe it; k: a topk SAE's features per token;
-    writes: the hook a transcoder writes (its layer's hook_mlp_out), decoding to rows of d_out, else None."""
+class SAESpec:
+    """An SAE as its cfg.json and the header of its weights file describe it (``config.sae(hook)``; the companion's
+    read_sae reads them): architecture, a key of SAE_WEIGHTS; d_in, d_sae, d_out: widths of its input rows, features
+    and output rows; k: a topk SAE's features per token; writes: the hook a transcoder writes (its layer's
+    hook_mlp_out), else None."""
 
     directory: str
     architecture: str
@@ -1256,12 +1273,19 @@ def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
     )
 
 
-def _parallel_ranks() -> tuple[int, int, int]:
-    """(tensor-parallel rank, tensor-parallel size, pipeline stage) of this worker."""
+class _Ranks(typing.NamedTuple):
+    """Where this worker sits in the engine: tensor-parallel rank and size, pipeline stage."""
+
+    tensor_rank: int
+    tensor_size: int
+    stage: int
+
+
+def _parallel_ranks() -> _Ranks:
     from vllm.distributed import parallel_state
 
     tensor_group = parallel_state.get_tp_group()
-    return tensor_group.rank_in_group, tensor_group.world_size, parallel_state.get_pp_group().rank_in_group
+    return _Ranks(tensor_group.rank_in_group, tensor_group.world_size, parallel_state.get_pp_group().rank_in_group)
 
 
 def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int) -> tuple[int, int] | None:
@@ -1333,6 +1357,14 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
+class _Source(typing.NamedTuple):
+    """One thing a forward keeps: its name, its device buffer [max_rows, width] and one row's shape."""
+
+    name: str
+    buffer: torch.Tensor
+    row_shape: tuple[int, ...]
+
+
 class _HookState:
     """One worker's hooks: their flags, fire counts and handles (each _Hook holds its capture buffer and edit tables),
     subclassed by the two flavours. ``table_rows``: rows of each edit table (None: one, [width]); ``row_index(hook
@@ -1382,18 +1414,21 @@ class _HookState:
         return {**self.placed, **saes, **chosen}
 
     @functools.cached_property
-    def sources(self) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
-        """What a forward keeps, as (name, device buffer [max_rows, ...], one row's shape): each hook's rows (whose
-        rows are kept), then each SAE's features as ``{features name}.indices``, ``.values`` (and ``.chosen``; see
-        SAE_FEATURES)."""
-        sources = [(name, hook.buffer, hook.row_shape) for name, hook in self.placed.items() if hook.keeps_rows]
+    def ranks(self) -> _Ranks:
+        return _parallel_ranks()
+
+    @functools.cached_property
+    def sources(self) -> list[_Source]:
+        """What a forward keeps: each hook's rows (whose rows are kept), then each SAE's features as ``{features
+        name}.indices``, ``.values`` (and ``.chosen``; see SAE_FEATURES)."""
+        sources = [_Source(name, hook.buffer, hook.row_shape) for name, hook in self.placed.items() if hook.keeps_rows]
         for name, hook in self.placed.items():
             if hook.sae is not None:
                 buffers = {"indices": hook.sae.indices, "values": hook.sae.values}
                 if hook.sae.chosen is not None:
                     buffers["chosen"] = hook.sae.chosen_values
                 rows = self.config.feature_rows(name).items()
-                sources += [(source, buffers[source.rpartition(".")[2]], shape) for source, shape in rows]
+                sources += [_Source(source, buffers[source.rpartition(".")[2]], shape) for source, shape in rows]
         return sources
 
     def shards(self) -> dict[str, int]:
@@ -1486,7 +1521,7 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
         prefix = _text_prefix(family, modules)
 
     def forward_order(name: str) -> tuple:  # modules of the user's choosing last, as given
-        site, layer = _parse_hook_name(name) or (None, None)
+        site, layer = parse_hook_name(name) or (None, None)
         if site is None:
             return (2,)
         return (site.startswith("final_norm"), -1 if layer is None else layer, list(SITES).index(site))
@@ -1497,7 +1532,7 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
         if spec is not None and isinstance(spec[0], str):
             tap, path = _Tap(spec[0], _OUTPUT), spec[0]
         else:
-            site, layer = _parse_hook_name(name)
+            site, layer = parse_hook_name(name)
             if layer is not None and layer >= text_config.num_hidden_layers:
                 raise ValueError(f"{name}: the model has {text_config.num_hidden_layers} layers")
             taps, shapes = _taps(family, text_config, layer), _row_shapes(family, text_config, layer)
@@ -1765,7 +1800,7 @@ class _SAE:
         self.spec, self.hook = config.sae(hook.name), hook
         path = os.path.join(self.spec.directory, "sae_weights.safetensors")
         with safetensors.safe_open(path, framework="pt", device=str(device)) as file:
-            weights = {name: file.get_tensor(name).to(dtype) for name in _SAE_WEIGHTS[self.spec.architecture]}
+            weights = {name: file.get_tensor(name).to(dtype) for name in SAE_WEIGHTS[self.spec.architecture]}
         self.W_enc, self.W_dec, self.b_enc, self.b_dec = (weights[n] for n in ("W_enc", "W_dec", "b_enc", "b_dec"))
         self.threshold = weights.get("threshold")
         rows = config.max_num_batched_tokens
@@ -2024,7 +2059,7 @@ _HOOK_BUILDERS = {  # tap kind -> the builder of its hooks
 # tensor travels as dtype name, shape and its raw bytes, so every dtype (bfloat16 included) round-trips bit for bit.
 # ---------------------------------------------------------------------------
 
-_WIRE_DTYPES = _FLOAT_DTYPES + ("int64", "int32", "bool")
+_WIRE_DTYPES = CAPTURE_DTYPES + ("int64", "int32", "bool")
 
 
 def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
@@ -2413,7 +2448,7 @@ def _check_hook_name(name: Any, config: CaptureConfig) -> None:
             + (f"; close matches: {close}" if close else "")
             + f"; configured: {sorted(editable)}"
         )
-    if (_parse_hook_name(name) or ("",))[0] in _READ_ONLY_SITES:
+    if (parse_hook_name(name) or ("",))[0] in _READ_ONLY_SITES:
         raise ValueError(
             f"edits: {name!r} is read-only: vLLM's fused mixture of experts routes inside its kernel, from "
             "the router's logits; edit the block's input (mlp.hook_pre) or output (hook_mlp_out) instead"
@@ -2836,7 +2871,7 @@ class _Batched(_HookState):
         self.runner = worker.model_runner
         _wrap_steps(self.runner, self)
         if self.config.sink_dir is not None:
-            self.sink = _tools().RankSink(self, worker)
+            self.sink = _companion().RankSink(self, worker)
 
     def forget_warm_up(self) -> None:
         super().forget_warm_up()
@@ -2875,7 +2910,8 @@ class _Batched(_HookState):
     def unread_requests(self) -> int:
         return len(self.records)
 
-    # The sink's interface (tl_vllm_hooks_tools.RankSink reads this flavour through these, with sources and shards).
+    # The sink's interface: tl_vllm_hooks_tools.RankSink reads this flavour through these, config, sources, shards()
+    # and ranks, and nothing else of this module's internals.
 
     def take_finished(self, request_ids: list[str]) -> tuple[list[_FinishedRequest], Any]:
         """These finished requests, each handed over once (its rows forgotten here), and a CUDA event by which the
@@ -3096,8 +3132,8 @@ class _Batched(_HookState):
             )
         if not self.hook_names:  # a pipeline rank that holds none of the hooks
             return reply
-        first_rank = _parallel_ranks()[0] == 0
-        sources = [source for source in self.sources if first_rank or source[0] in reply["shards"]]
+        first_rank = self.ranks.tensor_rank == 0
+        sources = [source for source in self.sources if first_rank or source.name in reply["shards"]]
         matches = _match_request_ids(request_ids, self.held_request_ids(), self.read_ids)
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
@@ -3108,7 +3144,7 @@ class _Batched(_HookState):
         same_host, files, firsts = driver_host == socket.gethostname(), {}, {}  # firsts: per step, see below
         for user_id, worker_id in matches.items():
             record = self.records.pop(worker_id)
-            self.read_ids.update(dict.fromkeys((worker_id, _VLLM_SUFFIX.sub("", worker_id))))
+            self.read_ids.update(dict.fromkeys((worker_id, user_request_id(worker_id))))
             while len(self.read_ids) > 2 * _READ_KEPT:
                 self.read_ids.popitem(last=False)
             message = reply["rows"][user_id] = {"columns": record.columns} if record.columns else {}
@@ -3145,6 +3181,11 @@ class _Batched(_HookState):
 
 
 _VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what vLLM adds to a user's request id
+
+
+def user_request_id(request_id: str) -> str:
+    """The user's id of a worker's request id: without the ``-{8 hex}`` suffix vLLM adds (unless told not to)."""
+    return _VLLM_SUFFIX.sub("", request_id)
 _READ_KEPT = 1 << 16  # requests whose ids a worker keeps once read (see _Batched.read_ids)
 
 
@@ -3155,8 +3196,8 @@ def _match_request_ids(user_ids: list[str], worker_ids: list[str], read: dict[st
     by_user_id: dict[str, list[str]] = {}
     for worker_id in worker_ids:
         by_user_id.setdefault(worker_id, []).append(worker_id)
-        if _VLLM_SUFFIX.search(worker_id):
-            by_user_id.setdefault(_VLLM_SUFFIX.sub("", worker_id), []).append(worker_id)
+        if user_request_id(worker_id) != worker_id:
+            by_user_id.setdefault(user_request_id(worker_id), []).append(worker_id)
     matches = {}
     for user_id in user_ids:
         found = by_user_id.get(user_id, [])
@@ -3168,7 +3209,7 @@ def _match_request_ids(user_ids: list[str], worker_ids: list[str], read: dict[st
                 f"rows were read: read each by vLLM's id, one of {found}"
             )
         if not found:
-            unread = sorted({_VLLM_SUFFIX.sub("", worker_id) for worker_id in worker_ids})
+            unread = sorted(set(map(user_request_id, worker_ids)))
             raise KeyError(
                 f"read_batched: id {user_id!r} matches no captured request; unread: {unread[:10]}"
                 + (f" and {len(unread) - 10} more" if len(unread) > 10 else "")
@@ -3234,8 +3275,8 @@ def __getattr__(name: str) -> Any:
         # point to register it: it registers here.
         register()
         return _WorkerExtension
-    if name in ("CaptureDataset", "flush_sink", "serve", "tiny_model", "main"):
-        return getattr(_tools(), name)
+    if name in ("CaptureDataset", "serve", "tiny_model", "main"):
+        return getattr(_companion(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -3312,9 +3353,10 @@ def status(engine: Any) -> dict[str, Any]:
     }
 
 
-def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """One tensor per hook from each rank's (shards, {hook_name: rows}): a replicated hook
-    whole, a split one (attn_z, mlp_post) joined in order along a row's first dimension."""
+def join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """One tensor per hook from each tensor-parallel rank's (shards, {hook_name: [rows, *row shape]}), shards giving
+    where the rank's part of each split hook starts in a row's first dimension (a sink header's ``shards``): a
+    replicated hook whole (the first rank's), a split one (attn_z, mlp_post) joined in order along that dimension."""
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for shards, rows in per_rank:
         for name, tensor in rows.items():
@@ -3337,7 +3379,7 @@ def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
     rows as SITES says, whole under tensor parallelism. num_rows: the prompt's tokens; the
     prompt must fit one forward (``<= max_num_batched_tokens``)."""
     replies = yield "read_captures", (num_rows,)
-    return _join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
+    return join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
 
 
 def _edits_to_wire(edits: Any) -> dict[str, Any]:
@@ -3433,7 +3475,22 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
     if len(per_rank) == 1:  # nothing to join
         return per_rank[0][1]
     read = {request_id for _shards, rows in per_rank for request_id in rows}
-    return {r: _join_ranks([(shards, rows.get(r, {})) for shards, rows in per_rank]) for r in read}
+    return {r: join_ranks([(shards, rows.get(r, {})) for shards, rows in per_rank]) for r in read}
+
+
+@_driver_helper
+def flush_sink(engine: Any) -> Any:
+    """Write every request that ran to the engine's ``sink_dir``, close the open shards, and return the directory's
+    ``CaptureDataset``. Call it once ``generate`` has returned (vLLM tells its workers that a request finished only
+    at their next step). RuntimeError if a write failed (disk full, directory removed), naming the file and the
+    requests not written; the shards the manifests list stay whole and readable."""
+    if getattr(engine, "llm_engine", engine).output_processor.has_unfinished_requests():
+        raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
+    writers = [reply for reply in (yield "flush_sink", ()) if reply is not None]
+    failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
+    if failures:
+        raise RuntimeError("flush_sink: " + " | ".join(failures))
+    return _companion().CaptureDataset(writers[0]["directory"])
 
 
 @_driver_helper
@@ -3467,4 +3524,4 @@ def remove_hooks(engine: Any) -> None:
 if __name__ == "__main__":
     # The command line is the companion's; it imports this file as tl_vllm_hooks, whose WORKER_EXTENSION and
     # registration state are the ones vLLM's workers see.
-    sys.exit(_tools().main())
+    sys.exit(_companion().main())
