@@ -1049,17 +1049,10 @@ def test_step_collection_keeps_each_requests_rows():
 
     buffer = torch.zeros(32, 2)
     config = tlh.CaptureConfig({"h": ("model.layers.0", 2)}, 32, enable_batching=True)
-    model = torch.nn.Linear(1, 1)
-    worker = types.SimpleNamespace(
-        model_runner=types.SimpleNamespace(get_model=lambda: model),
-        vllm_config=types.SimpleNamespace(
-            model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(get_text_config=lambda: None)),
-            cache_config=types.SimpleNamespace(enable_prefix_caching=False),
-            scheduler_config=types.SimpleNamespace(max_num_seqs=8),
-        ),
-    )
+    text_config = types.SimpleNamespace(get_text_config=lambda: None)
+    engine = tlh._EngineFacts(torch.nn.Linear(1, 1), text_config, 32, 8, False, torch.device("cpu"), torch.float32, None)
     hook = types.SimpleNamespace(buffer=buffer, width=2, row_shape=(2,), keeps_rows=True, sae=None)
-    state = tlh._Batched(config, worker, {"h": hook}, [])
+    state = tlh._Batched(config, engine, {"h": hook}, [])
     def plan(prompt_len, capture):
         return tlh._RunningRequest(tlh._RequestOptions(capture), prompt_len, None)
 
@@ -1080,7 +1073,8 @@ def test_step_collection_keeps_each_requests_rows():
         starts = np.concatenate([[0], np.cumsum(counts)])
         first = np.array([position for _, position, _ in layout])
         request_ids = [request for request, _, _ in layout]
-        state.step = tlh._StepLayout(starts, request_ids, first, state.request_table.entries(request_ids))
+        entries = state.request_table.entries(request_ids, tlh._KEEP_ALL.kept_range(0))
+        state.step = tlh._StepLayout(starts, request_ids, first, entries)
         owners = np.repeat(np.arange(len(layout)), counts)
         buffer.zero_()
         buffer[: starts[-1], 0] = torch.from_numpy(state.step.row_positions).float()  # what the row is ...
@@ -1163,14 +1157,14 @@ def test_request_table_reuses_entries_and_keeps_values_as_it_grows():
     ids = [f"r{i}" for i in range(150)]  # past the first 64 entries and the next 64
     for i, request in enumerate(ids):
         table.add(request, (i, i + 1), i % 2 == 0)
-    entries = table.entries(ids)
+    entries = table.entries(ids, tlh._KEEP_ALL.kept_range(0))
     assert sorted(entries.tolist()) == list(range(150))
     assert table.kept_first[entries].tolist() == list(range(150))
     assert table.has_edits[entries].tolist() == [1 - i % 2 for i in range(150)]
     table.next_position[entries] = 7
     for request in ids[:10]:
         table.remove(request)
-    (reused,) = table.entries(["new"])  # not added: keeps every row
+    (reused,) = table.entries(["new"], tlh._KEEP_ALL.kept_range(0))  # not added: keeps the default
     assert reused in entries[:10] and table.next_position[reused] == 0
     assert (table.kept_first[reused], table.kept_last[reused]) == tlh._KEEP_ALL.kept_range(0)
     again = table.add(ids[20], (3, 4), False)  # added again: its position carries on

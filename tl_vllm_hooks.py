@@ -14,7 +14,8 @@ and applies ``out * scale + bias`` from tables the host rewrites between forward
 * batched (``enable_batching=True``): many requests per generate, each with its own rows to keep and its own edits
   (``request_args``, also the OpenAI server's ``vllm_xargs``), whole across chunked prefill, preemption and decode;
   with a ``sink_dir``, finished requests' rows go to safetensors shards on disk, written and read (``CaptureDataset``)
-  by the companion module tl_vllm_hooks_tools, imported only for it.
+  by the companion module tl_vllm_hooks_tools, which also reads SAELens's files (``saes``): imported only for those
+  (and tiny_model, serve, the command line), through _companion alone.
 
 The driver helpers take an ``LLM``, or an ``AsyncLLM`` and then return awaitables. Installed with pip, the
 ``vllm.general_plugins`` entry point calls ``register()`` in every vLLM process; copied in, the file registers itself
@@ -66,9 +67,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _companion() -> Any:
-    """The companion module (the sink, CaptureDataset, SAELens's files, tiny_model, the command line), imported when
-    asked for."""
+def _companion(name: str) -> Any:
+    """``name`` of the companion module, tl_vllm_hooks_tools, imported when first asked for: the one way in from this
+    module, for the companion's documented features, none of which a core copied in alone needs: read_sae (``saes``),
+    check_sink_dir, RankSink and CaptureDataset (``sink_dir``), and the names forwarded to it (CaptureDataset, serve,
+    tiny_model, the command line's main). The way back: the companion uses this module's public names, and the
+    batched flavour's sink interface (see _Batched)."""
     try:
         import tl_vllm_hooks_tools
     except ModuleNotFoundError as error:
@@ -78,7 +82,7 @@ def _companion() -> Any:
             "sink_dir, saes, CaptureDataset, tiny_model and the command line live in tl_vllm_hooks_tools.py: "
             f"copy it from the project beside {__file__}"
         ) from None
-    return tl_vllm_hooks_tools
+    return getattr(tl_vllm_hooks_tools, name)
 
 
 # ---------------------------------------------------------------------------
@@ -782,7 +786,9 @@ def model_sites(hf_config: Any) -> list[str]:
 # Config channel. vLLM builds its workers in other processes, so a module global set in the driver never reaches
 # them: the config travels as JSON in vLLM's own additional_config (which every worker receives, Ray's included, and
 # which vLLM hashes into its compile-cache key), or, for servers started by hand, in one environment variable.
-# Validated when written and again when read (a worker may run another copy).
+# Validated when written and again when read (a worker may run another copy); a config's saes are read by the
+# companion's read_sae as it is made (in the driver and in each worker), its sink_dir checked by the companion in
+# configure.
 # ---------------------------------------------------------------------------
 
 _CONFIG_ENV = "TL_VLLM_HOOKS_CONFIG"
@@ -855,7 +861,7 @@ class CaptureConfig:
                 f"them), got {self.sae_chosen_features!r}"
             )
         object.__setattr__(self, "saes", {n: os.path.abspath(d) if isinstance(d, str) else d for n, d in saes.items()})
-        object.__setattr__(self, "_sae_specs", {n: _companion().read_sae(n, d, self) for n, d in self.saes.items()})
+        object.__setattr__(self, "_sae_specs", {n: _companion("read_sae")(n, d, self) for n, d in self.saes.items()})
         for field in ("max_num_batched_tokens", "shard_bytes"):
             if not _int_at_least(getattr(self, field), 1):
                 raise ValueError(f"{field}: must be a positive int, got {getattr(self, field)!r}")
@@ -1006,7 +1012,7 @@ def configure(capture_specs: dict[str, tuple[int, ...] | tuple[str, int]], *args
     written or holds captures of other hooks or another dtype."""
     config = CaptureConfig(capture_specs, *args, **kwargs)
     if config.sink_dir is not None:
-        _companion().check_sink_dir(config)
+        _companion("check_sink_dir")(config)
     register()
     return config
 
@@ -1194,11 +1200,12 @@ def _after_warm_up(worker: Any, callback: Any) -> None:
     _patch(worker, "compile_or_warm_up_model", compile_or_warm_up_model)
 
 
-def _wrap_steps(runner: Any, steps: Any) -> None:
-    """Around each step of the model runner: ``steps.schedule(scheduler_output)`` before it, ``steps.prepared()``
-    before the forward, ``steps.executed()`` after it and ``steps.finish()`` in any case. Model Runner V2 (0.24)
-    builds a fresh InputBatch in ``prepare_inputs`` and keeps it in a local variable: the wrapper keeps it on the
-    runner until execute_model returns, for segment_by_request."""
+def _wrap_steps(worker: Any, steps: Any) -> Any:
+    """Around each step of the worker's model runner (returned): ``steps.schedule(_scheduled(scheduler_output))``
+    before it, ``steps.prepared()`` before the forward, ``steps.executed()`` after it and ``steps.finish()`` in any
+    case. Model Runner V2 (0.24) builds a fresh InputBatch in ``prepare_inputs`` and keeps it in a local variable: the
+    wrapper keeps it on the runner until execute_model returns, for segment_by_request."""
+    runner = worker.model_runner
     execute_model = runner.execute_model
     tracks_v2 = not hasattr(runner, "input_batch")
     prepare_name = "prepare_inputs" if tracks_v2 else "_prepare_inputs"
@@ -1214,7 +1221,7 @@ def _wrap_steps(runner: Any, steps: Any) -> None:
         return prepared
 
     def execute_then_collect(scheduler_output, *args, **kwargs):
-        steps.schedule(scheduler_output)
+        steps.schedule(_scheduled(scheduler_output))
         try:
             result = execute_model(scheduler_output, *args, **kwargs)
             steps.executed()
@@ -1226,6 +1233,7 @@ def _wrap_steps(runner: Any, steps: Any) -> None:
 
     _patch(runner, prepare_name, prepare_then_route)
     _patch(runner, "execute_model", execute_then_collect)
+    return runner
 
 
 def _step_positions(runner: Any) -> torch.Tensor:
@@ -1242,15 +1250,36 @@ def _prompt_len(request: Any) -> int:
     return len(ids) if ids is not None else int(request.prompt_embeds.shape[0])
 
 
-def _scheduled(scheduler_output: Any) -> tuple[Any, list[tuple[str, int, list[int] | None, dict, int]], dict]:
-    """(finished ids, [(id, prompt tokens, prompt token ids or None, extra_args, first
-    position)] of new requests, {id: first position} of the others) of a scheduler output."""
+class _NewRequest(typing.NamedTuple):
+    """A request in its first step, as its scheduler output entry gives it."""
+
+    request_id: str
+    prompt_len: int
+    prompt_token_ids: list[int] | None  # None for prompt embeddings
+    extra_args: dict[str, Any]
+    first_position: int
+
+
+class _Step(typing.NamedTuple):
+    """What a step's scheduler output says: the requests that finished since the last, the new ones, each other
+    request's first position, and the tokens the step runs."""
+
+    finished: Any
+    new: list[_NewRequest]
+    first_positions: dict[str, int]
+    num_tokens: int
+
+
+def _scheduled(scheduler_output: Any) -> _Step:
+    output, cached = scheduler_output, scheduler_output.scheduled_cached_reqs
     new = [
-        (r.req_id, _prompt_len(r), r.prompt_token_ids, r.sampling_params.extra_args or {}, r.num_computed_tokens)
-        for r in scheduler_output.scheduled_new_reqs
+        _NewRequest(
+            r.req_id, _prompt_len(r), r.prompt_token_ids, r.sampling_params.extra_args or {}, r.num_computed_tokens
+        )
+        for r in output.scheduled_new_reqs
     ]
-    cached = scheduler_output.scheduled_cached_reqs
-    return scheduler_output.finished_req_ids, new, dict(zip(cached.req_ids, cached.num_computed_tokens))
+    first_positions = dict(zip(cached.req_ids, cached.num_computed_tokens))
+    return _Step(output.finished_req_ids, new, first_positions, output.total_num_scheduled_tokens)
 
 
 def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
@@ -1288,13 +1317,42 @@ def _parallel_ranks() -> _Ranks:
     return _Ranks(tensor_group.rank_in_group, tensor_group.world_size, parallel_state.get_pp_group().rank_in_group)
 
 
-def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int) -> tuple[int, int] | None:
+@dataclasses.dataclass(frozen=True)
+class _EngineFacts:
+    """What the hooks know of their worker and its engine, read once per install (_engine_facts): the model vLLM
+    loaded, its checkpoint's transformers config, the engine's tokens per forward and requests per step, whether it
+    caches prefixes, the device and dtype of the model's parameters (the edit tables'), and the worker's ranks."""
+
+    model: torch.nn.Module
+    hf_config: Any
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    prefix_caching: bool
+    device: torch.device
+    dtype: torch.dtype
+    ranks: _Ranks
+
+
+def _engine_facts(worker: Any) -> _EngineFacts:
+    vllm_config, model = worker.vllm_config, worker.model_runner.get_model()
+    scheduler = vllm_config.scheduler_config
+    # (not a tower vLLM left on the meta device: language_model_only builds a multimodal checkpoint's text model
+    # alone, and LLaVA-NeXT's first parameter, image_newline, is the tower's)
+    parameter = next(p for p in model.parameters() if p.device.type != "meta")
+    caching = bool(vllm_config.cache_config.enable_prefix_caching)
+    return _EngineFacts(
+        model, vllm_config.model_config.hf_config, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, caching,
+        parameter.device, parameter.dtype, _parallel_ranks(),
+    )  # fmt: skip
+
+
+def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int, ranks: _Ranks) -> tuple[int, int] | None:
     """(first column, columns) of a row of ``width`` this rank holds, or None for all of it:
     under tensor parallelism heads of q, k, v and z and the MLP's hidden units are split."""
     if tap.kind == _INPUT and getattr(module, "input_is_parallel", False) and getattr(module, "tp_size", 1) > 1:
         share = module.input_size_per_partition
         return module.tp_rank * share, share
-    rank, ranks, _stage = _parallel_ranks()
+    rank, ranks, _stage = ranks
     if ranks == 1:
         return None
     if tap.kind == _OUTPUT and any(
@@ -1378,24 +1436,23 @@ class _HookState:
     sink: Any = None  # the batched flavour's, with a sink_dir: tl_vllm_hooks_tools.RankSink
     shared: _SharedRows | None = None  # the batched flavour's row files
 
-    def __init__(self, config: CaptureConfig, worker: Any, placed: dict[str, _Hook], absent: list[str]):
-        vllm_config = worker.vllm_config
+    def __init__(self, config: CaptureConfig, engine: _EngineFacts, placed: dict[str, _Hook], absent: list[str]):
         self.config, self.placed, self.hook_names, self.absent = config, placed, list(placed), absent
         # What edits target, each with its lane of the flavour's row_index: the hooks, then their SAEs' features.
         saes = [name + SAE_FEATURES for name in placed if name in config.saes]
         self.lanes = [*placed, *saes, *(name + ".chosen" for name in saes if config.sae_chosen_features)]
-        self.hf_config = vllm_config.model_config.hf_config.get_text_config()  # the routers' and multipliers'
+        self.hf_config = engine.hf_config.get_text_config()  # the routers' and multipliers'
         self.payload = config.to_json()  # what request options are checked against
-        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
-        # (not a tower vLLM left on the meta device: language_model_only builds a multimodal checkpoint's text model
-        # alone, and LLaVA-NeXT's first parameter, image_newline, is the tower's)
-        parameter = next(p for p in worker.model_runner.get_model().parameters() if p.device.type != "meta")
-        self.device, self.edit_dtype = parameter.device, parameter.dtype
+        self.prefix_caching, self.max_num_seqs, self.ranks = engine.prefix_caching, engine.max_num_seqs, engine.ranks
+        self.device, self.edit_dtype = engine.device, engine.dtype
         self.handles: list[Any] = []
         self.fire_counts = torch.zeros(len(placed), dtype=torch.int64, device=self.device)
         # One int64 per hook: 0 = open (the next forward writes its rows), 1 = closed.
         self.capture_flags = torch.zeros(len(placed), dtype=torch.int64, device=self.device)
+
+    def attach(self, worker: Any) -> None:
+        """Once the hooks are in: the flavour's steps run around each of the worker's (see _wrap_steps)."""
+        self.runner = _wrap_steps(worker, self)
 
     def forget_warm_up(self) -> None:
         """Drop what vLLM's own warm-up and graph-capture forwards left behind."""
@@ -1414,10 +1471,6 @@ class _HookState:
         return {**self.placed, **saes, **chosen}
 
     @functools.cached_property
-    def ranks(self) -> _Ranks:
-        return _parallel_ranks()
-
-    @functools.cached_property
     def sources(self) -> list[_Source]:
         """What a forward keeps: each hook's rows (whose rows are kept), then each SAE's features as ``{features
         name}.indices``, ``.values`` (and ``.chosen``; see SAE_FEATURES)."""
@@ -1430,6 +1483,13 @@ class _HookState:
                 rows = self.config.feature_rows(name).items()
                 sources += [_Source(source, buffers[source.rpartition(".")[2]], shape) for source, shape in rows]
         return sources
+
+    @functools.cached_property
+    def sent_sources(self) -> list[_Source]:
+        """The sources this rank hands over (reads and the sink): each replicated one from the first tensor-parallel
+        rank alone, each rank's part of a split one."""
+        shards = self.shards()
+        return [source for source in self.sources if self.ranks.tensor_rank == 0 or source.name in shards]
 
     def shards(self) -> dict[str, int]:
         """Where this rank's part of each hook split by tensor parallelism starts in a row's first dimension."""
@@ -1470,21 +1530,20 @@ class _HookState:
 
 
 def _install(worker: Any, config: CaptureConfig) -> None:
-    engine_rows = worker.vllm_config.scheduler_config.max_num_batched_tokens
-    if engine_rows > config.max_num_batched_tokens:
+    engine = _engine_facts(worker)
+    if engine.max_num_batched_tokens > config.max_num_batched_tokens:
         raise ValueError(
-            f"max_num_batched_tokens: the engine schedules up to {engine_rows} tokens per forward but the capture "
-            f"buffers hold {config.max_num_batched_tokens}; build it with LLM(model, **config.llm_kwargs), which "
-            "passes the buffers' size on"
+            f"max_num_batched_tokens: the engine schedules up to {engine.max_num_batched_tokens} tokens per forward "
+            f"but the capture buffers hold {config.max_num_batched_tokens}; build it with LLM(model, "
+            "**config.llm_kwargs), which passes the buffers' size on"
         )
-    _refuse_prefix_caching(bool(worker.vllm_config.cache_config.enable_prefix_caching), config)
+    _refuse_prefix_caching(engine.prefix_caching, config)
     _uninstall(worker)
     _sweep_shared_files()
     atexit.unregister(_sweep_shared_files)  # once per process, however many installs
     atexit.register(_sweep_shared_files, own=True)
-    model = worker.model_runner.get_model()
-    placed, absent = _place_hooks(model, worker.vllm_config.model_config.hf_config, config)
-    state = (_Batched if config.enable_batching else _OnePrompt)(config, worker, placed, absent)
+    placed, absent = _place_hooks(engine, config)
+    state = (_Batched if config.enable_batching else _OnePrompt)(config, engine, placed, absent)
     for index, hook in enumerate(state.placed.values()):  # the hooks that read and edit each
         hook.bind(state, index)
         _HOOK_BUILDERS[hook.tap.kind](hook)
@@ -1503,8 +1562,9 @@ def _uninstall(worker: Any) -> None:
         worker._tl_hooks = None
 
 
-def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) -> tuple[dict[str, _Hook], list[str]]:
+def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str, _Hook], list[str]]:
     """This rank's hooks in forward order (the order hooks on one module run in), and those on other pipeline ranks."""
+    model, hf_config = engine.model, engine.hf_config
     modules = dict(model.named_modules())
     # An SAE's hook, and the hook a transcoder writes, are placed whether or not their rows are kept (_Hook.keeps_rows).
     writes = [config.sae(name).writes for name in config.saes]
@@ -1560,7 +1620,7 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
                 )
         row_shape = _row_shape(spec)
         width = math.prod(row_shape)
-        start, columns = _tensor_parallel_share(module, tap, width) or (0, width)
+        start, columns = _tensor_parallel_share(module, tap, width, engine.ranks) or (0, width)
         for sae in config.saes:  # those that read or write this hook
             verb, expected = ("reads", config.sae(sae).d_in) if sae == name else ("writes", config.sae(sae).d_out)
             if name in (sae, config.sae(sae).writes) and (width != expected or columns != width):
@@ -2477,6 +2537,8 @@ class _RequestOptions:
         """What a slot of the batched edit tables holds for the request: its edits and chosen features."""
         return {**self.edits, **self.chosen}
 
+    # What the request keeps, decided here alone: kept_range for a step's array operations, keeps for a list of
+    # positions (which kept_range marks with first -1), keeps_any for a span.
     def kept_range(self, prompt_len: int) -> tuple[int, int]:
         """(first, last) position kept; first is -1 for a list of positions."""
         if isinstance(self.capture, np.ndarray):
@@ -2484,6 +2546,13 @@ class _RequestOptions:
         last = prompt_len - 1
         ranges = {"all": (0, _NO_LAST_POSITION), "prompt": (0, last), "last_prompt_token": (last, last)}
         return ranges.get(self.capture, (0, -1))
+
+    def keeps(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+        """Whether the row of each of these positions is kept (bool, positions' shape)."""
+        if isinstance(self.capture, np.ndarray):
+            return np.isin(positions, self.capture)
+        first, last = self.kept_range(prompt_len)
+        return (positions >= first) & (positions <= last)
 
     def keeps_any(self, start: int, stop: int, prompt_len: int) -> bool:
         """Whether the row of some position in [start, stop) is kept."""
@@ -2617,11 +2686,17 @@ def _refuse_prefix_caching(prefix_caching: bool, config: CaptureConfig, edits: A
         )
 
 
+def _default_options(prefix_caching: bool) -> _RequestOptions:
+    """What a request without options keeps, wherever the workers meet one: every row, or none with prefix caching on
+    (it may be served from the cache)."""
+    return _KEEP_NONE if prefix_caching else _KEEP_ALL
+
+
 def _worker_options(extra_args: dict[str, Any], state: _HookState) -> tuple[_RequestOptions, str | None]:
     """A new request's options as the workers apply them, and why its rows cannot be read
-    (None if they can); without options, every row, or none with prefix caching on."""
+    (None if they can); without options, _default_options."""
     if _REQUEST_KEY not in extra_args:
-        return (_KEEP_NONE if state.prefix_caching else _KEEP_ALL), None
+        return _default_options(state.prefix_caching), None
     if state.prefix_caching and _CACHE_MARK not in extra_args:  # its edits would reach others' blocks
         return _KEEP_NONE, (
             "its options were not applied: vLLM's front end did not load tl_vllm_hooks, which keeps "
@@ -2671,18 +2746,14 @@ class _OnePrompt(_HookState):
     def row_index(self, _hook_index: int) -> torch.Tensor | None:
         return self.positions
 
-    def attach(self, worker: Any) -> None:
-        self.runner = worker.model_runner
-        _wrap_steps(self.runner, self)
-
     def open_capture(self) -> None:
         self.capture_flags.zero_()
         self.forward_rows = 0
 
     # The steps _wrap_steps calls: the rows of the captured forward, and the positions of each.
-    def schedule(self, scheduler_output: Any) -> None:
+    def schedule(self, step: _Step) -> None:
         if self.forward_rows == 0:
-            self.forward_rows = scheduler_output.total_num_scheduled_tokens
+            self.forward_rows = step.num_tokens
 
     def prepared(self) -> None:
         if self.positions is None:
@@ -2754,12 +2825,12 @@ class _RequestTable:
         if entry is not None:
             self.free.append(entry)
 
-    def entries(self, request_ids: list[str]) -> np.ndarray:
-        """int64 [len(request_ids)]: each request's entry. One never added (running since
-        before the hooks' first step) gets one that keeps every row."""
+    def entries(self, request_ids: list[str], default: tuple[int, int]) -> np.ndarray:
+        """int64 [len(request_ids)]: each request's entry. One never added (running since before the hooks' first
+        step) gets one keeping the ``default`` range, a request's without options."""
         entries = np.fromiter(map(self.index.get, request_ids, itertools.repeat(-1)), np.int64, len(request_ids))
         for i in np.flatnonzero(entries < 0):
-            entries[i] = self.add(request_ids[i], _KEEP_ALL.kept_range(0), False)
+            entries[i] = self.add(request_ids[i], default, False)
         return entries
 
 
@@ -2868,10 +2939,9 @@ class _Batched(_HookState):
         return self.row_edit_index[hook_index]
 
     def attach(self, worker: Any) -> None:
-        self.runner = worker.model_runner
-        _wrap_steps(self.runner, self)
+        super().attach(worker)
         if self.config.sink_dir is not None:
-            self.sink = _companion().RankSink(self, worker)
+            self.sink = _companion("RankSink")(self, worker)
 
     def forget_warm_up(self) -> None:
         super().forget_warm_up()
@@ -2910,8 +2980,8 @@ class _Batched(_HookState):
     def unread_requests(self) -> int:
         return len(self.records)
 
-    # The sink's interface: tl_vllm_hooks_tools.RankSink reads this flavour through these, config, sources, shards()
-    # and ranks, and nothing else of this module's internals.
+    # The sink's interface: tl_vllm_hooks_tools.RankSink reads this flavour through these, config, sent_sources,
+    # shards() and ranks, and nothing else of this module's internals.
 
     def take_finished(self, request_ids: list[str]) -> tuple[list[_FinishedRequest], Any]:
         """These finished requests, each handed over once (its rows forgotten here), and a CUDA event by which the
@@ -2939,9 +3009,9 @@ class _Batched(_HookState):
 
     # Steps, in the order _wrap_steps calls them.
 
-    def schedule(self, scheduler_output: Any) -> None:
+    def schedule(self, step: _Step) -> None:
         """Read the step's new requests' options and every request's first position."""
-        finished, new, first_positions = _scheduled(scheduler_output)
+        finished, new, first_positions = step.finished, step.new, step.first_positions
         if self.sink is not None:
             self.sink.write(finished)
         for request_id in finished:
@@ -2954,7 +3024,7 @@ class _Batched(_HookState):
                 self.incomplete[request_id] = problem
             self.running[request_id] = _RunningRequest(options, prompt_len, prompt_token_ids)
             self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.slot_tables))
-            if not (isinstance(options.capture, str) and options.capture == "none"):
+            if options.keeps_any(0, _NO_LAST_POSITION, prompt_len):
                 self.records.setdefault(request_id, self._record(options))  # read_batched knows it from now on
             first_positions[request_id] = first_position
         self.first_positions = first_positions
@@ -2977,7 +3047,8 @@ class _Batched(_HookState):
                 self.incomplete[request_ids[i]] = "a step ran it without its scheduler output entry"
             return
         starts = np.asarray(starts, dtype=np.int64)
-        self.step = _StepLayout(starts, request_ids, first, self.request_table.entries(request_ids))
+        default = _default_options(self.prefix_caching).kept_range(0)
+        self.step = _StepLayout(starts, request_ids, first, self.request_table.entries(request_ids, default))
         row_positions, global_rows = self.step.row_positions, _global_rows(self.config)
         edited = np.flatnonzero(self.request_table.has_edits[self.step.entries])
         if global_rows == 1 and not edited.size:
@@ -3054,8 +3125,8 @@ class _Batched(_HookState):
         positions = step.row_positions
         kept = (positions >= np.repeat(first, step.counts)) & (positions <= np.repeat(last, step.counts))
         for i in np.flatnonzero(first < 0):  # requests keeping a list of positions
-            rows = slice(step.starts[i], step.starts[i + 1])
-            kept[rows] = np.isin(positions[rows], self.running[step.request_ids[i]].options.capture)
+            rows, request = slice(step.starts[i], step.starts[i + 1]), self.running[step.request_ids[i]]
+            kept[rows] = request.options.keeps(positions[rows], request.prompt_len)
         return kept
 
     def _rows_to_host(self, kept_rows: np.ndarray) -> tuple[_RowFile | None, dict[str, torch.Tensor]]:
@@ -3109,7 +3180,8 @@ class _Batched(_HookState):
                 self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
         if chunk.end > chunk.start:  # (reset_batched may have dropped its record meanwhile)
             request = self.running.get(request_id)
-            record = self.records.setdefault(request_id, self._record(request.options if request else _KEEP_ALL))
+            options = request.options if request else _default_options(self.prefix_caching)
+            record = self.records.setdefault(request_id, self._record(options))
             record.chunks.append(chunk)
             self.shared.hold(chunk.file)
 
@@ -3123,7 +3195,7 @@ class _Batched(_HookState):
         driver on this host, a request's message holds ``"pieces"``, where its rows are in the row ``files`` (tokens;
         see _map_row_file and _rows_in), one message per request, as a read of many requests of one row each costs
         per message; else ``"encoded"``, {name: encoded rows}; and ``"columns"``, where it keeps fewer features.
-        Replicated hooks come from the first tensor-parallel rank only."""
+        Of the sent_sources."""
         reply = {"shards": self.shards(), "hooks": [], "files": [], "rows": {}}
         if self.config.sink_dir is not None:
             raise RuntimeError(
@@ -3132,8 +3204,7 @@ class _Batched(_HookState):
             )
         if not self.hook_names:  # a pipeline rank that holds none of the hooks
             return reply
-        first_rank = self.ranks.tensor_rank == 0
-        sources = [source for source in self.sources if first_rank or source.name in reply["shards"]]
+        sources = self.sent_sources
         matches = _match_request_ids(request_ids, self.held_request_ids(), self.read_ids)
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
@@ -3276,7 +3347,7 @@ def __getattr__(name: str) -> Any:
         register()
         return _WorkerExtension
     if name in ("CaptureDataset", "serve", "tiny_model", "main"):
-        return getattr(_companion(), name)
+        return _companion(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -3490,7 +3561,7 @@ def flush_sink(engine: Any) -> Any:
     failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
     if failures:
         raise RuntimeError("flush_sink: " + " | ".join(failures))
-    return _companion().CaptureDataset(writers[0]["directory"])
+    return _companion("CaptureDataset")(writers[0]["directory"])
 
 
 @_driver_helper
@@ -3524,4 +3595,4 @@ def remove_hooks(engine: Any) -> None:
 if __name__ == "__main__":
     # The command line is the companion's; it imports this file as tl_vllm_hooks, whose WORKER_EXTENSION and
     # registration state are the ones vLLM's workers see.
-    sys.exit(_companion().main())
+    sys.exit(_companion("main")())

@@ -185,21 +185,20 @@ def check_sink_dir(config: CaptureConfig) -> None:
 
 
 class RankSink:
-    """A batched worker's part of the sink: the first tensor-parallel rank of each pipeline
-    stage writes its stage's hooks, the other ranks only their parts of split ones, each
+    """A batched worker's part of the sink: each rank of each pipeline stage writes the rows it sends (the flavour's
+    sent_sources: the first tensor-parallel rank its stage's hooks, the other ranks their parts of split ones), each
     through a ShardWriter of its own (none where a rank writes nothing)."""
 
     def __init__(self, state: Any, worker: Any):
         self.state = state
-        tensor_rank, stage = state.ranks.tensor_rank, state.ranks.stage
         shards = state.shards()
-        self.sources = [(s.name, s.row_shape) for s in state.sources if tensor_rank == 0 or s.name in shards]
+        self.sources = [(source.name, source.row_shape) for source in state.sent_sources]
         # Row files holding rows the writer thread has written, one entry per chunk: the steps may fill them again.
         self.written: collections.deque = collections.deque()
         self.hooks = [name for name, _shape in self.sources]
         self.writer: ShardWriter | None = None
         if self.hooks:
-            writer, config = f"pp{stage}-tp{tensor_rank}", state.config
+            writer, config = f"pp{state.ranks.stage}-tp{state.ranks.tensor_rank}", state.config
             header = {
                 **sink_header(config),
                 "writer": writer,
