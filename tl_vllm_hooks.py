@@ -1706,8 +1706,33 @@ def _normalize(rows, norm, eps):
     return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)
 
 
+class _EditTables:
+    """What an edit lane writes (a hook, its SAE's features, their chosen features): its ``tables``, whose rows the
+    flavour's row_index picks, and their ``identity`` values (None: no engine-wide edit, a request's own alone)."""
+
+    identity: tuple | None = None
+
+    def local(self, row: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full edit row or table (all of it but for a hook split by tensor parallelism)."""
+        return row
+
+    def set_engine_wide(self, values: tuple[torch.Tensor, ...] | None) -> None:
+        """Copy an engine-wide edit's tables (see _engine_wide_tables) into the engine-wide rows (all of a 1-row
+        table), or identity."""
+        if self.identity is None:
+            return
+        for table, value, same in zip(self.tables, values or self.identity, self.identity):
+            rows = table if table.dim() == 1 else table[: _global_rows(self.state.config)]
+            rows.copy_(self.local(value) if values is not None else torch.tensor(same))
+
+    def write_edit(self, row: int, rows: tuple[torch.Tensor, ...]) -> None:
+        """Write a request's table rows into row ``row`` of the tables."""
+        for table, value in zip(self.tables, rows):
+            table[row].copy_(self.local(value))
+
+
 @dataclasses.dataclass(eq=False)
-class _Hook:
+class _Hook(_EditTables):
     """One configured hook as this worker holds it: module, tap, row shape and the columns of
     a full row it holds (a slice under tensor parallelism); once bound, its capture buffer,
     flag, fire count and edit tables, and the [rows, width] views its builder's hooks use."""
@@ -1734,6 +1759,7 @@ class _Hook:
         # Edit tables, out = out * scale + bias, of the flavour's rows.
         self.scale = torch.ones(*filter(None, (state.table_rows, self.width)), dtype=state.edit_dtype, device=device)
         self.bias = torch.zeros_like(self.scale)
+        self.tables, self.identity = (self.scale, self.bias), (1, 0)
         self.row_index = state.row_index(index)
         if self.order is not None:
             self.order = self.order.to(device)
@@ -1744,15 +1770,6 @@ class _Hook:
             self.norm_changed = torch.zeros(rows, 1, dtype=torch.bool, device=device)
         features = self.name + SAE_FEATURES
         self.sae = _SAE(self, state, state.lanes.index(features)) if features in state.lanes else None
-
-    def set_engine_wide(self, tables: tuple[torch.Tensor, ...] | None) -> None:
-        """Write an engine-wide edit's (scale, bias) (see _engine_wide_tables), or identity."""
-        _set_engine_wide((self.scale, self.bias), tables and tuple(map(self.local, tables)), (1, 0), self.state)
-
-    def write_edit(self, row: int, rows: tuple[torch.Tensor, ...]) -> None:
-        """Write a request's (scale, bias) rows into row ``row`` of the tables."""
-        self.scale[row].copy_(self.local(rows[0]))
-        self.bias[row].copy_(self.local(rows[1]))
 
     def steer(self, activation: torch.Tensor, into: torch.Tensor, factor: float | None = None) -> None:
         """With an SAE here: keep the features of ``activation`` (the edited rows) and add the feature edits' change
@@ -1771,7 +1788,6 @@ class _Hook:
             into.add_(change if factor is None else change * factor)
 
     def local(self, row: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of a full-width edit row or table."""
         return row[..., self.columns[0] : self.columns[1]]
 
     def columns_of(self, tensor):
@@ -1839,15 +1855,7 @@ def _rows_of_tables(tables: tuple[torch.Tensor, ...], row_index: torch.Tensor | 
     return tuple(table.index_select(0, picked) for table in tables)
 
 
-def _set_engine_wide(tables: tuple, values: tuple | None, identity: tuple, state: _HookState) -> None:
-    """Copy an engine-wide edit's tables into the engine-wide rows of these (all of a 1-row table), or identity."""
-    for table, value, same in zip(tables, values or identity, identity):
-        (table if table.dim() == 1 else table[: _global_rows(state.config)]).copy_(
-            value if values is not None else torch.tensor(same)
-        )
-
-
-class _SAE:
+class _SAE(_EditTables):
     """A hook's SAE (or transcoder) on its worker's device, its weights in the capture dtype: each forward's top
     features (kept as the hook keeps its rows: the first forward after an open wins) and the tables of feature
     edits, rows picked by the features' own lane of the flavour's row_index: the features edited, int64 [..,
@@ -1874,6 +1882,7 @@ class _SAE:
         self.features = torch.zeros(shape, dtype=torch.int64, device=device)
         self.scale = torch.ones(shape, dtype=dtype, device=device)
         self.bias = torch.zeros(shape, dtype=dtype, device=device)
+        self.tables, self.identity = (self.features, self.scale, self.bias), (0, 1, 0)
         self.row_index, self.state = state.row_index(lane), state
         self.chosen = None  # with sae_chosen_features: the features each request reads densely, by its own lane
         if config.sae_chosen_features:
@@ -1904,7 +1913,7 @@ class _SAE:
         closed = self.hook.flag.bool()  # (the hook's keep closes it after this)
         kept = [(self.values, values), (self.indices, indices.to(torch.int32))]
         if self.chosen is not None:
-            (chosen,) = _rows_of_tables((self.chosen.table,), self.chosen_index, num_rows)
+            (chosen,) = _rows_of_tables(self.chosen.tables, self.chosen_index, num_rows)
             kept.append((self.chosen_values, activations.gather(1, chosen)))
         for buffer, new in kept:
             buffer.narrow(0, 0, num_rows).copy_(torch.where(closed, buffer.narrow(0, 0, num_rows), new))
@@ -1915,26 +1924,13 @@ class _SAE:
         bag = torch.nn.functional.embedding_bag(features, self.W_dec, per_sample_weights=change, mode="sum")
         return bag.to(rows.dtype)
 
-    def set_engine_wide(self, tables: tuple[torch.Tensor, ...] | None) -> None:
-        _set_engine_wide((self.features, self.scale, self.bias), tables, (0, 1, 0), self.state)
 
-    def write_edit(self, row: int, rows: tuple[torch.Tensor, ...]) -> None:
-        for table, value in zip((self.features, self.scale, self.bias), rows):
-            table[row].copy_(value)
+class _ChosenFeatures(_EditTables):
+    """An SAE's table of the features each batched request reads densely: int64 [table_rows, sae_chosen_features], a
+    request's slot row holding its choice (padded with feature 0); no engine-wide choice."""
 
-
-@dataclasses.dataclass
-class _ChosenFeatures:
-    """An SAE's table of the features each batched request reads densely: int64 [table_rows,
-    sae_chosen_features], a request's slot row holding its choice (padded with feature 0)."""
-
-    table: torch.Tensor
-
-    def set_engine_wide(self, _tables: None) -> None:
-        """(A choice is a request's own.)"""
-
-    def write_edit(self, row: int, rows: tuple[torch.Tensor]) -> None:
-        self.table[row].copy_(rows[0])
+    def __init__(self, table: torch.Tensor):
+        self.tables = (table,)
 
 
 def _router_hooks(site: _Hook) -> None:
