@@ -1081,7 +1081,10 @@ class SAESpec:
 # section (the module paths and argument names of the architecture tables above aside), so a vLLM upgrade is read
 # here. Checked on vLLM 0.24.0 (CUDA: V1 runner and Model Runner V2), 0.28.0 and 0.32.0 (CPU, V1 runner). Hooks must
 # exist before vLLM's first forward (the profile run), where Dynamo traces the model: hooks added later are not in
-# the compiled graph and never run, so they go in right after load_model.
+# the compiled graph and never run, so they go in right after load_model. What the hooks know of their engine is read
+# once per install (_EngineFacts), what they know of a step once per step (_Step); which columns of a hook a
+# tensor-parallel rank holds is decided here alone (_tensor_parallel_share; join_ranks joins them). One exception:
+# _keep_apart_in_prefix_cache, the prefix-cache policy, sets three fields of the request vLLM's front end made.
 # ---------------------------------------------------------------------------
 
 _V2_BATCH = "_tl_step_batch"  # Model Runner V2's batch of the step in flight, see _wrap_steps
@@ -1310,6 +1313,15 @@ class _Ranks(typing.NamedTuple):
     stage: int
 
 
+def _worker_extension_of(engine: Any) -> str:
+    """The worker_extension_cls of an LLM's or an AsyncLLM's engine."""
+    return getattr(engine, "llm_engine", engine).vllm_config.parallel_config.worker_extension_cls
+
+
+def _has_unfinished_requests(engine: Any) -> bool:
+    return getattr(engine, "llm_engine", engine).output_processor.has_unfinished_requests()
+
+
 def _parallel_ranks() -> _Ranks:
     from vllm.distributed import parallel_state
 
@@ -1411,7 +1423,9 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
 
 # ---------------------------------------------------------------------------
 # Worker state. Built once, in _HookState, before the profile run, torch.compile and CUDA-graph capture, so compiled
-# code always sees the same tensors; between forwards only their contents are rewritten.
+# code always sees the same tensors; between forwards only their contents are rewritten. _place_hooks places every
+# configured hook and checks it against the model; sent_sources says what a rank hands over (replicated hooks from
+# the first tensor-parallel rank alone).
 # ---------------------------------------------------------------------------
 
 
@@ -1699,11 +1713,12 @@ def _with_arguments(args, kwargs, inputs, values):
 
 
 def _normalize(rows, norm, eps):
-    """[rows, width] normalized over the last dimension in fp32, before any weight."""
-    rows = rows.float()
+    """(the rows centred (for LayerNorm), their variance + eps) in fp32, as TransformerLens normalizes [rows, width]
+    over the last dimension, before any weight: normalized, centred * rsqrt(variance + eps)."""
+    centered = rows.float()
     if norm.startswith("layer"):
-        rows = rows - rows.mean(-1, keepdim=True)
-    return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)
+        centered = centered - centered.mean(-1, keepdim=True)
+    return centered, centered.pow(2).mean(-1, keepdim=True) + eps
 
 
 class _EditTables:
@@ -2074,11 +2089,8 @@ def _norm_hooks(site: _Hook) -> None:
         hidden, residual = (None if t is None else t.view(-1, t.shape[-1]) for t in site.inputs_of(args, kwargs))
         total = edited_by(_NORM_INPUT, hidden if residual is None else hidden + residual)
         activation = total
-        if tap.kind != _NORM_INPUT:  # as TransformerLens: in fp32, centred x over sqrt(mean(x**2) + eps)
-            centered = total.float()
-            if tap.norm.startswith("layer"):
-                centered = centered - centered.mean(-1, keepdim=True)
-            variance = centered.pow(2).mean(-1, keepdim=True) + eps
+        if tap.kind != _NORM_INPUT:
+            centered, variance = _normalize(total, tap.norm, eps)
             normalized = edited_by(_NORM_SCALE, centered * torch.rsqrt(variance))
             activation = variance.sqrt() if tap.kind == _NORM_SCALE else normalized
         row_scale, row_bias = site.edit_of(activation)
@@ -2092,7 +2104,10 @@ def _norm_hooks(site: _Hook) -> None:
         out = output[0] if isinstance(output, tuple) else output
         out = out.view(-1, out.shape[-1])
         edited = norm_rows.narrow(0, 0, out.shape[0])
-        result = _normalize(edited, tap.norm, eps) if tap.kind == _NORM_INPUT else edited
+        result = edited
+        if tap.kind == _NORM_INPUT:
+            centered, variance = _normalize(edited, tap.norm, eps)
+            result = centered * torch.rsqrt(variance)
         result = result * (weight.float() + 1.0 if tap.norm.endswith("_offset") else weight.float())
         if tap.norm.startswith("layer") and norm_bias is not None:
             result = result + norm_bias.float()
@@ -2111,8 +2126,9 @@ _HOOK_BUILDERS = {  # tap kind -> the builder of its hooks
 
 
 # ---------------------------------------------------------------------------
-# Tensor wire format. vLLM's RPC carries msgpack values, not tensors, and this module never asks for pickle: a
-# tensor travels as dtype name, shape and its raw bytes, so every dtype (bfloat16 included) round-trips bit for bit.
+# Transport. vLLM's RPC carries msgpack values, not tensors, and this module never asks for pickle: a tensor travels
+# as dtype name, shape and its raw bytes, so every dtype (bfloat16 included) round-trips bit for bit. Batched rows
+# travel in row files instead, both ends of which are here (below).
 # ---------------------------------------------------------------------------
 
 _WIRE_DTYPES = CAPTURE_DTYPES + ("int64", "int32", "bool")
@@ -2350,7 +2366,8 @@ def _rows_in(
 # Edits and request options. One wire form for every flavour: per hook, an op, an optional value (a number or a
 # row-shaped tensor) and optional positions. Each becomes a (scale, bias) pair with out = out * scale + bias. A
 # request's options are parsed into one _RequestOptions, by the same function wherever they are read (the driver,
-# the engine's front end and the workers), and checked there before anything runs.
+# the engine's front end and the workers), and checked there before anything runs; what a request keeps is decided
+# by _RequestOptions alone.
 # ---------------------------------------------------------------------------
 
 _EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
@@ -2645,7 +2662,7 @@ def _request_options(extra_args: dict[str, Any] | None, payload: str | None) -> 
 # Prefix caching. Tokens vLLM serves from its prefix cache never run through the model, so their rows are missing,
 # and a block computed under an edit would be served to requests that never asked for it. Engines built with
 # llm_kwargs or serve_args have it off; with the batched flavour a user may turn it on, and every rule that then
-# applies is in this section.
+# applies is in this section, what a request without options keeps (_default_options) among them.
 # ---------------------------------------------------------------------------
 
 _PREFIX_CACHING = False  # what llm_kwargs and serve_args set: every request keeps all its rows
@@ -3351,7 +3368,7 @@ def __getattr__(name: str) -> Any:
 # Driver helpers: a user's script calls these with its engine, an offline LLM or an AsyncLLM (whose collective_rpc
 # is a coroutine). Each is written once, as a generator that yields (worker method, args) and is sent the workers'
 # results; @_driver_helper runs it at once on an LLM, or returns an awaitable that runs it on an AsyncLLM. Results
-# come back as torch tensors keyed by hook name.
+# come back as torch tensors keyed by hook name; join_ranks joins what tensor-parallel ranks send.
 # ---------------------------------------------------------------------------
 
 
@@ -3361,7 +3378,7 @@ def _driver_helper(steps: Any) -> Any:
 
     @functools.wraps(steps)
     def helper(engine: Any, *args: Any) -> Any:
-        extension = getattr(engine, "llm_engine", engine).vllm_config.parallel_config.worker_extension_cls
+        extension = _worker_extension_of(engine)
         if extension != WORKER_EXTENSION:
             raise RuntimeError(
                 f"tl_vllm_hooks: the engine's worker_extension_cls is {extension!r}; build it with "
@@ -3551,7 +3568,7 @@ def flush_sink(engine: Any) -> Any:
     ``CaptureDataset``. Call it once ``generate`` has returned (vLLM tells its workers that a request finished only
     at their next step). RuntimeError if a write failed (disk full, directory removed), naming the file and the
     requests not written; the shards the manifests list stay whole and readable."""
-    if getattr(engine, "llm_engine", engine).output_processor.has_unfinished_requests():
+    if _has_unfinished_requests(engine):
         raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
     writers = [reply for reply in (yield "flush_sink", ()) if reply is not None]
     failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
