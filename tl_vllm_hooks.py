@@ -1022,58 +1022,342 @@ def _disabled() -> bool:
 
 
 # ---------------------------------------------------------------------------
-# SAEs. A sparse autoencoder in SAELens's on-disk format encodes a hook's rows inside the graph, in every forward:
-# each token's top-k features are kept beside (or instead of) its rows, and an edit of features f changes the
-# stream by (new_f - old_f) * W_dec[f] alone, so the SAE's reconstruction error stays in it and an unedited row is
-# left as it was. A transcoder encodes the rows of one hook, and its edits change those of its layer's hook_mlp_out.
-# The companion reads SAELens's files (tl_vllm_hooks_tools.read_sae, when the config is made and checked against the
-# hook); each worker loads the weights onto its device before the first forward.
+# Edits and request options. One wire form for every flavour: per hook, an op, an optional value (a number or a
+# row-shaped tensor) and optional positions. Each becomes a (scale, bias) pair with out = out * scale + bias. A
+# request's options are parsed into one _RequestOptions, by the same function wherever they are read (the driver,
+# the engine's front end and the workers), and checked there before anything runs; what a request keeps is decided
+# by _RequestOptions alone.
 # ---------------------------------------------------------------------------
 
-SAE_FEATURES = ".hook_sae_acts_post"
-"""The suffix that names a hook's SAE features (SAELens's name for them): ``blocks.6.hook_resid_post`` with an SAE
-has features ``blocks.6.hook_resid_post.hook_sae_acts_post``, which edits name. Reads give ``{that}.indices``
-(int32) and ``{that}.values`` (the capture dtype), each ``[rows, k]``: per token its k highest features, highest
-first, so ``torch.zeros(rows, d_sae).scatter_(1, indices.long(), values)`` is SAELens's ``sae.encode(rows)``
-wherever at most k features fire (a value 0 is a feature that did not). With ``sae_chosen_features``,
-``{that}.chosen`` holds the activations of the features a request chose, in its order (``[rows, 0]`` for one that
-chose none)."""
+_EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
+_REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
+_CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
+_NO_LAST_POSITION = np.iinfo(np.int64).max
 
-SAE_WEIGHTS = {
-    name: ("W_enc", "W_dec", "b_enc", "b_dec", *(("threshold",) if "jumprelu" in name else ()))
-    for name in (
-        "standard",
-        "jumprelu",
-        "topk",
-        "transcoder",
-        "skip_transcoder",
-        "jumprelu_transcoder",
-        "jumprelu_skip_transcoder",
-    )
+
+def _parse_edit(edit: Any, name: str, config: CaptureConfig) -> tuple[tuple[torch.Tensor, ...], list[int] | None]:
+    """Validate one wire edit: its table rows and its positions. A hook's rows are (scale, bias), [width] float64,
+    out = out * scale + bias; a hook's features' (see _parse_feature_edit) are (features, scale, bias)."""
+    if name.endswith(SAE_FEATURES):
+        return _parse_feature_edit(edit, name, config)
+    _check_edit_keys(edit, name, {"op", "value", "positions"})
+    op, row_shape = edit["op"], config.row_shape(name)
+    width = math.prod(row_shape)
+    shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
+    valid = f"a finite number, or finite numbers of shape {' or '.join(map(str, map(list, shapes)))}"
+    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, shapes, valid))
+    scale_row = torch.zeros(width, dtype=torch.float64).add_(keeps)
+    bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
+    return (scale_row, bias_row), _edit_positions(edit, name)
+
+
+_EDIT_FORM = {  # op -> (scale, bias) of its value
+    "suppress": lambda _value: (0, 0),
+    "scale": lambda value: (value, 0),
+    "add": lambda value: (1, value),
+    "set": lambda value: (0, value),
 }
-"""SAELens architecture -> the tensors of its sae_weights.safetensors that encode and steer (a skip transcoder's
-W_skip, its linear path from input to output, does not change with its features)."""
-SAE_SITES = tuple(site for site in SITES if site not in (*_NORM_SITES, *_READ_ONLY_SITES))
-"""The sites an SAE may read: those whose hooks can add a feature edit's change to the stream, not the norms' (whose
-edits reach the norm's output as edited * weight + bias), not the router's (read-only)."""
-_FEATURE_EDITS = 8  # the most features one edit changes at a hook: the width of the feature edit tables
+
+
+def _edit_value(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> torch.Tensor:
+    """An edit's value, float64 [the first shape's elements] (zeros for an op that takes none): one number for every
+    element, or finite numbers of one of ``shapes``; ValueError saying ``valid`` otherwise."""
+    width = math.prod(shapes[0])
+    if not _EDIT_OPS[edit["op"]]:
+        return torch.zeros(width, dtype=torch.float64)
+    raw = edit["value"]
+    try:
+        if _holds_bool(raw):
+            raise TypeError("a bool is not a number")
+        vector = torch.tensor(raw, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
+    if vector.dim() == 0:
+        vector = vector.expand(width)
+    if tuple(vector.shape) not in shapes:
+        raise ValueError(f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)}")
+    value = vector.reshape(width)
+    if not torch.isfinite(value).all():
+        raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
+    return value
+
+
+def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
+    """The edit is a dict of these keys, 'op' among them, and its op takes a value if and only if it has one."""
+    if not isinstance(edit, dict) or "op" not in edit or not set(edit) <= keys:
+        found = sorted(edit) if isinstance(edit, dict) else edit
+        raise ValueError(
+            f"edits[{name!r}]: keys must be 'op' plus optional {sorted(keys - {'op'})}, got {found!r:.200}"
+        )
+    op = edit["op"]
+    if op not in _EDIT_OPS:
+        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
+    if _EDIT_OPS[op] != ("value" in edit):
+        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if _EDIT_OPS[op] else 'takes no'} 'value'")
+
+
+def _edit_positions(edit: dict[str, Any], name: str) -> list[int] | None:
+    positions = edit.get("positions")
+    if positions is not None and not _is_position_list(positions):
+        raise ValueError(f"edits[{name!r}]: positions must be a non-empty list of ints >= 0, got {positions!r}")
+    return None if positions is None else list(positions)
+
+
+def _identity_rows(name: str, width: int) -> tuple[torch.Tensor, ...]:
+    """The table rows of no edit: scale 1 and bias 0 (and for features, feature 0)."""
+    ones, zeros = torch.ones(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
+    return (torch.zeros(width, dtype=torch.int64), ones, zeros) if name.endswith(SAE_FEATURES) else (ones, zeros)
+
+
+def _holds_bool(value: Any) -> bool:
+    return isinstance(value, bool) or isinstance(value, (list, tuple)) and any(map(_holds_bool, value))
+
+
+def _global_rows(config: CaptureConfig) -> int:
+    """Rows of the engine-wide part of an edit table: one per position and one past, or one."""
+    return config.max_num_batched_tokens + 1 if config.enable_position_interventions else 1
+
+
+def _engine_wide_tables(edit: dict[str, Any], name: str, config: CaptureConfig) -> tuple[torch.Tensor, ...]:
+    """An engine-wide edit's tables (see _parse_edit): each a row, or [max_rows + 1, row] by position."""
+    rows, positions = _parse_edit(edit, name, config)
+    per_request = "; request_args(edits=...) takes any position" if config.enable_batching else ""
+    if not config.enable_position_interventions:
+        if positions is not None:
+            raise ValueError(f"edits[{name!r}]: positions need enable_position_interventions=True{per_request}")
+        return rows
+    num_rows = _global_rows(config)
+    if positions is None:  # every row, the last (every position past the table) included
+        return tuple(row.expand(num_rows, *row.shape) for row in rows)
+    if max(positions) >= num_rows - 1:
+        raise ValueError(
+            f"edits[{name!r}]: positions must be < {num_rows - 1} (max_num_batched_tokens) for an engine-wide edit, "
+            f"got {positions!r}{per_request}"
+        )
+    tables = tuple(row.expand(num_rows, *row.shape).clone() for row in _identity_rows(name, rows[0].shape[0]))
+    for table, row in zip(tables, rows):
+        table[positions] = row
+    return tables
+
+
+def _check_hook_name(name: Any, config: CaptureConfig) -> None:
+    editable = [*config.capture_specs, *(hook + SAE_FEATURES for hook in config.saes)]
+    if name not in editable:
+        close = difflib.get_close_matches(str(name), editable, n=3)
+        raise ValueError(
+            f"edits: {name!r} is not a configured hook or SAE's features"
+            + (f"; close matches: {close}" if close else "")
+            + f"; configured: {sorted(editable)}"
+        )
+    if (parse_hook_name(name) or ("",))[0] in _READ_ONLY_SITES:
+        raise ValueError(
+            f"edits: {name!r} is read-only: vLLM's fused mixture of experts routes inside its kernel, from "
+            "the router's logits; edit the block's input (mlp.hook_pre) or output (hook_mlp_out) instead"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
-class SAESpec:
-    """An SAE as its cfg.json and the header of its weights file describe it (``config.sae(hook)``; the companion's
-    read_sae reads them): architecture, a key of SAE_WEIGHTS; d_in, d_sae, d_out: widths of its input rows, features
-    and output rows; k: a topk SAE's features per token; writes: the hook a transcoder writes (its layer's
-    hook_mlp_out), else None."""
+class _RequestOptions:
+    """One request's options (see request_args), checked against its engine's config.
 
-    directory: str
-    architecture: str
-    d_in: int
-    d_sae: int
-    apply_b_dec_to_input: bool
-    k: int | None
-    writes: str | None
-    d_out: int
+    capture: one of _CAPTURE_MODES, or the positions kept, sorted int64.
+    edits: hook or features name -> (its table rows (see _parse_edit), sorted int64 positions or None).
+    digest: of the edits ("" without): the request's prefix-cache salt.
+    chosen: ``{features name}.chosen`` -> (its features, int64 [sae_chosen_features], None): read densely.
+    columns: source name (see _HookState.sources) -> the first columns of it the request keeps, where fewer.
+    """
+
+    capture: str | np.ndarray = "all"
+    edits: dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]] = dataclasses.field(default_factory=dict)
+    digest: str = ""
+    chosen: dict[str, tuple[tuple[torch.Tensor], None]] = dataclasses.field(default_factory=dict)
+    columns: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def slot_tables(self) -> dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]]:
+        """What a slot of the batched edit tables holds for the request: its edits and chosen features."""
+        return {**self.edits, **self.chosen}
+
+    # What the request keeps, decided here alone: kept_range for a step's array operations, keeps for a list of
+    # positions (which kept_range marks with first -1), keeps_any for a span.
+    def kept_range(self, prompt_len: int) -> tuple[int, int]:
+        """(first, last) position kept; first is -1 for a list of positions."""
+        if isinstance(self.capture, np.ndarray):
+            return (-1, _NO_LAST_POSITION)
+        last = prompt_len - 1
+        ranges = {"all": (0, _NO_LAST_POSITION), "prompt": (0, last), "last_prompt_token": (last, last)}
+        return ranges.get(self.capture, (0, -1))
+
+    def keeps(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+        """Whether the row of each of these positions is kept (bool, positions' shape)."""
+        if isinstance(self.capture, np.ndarray):
+            return np.isin(positions, self.capture)
+        first, last = self.kept_range(prompt_len)
+        return (positions >= first) & (positions <= last)
+
+    def keeps_any(self, start: int, stop: int, prompt_len: int) -> bool:
+        """Whether the row of some position in [start, stop) is kept."""
+        if isinstance(self.capture, np.ndarray):
+            return bool(((self.capture >= start) & (self.capture < stop)).any())
+        first, last = self.kept_range(prompt_len)
+        return first <= last and first < stop and last >= start
+
+
+_KEEP_ALL, _KEEP_NONE = _RequestOptions("all"), _RequestOptions("none")
+
+
+def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOptions:
+    """The one parser of a request's options (request_args' JSON text, or a dict by hand);
+    ValueError naming the problem."""
+    if config is None or not config.enable_batching:
+        raise ValueError(
+            f"{_REQUEST_KEY} request options: this engine has {'no' if config is None else 'one-prompt'} hooks; "
+            "per-request capture and edits need configure(..., enable_batching=True)"
+        )
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"request options: not valid JSON ({error}); write them with request_args") from None
+    if not isinstance(options, dict) or not set(options) <= {"capture", "edits", "top_k", "features"}:
+        raise ValueError(
+            f"request options: expected a dict with keys 'capture', 'edits', 'top_k' and 'features', got "
+            f"{options!r:.200}"
+        )
+    capture = options.get("capture", "all")
+    if isinstance(capture, (list, tuple)):
+        if not _is_position_list(capture):
+            raise ValueError(f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}")
+        capture = np.unique(np.asarray(capture, dtype=np.int64))
+    elif capture not in _CAPTURE_MODES:
+        raise ValueError(f"capture: expected one of {list(_CAPTURE_MODES)} or a list of positions, got {capture!r}")
+    edits = options.get("edits") or {}
+    if not isinstance(edits, dict):
+        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
+    parsed = {}
+    for name, edit in edits.items():
+        _check_hook_name(name, config)
+        rows, positions = _parse_edit(edit, name, config)
+        parsed[name] = (rows, None if positions is None else np.unique(np.asarray(positions, np.int64)))
+    digest = hashlib.sha256(json.dumps(edits, sort_keys=True).encode()).hexdigest()[:32] if edits else ""
+    top_k = options.get("top_k") or {}
+    features = [hook + SAE_FEATURES for hook in config.saes]
+    if not isinstance(top_k, dict) or not all(name in features for name in top_k):
+        raise ValueError(f"top_k: expected a dict {{features name: k}} of names in {features}, got {top_k!r:.200}")
+    for name, k in top_k.items():
+        if not _int_at_least(k, 1) or k > config.sae_top_k:
+            raise ValueError(f"top_k[{name!r}]: must be an int in [1, {config.sae_top_k}] (sae_top_k), got {k!r}")
+    columns = {n + part: k for n, k in top_k.items() if k < config.sae_top_k for part in (".indices", ".values")}
+    chosen, most = options.get("features") or {}, config.sae_chosen_features
+    if not isinstance(chosen, dict) or not all(name in features for name in chosen) or chosen and not most:
+        raise ValueError(
+            f"features: expected a dict {{features name: [feature, ...]}} of names in {features}, on an engine "
+            f"configured with sae_chosen_features > 0 (here {most}), got {chosen!r:.200}"
+        )
+    parsed_chosen = {}
+    for name in features if most else ():
+        listed, d_sae = chosen.get(name, []), config.sae(name.removesuffix(SAE_FEATURES)).d_sae
+        if not _lists_features(listed, 0, most, d_sae):
+            raise ValueError(
+                f"features[{name!r}]: up to {most} (sae_chosen_features) distinct feature indices in [0, {d_sae}), "
+                f"got {listed!r:.200}"
+            )
+        columns[name + ".chosen"] = len(listed)
+        if listed:
+            row = torch.tensor([*listed, *[0] * (most - len(listed))], dtype=torch.int64)  # padded with feature 0
+            parsed_chosen[name + ".chosen"] = ((row,), None)
+    return _RequestOptions(capture, parsed, digest, parsed_chosen, columns)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_options_text(text: str, payload: str | None) -> _RequestOptions:
+    """request_args' JSON text, parsed once however many requests share it."""
+    return _parse_options(text, _config_from_json(payload))
+
+
+def _request_options(extra_args: dict[str, Any] | None, payload: str | None) -> _RequestOptions | None:
+    """The options in a request's extra_args (None without) for an engine with the config
+    ``payload``; ValueError if they do not suit it."""
+    options = (extra_args or {}).get(_REQUEST_KEY)
+    if options is None:
+        return None
+    if isinstance(options, str):
+        return _parse_options_text(options, payload)
+    return _parse_options(options, _config_from_json(payload))
+
+
+# ---------------------------------------------------------------------------
+# Prefix caching. Tokens vLLM serves from its prefix cache never run through the model, so their rows are missing,
+# and a block computed under an edit would be served to requests that never asked for it. Engines built with
+# llm_kwargs or serve_args have it off; with the batched flavour a user may turn it on, and every rule that then
+# applies is in this section, what a request without options keeps (_default_options) among them.
+# ---------------------------------------------------------------------------
+
+_PREFIX_CACHING = False  # what llm_kwargs and serve_args set: every request keeps all its rows
+_CACHE_MARK = "tl_vllm_hooks_cache"  # in extra_args once _keep_apart_in_prefix_cache ran
+
+
+def _keep_apart_in_prefix_cache(request: Any, options: _RequestOptions) -> None:
+    """On the EngineCoreRequest vLLM's front end made, before its blocks are hashed: edits
+    salt its cache blocks (shared only by requests making the same edits), keeping prompt
+    rows before the last skips reading the cache, and the mark tells the workers."""
+    params = request.sampling_params
+    if options.edits:
+        request.cache_salt = f"{request.cache_salt or ''}{_REQUEST_KEY}:{options.digest}"
+    prompt_len = _prompt_len(request)
+    if options.keeps_any(0, prompt_len - 1, prompt_len):
+        params.skip_reading_prefix_cache = True
+    params.extra_args = {**params.extra_args, _CACHE_MARK: options.digest}
+
+
+def _refuse_prefix_caching(prefix_caching: bool, config: CaptureConfig, edits: Any = None) -> None:
+    """Refuse the one-prompt flavour on an engine with prefix caching, and engine-wide edits on any."""
+    if prefix_caching and not config.enable_batching:
+        raise ValueError(
+            "enable_prefix_caching: the one-prompt flavour keeps the rows of one forward, and tokens served from "
+            "vLLM's prefix cache never run through the model, so rows would be missing; build the engine with "
+            "LLM(model, **config.llm_kwargs), which turns it off, or use the batched flavour (configure(..., "
+            "enable_batching=True)), which keeps capturing requests off the cache"
+        )
+    if prefix_caching and edits:
+        raise ValueError(
+            "set_edits: engine-wide edits change every request's keys and values, and vLLM's prefix cache would go "
+            "on serving blocks computed without them; on an engine with prefix caching, edit per request: "
+            "request_args(config, edits=...)"
+        )
+
+
+def _default_options(prefix_caching: bool) -> _RequestOptions:
+    """What a request without options keeps, wherever the workers meet one: every row, or none with prefix caching on
+    (it may be served from the cache)."""
+    return _KEEP_NONE if prefix_caching else _KEEP_ALL
+
+
+def _worker_options(extra_args: dict[str, Any], state: _HookState) -> tuple[_RequestOptions, str | None]:
+    """A new request's options as the workers apply them, and why its rows cannot be read
+    (None if they can); without options, _default_options."""
+    if _REQUEST_KEY not in extra_args:
+        return _default_options(state.prefix_caching), None
+    if state.prefix_caching and _CACHE_MARK not in extra_args:  # its edits would reach others' blocks
+        return _KEEP_NONE, (
+            "its options were not applied: vLLM's front end did not load tl_vllm_hooks, which keeps "
+            "requests with options apart in the prefix cache; install the module (its entry point loads it "
+            "in every vLLM process) or build the engine with enable_prefix_caching=False"
+        )
+    try:
+        return _request_options(extra_args, state.payload), None
+    except (ValueError, TypeError) as error:
+        # The driver or the front end checked them; hand-written extra_args that fail here must not stop the engine:
+        # the request runs unedited, reading it raises.
+        return _KEEP_NONE, f"its options were refused: {error}"
+
+
+def _skipped_rows_problem(expected: int, first_position: int) -> str:
+    """Why a request's rows are not whole: positions it keeps never ran (served from the cache)."""
+    return (
+        f"rows for positions {expected}..{first_position - 1} never ran through the model "
+        "(prefix caching reused them); build the engine with enable_prefix_caching=False"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -1870,84 +2154,6 @@ def _rows_of_tables(tables: tuple[torch.Tensor, ...], row_index: torch.Tensor | 
     return tuple(table.index_select(0, picked) for table in tables)
 
 
-class _SAE(_EditTables):
-    """A hook's SAE (or transcoder) on its worker's device, its weights in the capture dtype: each forward's top
-    features (kept as the hook keeps its rows: the first forward after an open wins) and the tables of feature
-    edits, rows picked by the features' own lane of the flavour's row_index: the features edited, int64 [..,
-    _FEATURE_EDITS], and each one's new activation as old * scale + bias."""
-
-    def __init__(self, hook: _Hook, state: _HookState, lane: int):
-        import safetensors  # (vLLM brings it)
-
-        config, device, dtype = state.config, state.device, state.config.dtype
-        self.spec, self.hook = config.sae(hook.name), hook
-        path = os.path.join(self.spec.directory, "sae_weights.safetensors")
-        with safetensors.safe_open(path, framework="pt", device=str(device)) as file:
-            weights = {name: file.get_tensor(name).to(dtype) for name in SAE_WEIGHTS[self.spec.architecture]}
-        self.W_enc, self.W_dec, self.b_enc, self.b_dec = (weights[n] for n in ("W_enc", "W_dec", "b_enc", "b_dec"))
-        self.threshold = weights.get("threshold")
-        rows = config.max_num_batched_tokens
-        self.pending = None  # a transcoder's change of the hook it writes, [rows, d_out], until that hook runs
-        if self.spec.writes is not None:
-            self.pending = torch.zeros(rows, self.spec.d_out, dtype=dtype, device=device)
-            state.placed[self.spec.writes].transcoder = self
-        self.indices = torch.zeros(rows, config.sae_top_k, dtype=torch.int32, device=device)
-        self.values = torch.zeros(rows, config.sae_top_k, dtype=dtype, device=device)
-        shape = (*filter(None, (state.table_rows,)), _FEATURE_EDITS)
-        self.features = torch.zeros(shape, dtype=torch.int64, device=device)
-        self.scale = torch.ones(shape, dtype=dtype, device=device)
-        self.bias = torch.zeros(shape, dtype=dtype, device=device)
-        self.tables, self.identity = (self.features, self.scale, self.bias), (0, 1, 0)
-        self.row_index, self.state = state.row_index(lane), state
-        self.chosen = None  # with sae_chosen_features: the features each request reads densely, by its own lane
-        if config.sae_chosen_features:
-            width = (rows, config.sae_chosen_features)
-            self.chosen = _ChosenFeatures(torch.zeros(state.table_rows, width[1], dtype=torch.int64, device=device))
-            self.chosen_values = torch.zeros(width, dtype=dtype, device=device)
-            self.chosen_index = state.row_index(state.lanes.index(hook.name + SAE_FEATURES + ".chosen"))
-
-    def encode(self, rows: torch.Tensor) -> torch.Tensor:
-        """SAELens's ``encode`` of rows [n, d_in]: their feature activations, [n, d_sae] in the capture dtype."""
-        x = rows.to(self.W_enc.dtype)
-        if self.spec.apply_b_dec_to_input:
-            x = x - self.b_dec
-        pre = x @ self.W_enc + self.b_enc
-        if self.threshold is not None:  # (jumprelu, and its transcoders)
-            return pre.relu() * (pre > self.threshold)
-        if self.spec.architecture == "topk":
-            values, indices = pre.topk(self.spec.k, dim=-1)
-            return torch.zeros_like(pre).scatter(-1, indices, values.relu())
-        return pre.relu()
-
-    def change(self, rows: torch.Tensor) -> torch.Tensor:
-        """Keep the top features of rows ([n, d_in], the hook's edited rows) and return what the feature edits add
-        to the rows it writes, the sum over edited f of (new_f - old_f) * W_dec[f]: [n, d_out], rows' dtype; exact
-        zeros unedited."""
-        activations, num_rows = self.encode(rows), rows.shape[0]
-        values, indices = activations.topk(self.values.shape[1], dim=-1)
-        closed = self.hook.flag.bool()  # (the hook's keep closes it after this)
-        kept = [(self.values, values), (self.indices, indices.to(torch.int32))]
-        if self.chosen is not None:
-            (chosen,) = _rows_of_tables(self.chosen.tables, self.chosen_index, num_rows)
-            kept.append((self.chosen_values, activations.gather(1, chosen)))
-        for buffer, new in kept:
-            buffer.narrow(0, 0, num_rows).copy_(torch.where(closed, buffer.narrow(0, 0, num_rows), new))
-        features, scale, bias = _rows_of_tables((self.features, self.scale, self.bias), self.row_index, num_rows)
-        features, scale, bias = (t.expand(num_rows, _FEATURE_EDITS) for t in (features, scale, bias))
-        old = activations.gather(1, features)
-        change = old * scale + bias - old
-        bag = torch.nn.functional.embedding_bag(features, self.W_dec, per_sample_weights=change, mode="sum")
-        return bag.to(rows.dtype)
-
-
-class _ChosenFeatures(_EditTables):
-    """An SAE's table of the features each batched request reads densely: int64 [table_rows, sae_chosen_features], a
-    request's slot row holding its choice (padded with feature 0); no engine-wide choice."""
-
-    def __init__(self, table: torch.Tensor):
-        self.tables = (table,)
-
-
 def _router_hooks(site: _Hook) -> None:
     """The router's choice from its logits, as the family routes (see _MoE) and vLLM's fused MoE computes it inside
     its kernel: the indices, highest choice score first, and the weights scattered over all experts."""
@@ -2126,322 +2332,136 @@ _HOOK_BUILDERS = {  # tap kind -> the builder of its hooks
 
 
 # ---------------------------------------------------------------------------
-# Transport. vLLM's RPC carries msgpack values, not tensors, and this module never asks for pickle: a tensor travels
-# as dtype name, shape and its raw bytes, so every dtype (bfloat16 included) round-trips bit for bit. Batched rows
-# travel in row files instead, both ends of which are here (below).
+# SAEs. A sparse autoencoder in SAELens's on-disk format encodes a hook's rows inside the graph, in every forward:
+# each token's top-k features are kept beside (or instead of) its rows, and an edit of features f changes the
+# stream by (new_f - old_f) * W_dec[f] alone, so the SAE's reconstruction error stays in it and an unedited row is
+# left as it was. A transcoder encodes the rows of one hook, and its edits change those of its layer's hook_mlp_out.
+# The companion reads SAELens's files (tl_vllm_hooks_tools.read_sae, when the config is made and checked against the
+# hook); each worker loads the weights onto its device before the first forward.
 # ---------------------------------------------------------------------------
 
-_WIRE_DTYPES = CAPTURE_DTYPES + ("int64", "int32", "bool")
+SAE_FEATURES = ".hook_sae_acts_post"
+"""The suffix that names a hook's SAE features (SAELens's name for them): ``blocks.6.hook_resid_post`` with an SAE
+has features ``blocks.6.hook_resid_post.hook_sae_acts_post``, which edits name. Reads give ``{that}.indices``
+(int32) and ``{that}.values`` (the capture dtype), each ``[rows, k]``: per token its k highest features, highest
+first, so ``torch.zeros(rows, d_sae).scatter_(1, indices.long(), values)`` is SAELens's ``sae.encode(rows)``
+wherever at most k features fire (a value 0 is a feature that did not). With ``sae_chosen_features``,
+``{that}.chosen`` holds the activations of the features a request chose, in its order (``[rows, 0]`` for one that
+chose none)."""
 
-
-def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
-    """``{"dtype": str, "shape": list[int], "data": bytes}``, exact for every dtype."""
-    tensor = tensor.detach().to("cpu").contiguous()
-    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape), "data": data}
-
-
-def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
-    """Inverse of ``encode_tensor``: a CPU tensor of the encoded dtype and shape."""
-    if not isinstance(message, dict) or set(message) != {"dtype", "shape", "data"}:
-        raise ValueError(f"decode_tensor: expected keys dtype, shape, data; got {message!r:.200}")
-    if message["dtype"] not in _WIRE_DTYPES:
-        raise ValueError(f"decode_tensor: dtype {message['dtype']!r} is not one of {_WIRE_DTYPES}")
-    dtype, shape = getattr(torch, message["dtype"]), [int(size) for size in message["shape"]]
-    data = bytes(message["data"])
-    if len(data) != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"decode_tensor: {len(data)} bytes for a {message['dtype']} tensor of shape {shape}")
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-# Batched rows, which can be gigabytes, reach a driver on the worker's host without a copy on the way: each step's
-# kept rows go from the device straight into pages of a file in /dev/shm (shared memory) that the worker keeps mapped
-# (on CUDA also pinned, so that the copy runs beside the next forward); a read hands over file names and byte
-# offsets, and the driver maps the files. Pages are never rewritten while a driver may map them: each read hands a
-# file over under a token (``path#number``), and once no tensor holds the driver's mapping the driver creates a file
-# of that name, by which the worker knows it may fill the file again. A worker removes its files when its hooks go
-# (and at exit), and the next engine to install hooks removes those of processes that died.
-
-_SHARED_DIR = "/dev/shm"
-_SHARED_PREFIX = "tl_vllm_hooks-"
-_SHARED_FILE_BYTES = (16 << 20, 256 << 20)  # a worker's first row file, and the most one grows to (doubling)
-_shared_file_numbers = itertools.count()
-
-
-def _sweep_shared_files(own: bool = False) -> None:
-    """Unlink the row files of processes that are gone (and, with ``own``, this one's)."""
-    for path in glob.glob(os.path.join(_SHARED_DIR, _SHARED_PREFIX + "*")):
-        pid = os.path.basename(path)[len(_SHARED_PREFIX) :].partition("-")[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            gone = own and int(pid) == os.getpid()
-        except ProcessLookupError:
-            gone = True
-        except PermissionError:  # another user's, alive
-            gone = False
-        if gone:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
-
-@dataclasses.dataclass(eq=False)
-class _RowFile:
-    """One row file as its worker holds it: its pages (uint8, mapped), the bytes filled, the chunks of rows in it not
-    yet read (or written by a sink's writer thread), and the driver mappings of it not yet given back."""
-
-    path: str
-    pages: torch.Tensor
-    used: int = 0
-    held: int = 0
-    lent: set[str] = dataclasses.field(default_factory=set)  # a token per read that handed the file to a driver
-
-
-class _SharedRows:
-    """A batched worker's row files: the one being filled, and the others until nothing holds them. Without a
-    usable /dev/shm (none, or full) a step's rows go to ordinary host memory (pinned on CUDA) and reads encode them."""
-
-    def __init__(self, pin: bool, wait: Any):
-        self.pin, self.wait = pin, wait  # wait(): for the copies into pinned pages still in flight
-        self.files: dict[str, _RowFile] = {}
-        self.filling: _RowFile | None = None
-        self.usable = os.path.isdir(_SHARED_DIR)
-        self.created = 0  # files made so far
-        # An engine shut down without removing its hooks still leaves no file once its worker's state is collected.
-        weakref.finalize(self, _remove_row_files, self.files, pin)
-
-    def region(self, nbytes: int) -> tuple[_RowFile | None, torch.Tensor]:
-        """(its file, uint8 [nbytes]) of host memory for one step's rows, 64-byte aligned."""
-        file = self.filling
-        if self.usable and (file is None or file.used + nbytes > file.pages.numel()):
-            file = self.filling = self._refill(nbytes)
-        if file is None:
-            return None, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-        start, file.used = file.used, file.used + -(-nbytes // 64) * 64
-        return file, file.pages[start : start + nbytes]
-
-    def _refill(self, nbytes: int) -> _RowFile | None:
-        """A file with room for nbytes: an idle one emptied, else a new one (None if /dev/shm cannot hold it) sized
-        to a power of two, so that steps of about this size fill it again; idle files too small for it are removed."""
-        self.filling = None
-        self._take_back()
-        for file in (idle := [f for f in self.files.values() if self._idle(f)]):
-            if file.pages.numel() >= nbytes:
-                file.used = 0
-                return file
-        for file in idle:
-            self._remove(file)
-        path = os.path.join(_SHARED_DIR, f"{_SHARED_PREFIX}{os.getpid()}-{next(_shared_file_numbers)}")
-        size = max(1 << (nbytes - 1).bit_length(), min(_SHARED_FILE_BYTES[0] << self.created, _SHARED_FILE_BYTES[1]))
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not later with SIGBUS on a page
-            pages = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
-        except OSError as error:
-            os.unlink(path)
-            self.usable = False
-            logger.warning("tl_vllm_hooks: %s: %s; batched rows now reach the driver through vLLM's RPC", path, error)
-            return None
-        finally:
-            os.close(fd)
-        if self.pin:
-            torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), size, 0)
-        file = self.files[path] = _RowFile(path, pages)
-        self.created += 1
-        return file
-
-    def status(self) -> dict[str, int]:
-        """``{"files", "bytes", "created"}``: the row files held now, their size, and how many were made so far."""
-        files = self.files.values()
-        return {"files": len(files), "bytes": sum(f.pages.numel() for f in files), "created": self.created}
-
-    def _idle(self, file: _RowFile) -> bool:
-        return not file.held and not file.lent and file is not self.filling
-
-    def hold(self, file: _RowFile | None) -> None:
-        if file is not None:
-            file.held += 1
-
-    def drop(self, file: _RowFile | None) -> None:
-        """A chunk of rows in ``file`` is read, written or forgotten."""
-        if file is not None:
-            file.held -= 1
-
-    def lend(self, files: list[_RowFile]) -> list[str]:
-        """A token for each file a read hands to a driver (``path#number``), lent until a file of that name exists."""
-        tokens = [f"{file.path}#{next(_shared_file_numbers)}" for file in files]
-        for file, token in zip(files, tokens):
-            file.lent.add(token)
-        return tokens
-
-    def _take_back(self) -> None:
-        """Every lent file whose driver mapping is gone (its token's file exists, made by the driver) is no longer lent."""
-        for file in list(self.files.values()):
-            for token in [token for token in file.lent if os.path.exists(token)]:
-                os.unlink(token)
-                file.lent.discard(token)
-
-    def trim(self) -> None:
-        """Remove every file nothing holds (kept until then, to be filled again)."""
-        self.filling = None
-        self._take_back()
-        for file in [f for f in self.files.values() if self._idle(f)]:
-            self._remove(file)
-
-    def close(self) -> None:
-        self.filling = None
-        for file in list(self.files.values()):
-            self._remove(file)
-
-    def _remove(self, file: _RowFile) -> None:
-        if self.pin:
-            self.wait()
-        _remove_row_files({file.path: self.files.pop(file.path)}, self.pin)
-
-
-def _remove_row_files(files: dict[str, _RowFile], pin: bool) -> None:
-    """Unpin and unlink these row files and their tokens (a driver may still map one: its memory goes with that)."""
-    for file in list(files.values()):
-        if pin:
-            torch.cuda.cudart().cudaHostUnregister(file.pages.data_ptr())
-        for path in [file.path, *file.lent]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-    files.clear()
-
-
-def _map_row_file(token: str) -> torch.Tensor:
-    """The row file a read handed over (``path#number``) as a 1-D uint8 tensor, mapped copy-on-write; once no tensor
-    holds the mapping, a file named ``token`` tells the worker it may fill the file again."""
-    path = token.rpartition("#")[0]
-    mapped = np.memmap(path, dtype=np.uint8, mode="c")
-    weakref.finalize(mapped, _give_back_row_file, path, token)
-    return torch.from_numpy(mapped)
-
-
-def _give_back_row_file(path: str, token: str) -> None:
-    if os.path.exists(path):  # (else its worker removed it)
-        with contextlib.suppress(OSError):
-            os.close(os.open(token, os.O_CREAT | os.O_WRONLY, 0o600))
-
-
-def _row_layouts(hooks: list[list]) -> list[tuple[str, list[int], list[int], torch.dtype]]:
-    """(name, row shape, strides of [rows, *row shape], contiguous, dtype) of each source a read's reply lists as
-    [name, row shape, dtype]; worked out once per reply, for every request's rows."""
-    return [
-        (name, row_shape, [math.prod(row_shape[i:]) for i in range(len(row_shape) + 1)], getattr(torch, dtype))
-        for name, row_shape, dtype in hooks
-    ]
-
-
-def _rows_in(
-    mapped: dict[torch.dtype, list[torch.Tensor]],
-    layouts: list[tuple[str, list[int], list[int], torch.dtype]],
-    message: dict[str, Any],
-) -> dict[str, torch.Tensor]:
-    """``{name: [rows, *row shape]}`` of one request from its read message: encoded, or its pieces in the row files
-    (mapped: each file viewed as each dtype), one per step that kept rows: [file, rows, then per source, in
-    ``layouts`` order (see _row_layouts), the element offset of the first row]; a view of the file where a source's
-    rows are one piece, else joined; of a source the request keeps fewer columns of, those (a view)."""
-    if "encoded" in message:
-        rows = {name: decode_tensor(encoded) for name, encoded in message["encoded"].items()}
-    else:
-        rows, pieces = {}, message["pieces"]
-        for k, (name, row_shape, strides, dtype) in enumerate(layouts):
-            files = mapped[dtype]
-            parts = [files[piece[0]].as_strided([piece[1], *row_shape], strides, piece[2 + k]) for piece in pieces]
-            if len(parts) == 1:
-                rows[name] = parts[0]
-            else:
-                rows[name] = torch.cat(parts) if parts else torch.empty([0, *row_shape], dtype=dtype)
-    for name, columns in message.get("columns", {}).items():
-        rows[name] = rows[name][:, :columns]
-    return rows
-
-
-# ---------------------------------------------------------------------------
-# Edits and request options. One wire form for every flavour: per hook, an op, an optional value (a number or a
-# row-shaped tensor) and optional positions. Each becomes a (scale, bias) pair with out = out * scale + bias. A
-# request's options are parsed into one _RequestOptions, by the same function wherever they are read (the driver,
-# the engine's front end and the workers), and checked there before anything runs; what a request keeps is decided
-# by _RequestOptions alone.
-# ---------------------------------------------------------------------------
-
-_EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
-_REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
-_CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
-_NO_LAST_POSITION = np.iinfo(np.int64).max
-
-
-def _parse_edit(edit: Any, name: str, config: CaptureConfig) -> tuple[tuple[torch.Tensor, ...], list[int] | None]:
-    """Validate one wire edit: its table rows and its positions. A hook's rows are (scale, bias), [width] float64,
-    out = out * scale + bias; a hook's features' (see _parse_feature_edit) are (features, scale, bias)."""
-    if name.endswith(SAE_FEATURES):
-        return _parse_feature_edit(edit, name, config)
-    _check_edit_keys(edit, name, {"op", "value", "positions"})
-    op, row_shape = edit["op"], config.row_shape(name)
-    width = math.prod(row_shape)
-    shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
-    valid = f"a finite number, or finite numbers of shape {' or '.join(map(str, map(list, shapes)))}"
-    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, shapes, valid))
-    scale_row = torch.zeros(width, dtype=torch.float64).add_(keeps)
-    bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
-    return (scale_row, bias_row), _edit_positions(edit, name)
-
-
-_EDIT_FORM = {  # op -> (scale, bias) of its value
-    "suppress": lambda _value: (0, 0),
-    "scale": lambda value: (value, 0),
-    "add": lambda value: (1, value),
-    "set": lambda value: (0, value),
+SAE_WEIGHTS = {
+    name: ("W_enc", "W_dec", "b_enc", "b_dec", *(("threshold",) if "jumprelu" in name else ()))
+    for name in (
+        "standard",
+        "jumprelu",
+        "topk",
+        "transcoder",
+        "skip_transcoder",
+        "jumprelu_transcoder",
+        "jumprelu_skip_transcoder",
+    )
 }
+"""SAELens architecture -> the tensors of its sae_weights.safetensors that encode and steer (a skip transcoder's
+W_skip, its linear path from input to output, does not change with its features)."""
+SAE_SITES = tuple(site for site in SITES if site not in (*_NORM_SITES, *_READ_ONLY_SITES))
+"""The sites an SAE may read: those whose hooks can add a feature edit's change to the stream, not the norms' (whose
+edits reach the norm's output as edited * weight + bias), not the router's (read-only)."""
+_FEATURE_EDITS = 8  # the most features one edit changes at a hook: the width of the feature edit tables
 
 
-def _edit_value(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> torch.Tensor:
-    """An edit's value, float64 [the first shape's elements] (zeros for an op that takes none): one number for every
-    element, or finite numbers of one of ``shapes``; ValueError saying ``valid`` otherwise."""
-    width = math.prod(shapes[0])
-    if not _EDIT_OPS[edit["op"]]:
-        return torch.zeros(width, dtype=torch.float64)
-    raw = edit["value"]
-    try:
-        if _holds_bool(raw):
-            raise TypeError("a bool is not a number")
-        vector = torch.tensor(raw, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
-    if vector.dim() == 0:
-        vector = vector.expand(width)
-    if tuple(vector.shape) not in shapes:
-        raise ValueError(f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)}")
-    value = vector.reshape(width)
-    if not torch.isfinite(value).all():
-        raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
-    return value
+@dataclasses.dataclass(frozen=True)
+class SAESpec:
+    """An SAE as its cfg.json and the header of its weights file describe it (``config.sae(hook)``; the companion's
+    read_sae reads them): architecture, a key of SAE_WEIGHTS; d_in, d_sae, d_out: widths of its input rows, features
+    and output rows; k: a topk SAE's features per token; writes: the hook a transcoder writes (its layer's
+    hook_mlp_out), else None."""
+
+    directory: str
+    architecture: str
+    d_in: int
+    d_sae: int
+    apply_b_dec_to_input: bool
+    k: int | None
+    writes: str | None
+    d_out: int
 
 
-def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
-    """The edit is a dict of these keys, 'op' among them, and its op takes a value if and only if it has one."""
-    if not isinstance(edit, dict) or "op" not in edit or not set(edit) <= keys:
-        found = sorted(edit) if isinstance(edit, dict) else edit
-        raise ValueError(
-            f"edits[{name!r}]: keys must be 'op' plus optional {sorted(keys - {'op'})}, got {found!r:.200}"
-        )
-    op = edit["op"]
-    if op not in _EDIT_OPS:
-        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
-    if _EDIT_OPS[op] != ("value" in edit):
-        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if _EDIT_OPS[op] else 'takes no'} 'value'")
+class _SAE(_EditTables):
+    """A hook's SAE (or transcoder) on its worker's device, its weights in the capture dtype: each forward's top
+    features (kept as the hook keeps its rows: the first forward after an open wins) and the tables of feature
+    edits, rows picked by the features' own lane of the flavour's row_index: the features edited, int64 [..,
+    _FEATURE_EDITS], and each one's new activation as old * scale + bias."""
+
+    def __init__(self, hook: _Hook, state: _HookState, lane: int):
+        import safetensors  # (vLLM brings it)
+
+        config, device, dtype = state.config, state.device, state.config.dtype
+        self.spec, self.hook = config.sae(hook.name), hook
+        path = os.path.join(self.spec.directory, "sae_weights.safetensors")
+        with safetensors.safe_open(path, framework="pt", device=str(device)) as file:
+            weights = {name: file.get_tensor(name).to(dtype) for name in SAE_WEIGHTS[self.spec.architecture]}
+        self.W_enc, self.W_dec, self.b_enc, self.b_dec = (weights[n] for n in ("W_enc", "W_dec", "b_enc", "b_dec"))
+        self.threshold = weights.get("threshold")
+        rows = config.max_num_batched_tokens
+        self.pending = None  # a transcoder's change of the hook it writes, [rows, d_out], until that hook runs
+        if self.spec.writes is not None:
+            self.pending = torch.zeros(rows, self.spec.d_out, dtype=dtype, device=device)
+            state.placed[self.spec.writes].transcoder = self
+        self.indices = torch.zeros(rows, config.sae_top_k, dtype=torch.int32, device=device)
+        self.values = torch.zeros(rows, config.sae_top_k, dtype=dtype, device=device)
+        shape = (*filter(None, (state.table_rows,)), _FEATURE_EDITS)
+        self.features = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.scale = torch.ones(shape, dtype=dtype, device=device)
+        self.bias = torch.zeros(shape, dtype=dtype, device=device)
+        self.tables, self.identity = (self.features, self.scale, self.bias), (0, 1, 0)
+        self.row_index, self.state = state.row_index(lane), state
+        self.chosen = None  # with sae_chosen_features: the features each request reads densely, by its own lane
+        if config.sae_chosen_features:
+            width = (rows, config.sae_chosen_features)
+            self.chosen = _ChosenFeatures(torch.zeros(state.table_rows, width[1], dtype=torch.int64, device=device))
+            self.chosen_values = torch.zeros(width, dtype=dtype, device=device)
+            self.chosen_index = state.row_index(state.lanes.index(hook.name + SAE_FEATURES + ".chosen"))
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """SAELens's ``encode`` of rows [n, d_in]: their feature activations, [n, d_sae] in the capture dtype."""
+        x = rows.to(self.W_enc.dtype)
+        if self.spec.apply_b_dec_to_input:
+            x = x - self.b_dec
+        pre = x @ self.W_enc + self.b_enc
+        if self.threshold is not None:  # (jumprelu, and its transcoders)
+            return pre.relu() * (pre > self.threshold)
+        if self.spec.architecture == "topk":
+            values, indices = pre.topk(self.spec.k, dim=-1)
+            return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+        return pre.relu()
+
+    def change(self, rows: torch.Tensor) -> torch.Tensor:
+        """Keep the top features of rows ([n, d_in], the hook's edited rows) and return what the feature edits add
+        to the rows it writes, the sum over edited f of (new_f - old_f) * W_dec[f]: [n, d_out], rows' dtype; exact
+        zeros unedited."""
+        activations, num_rows = self.encode(rows), rows.shape[0]
+        values, indices = activations.topk(self.values.shape[1], dim=-1)
+        closed = self.hook.flag.bool()  # (the hook's keep closes it after this)
+        kept = [(self.values, values), (self.indices, indices.to(torch.int32))]
+        if self.chosen is not None:
+            (chosen,) = _rows_of_tables(self.chosen.tables, self.chosen_index, num_rows)
+            kept.append((self.chosen_values, activations.gather(1, chosen)))
+        for buffer, new in kept:
+            buffer.narrow(0, 0, num_rows).copy_(torch.where(closed, buffer.narrow(0, 0, num_rows), new))
+        features, scale, bias = _rows_of_tables((self.features, self.scale, self.bias), self.row_index, num_rows)
+        features, scale, bias = (t.expand(num_rows, _FEATURE_EDITS) for t in (features, scale, bias))
+        old = activations.gather(1, features)
+        change = old * scale + bias - old
+        bag = torch.nn.functional.embedding_bag(features, self.W_dec, per_sample_weights=change, mode="sum")
+        return bag.to(rows.dtype)
 
 
-def _edit_positions(edit: dict[str, Any], name: str) -> list[int] | None:
-    positions = edit.get("positions")
-    if positions is not None and not _is_position_list(positions):
-        raise ValueError(f"edits[{name!r}]: positions must be a non-empty list of ints >= 0, got {positions!r}")
-    return None if positions is None else list(positions)
+class _ChosenFeatures(_EditTables):
+    """An SAE's table of the features each batched request reads densely: int64 [table_rows, sae_chosen_features], a
+    request's slot row holding its choice (padded with feature 0); no engine-wide choice."""
+
+    def __init__(self, table: torch.Tensor):
+        self.tables = (table,)
 
 
 def _lists_features(features: Any, least: int, most: int, d_sae: int) -> bool:
@@ -2473,263 +2493,6 @@ def _parse_feature_edit(
     rows[0][: len(features)] = torch.tensor(features)
     rows[1][: len(features)], rows[2][: len(features)] = keeps, adds
     return rows, _edit_positions(edit, name)
-
-
-def _identity_rows(name: str, width: int) -> tuple[torch.Tensor, ...]:
-    """The table rows of no edit: scale 1 and bias 0 (and for features, feature 0)."""
-    ones, zeros = torch.ones(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
-    return (torch.zeros(width, dtype=torch.int64), ones, zeros) if name.endswith(SAE_FEATURES) else (ones, zeros)
-
-
-def _holds_bool(value: Any) -> bool:
-    return isinstance(value, bool) or isinstance(value, (list, tuple)) and any(map(_holds_bool, value))
-
-
-def _global_rows(config: CaptureConfig) -> int:
-    """Rows of the engine-wide part of an edit table: one per position and one past, or one."""
-    return config.max_num_batched_tokens + 1 if config.enable_position_interventions else 1
-
-
-def _engine_wide_tables(edit: dict[str, Any], name: str, config: CaptureConfig) -> tuple[torch.Tensor, ...]:
-    """An engine-wide edit's tables (see _parse_edit): each a row, or [max_rows + 1, row] by position."""
-    rows, positions = _parse_edit(edit, name, config)
-    per_request = "; request_args(edits=...) takes any position" if config.enable_batching else ""
-    if not config.enable_position_interventions:
-        if positions is not None:
-            raise ValueError(f"edits[{name!r}]: positions need enable_position_interventions=True{per_request}")
-        return rows
-    num_rows = _global_rows(config)
-    if positions is None:  # every row, the last (every position past the table) included
-        return tuple(row.expand(num_rows, *row.shape) for row in rows)
-    if max(positions) >= num_rows - 1:
-        raise ValueError(
-            f"edits[{name!r}]: positions must be < {num_rows - 1} (max_num_batched_tokens) for an engine-wide edit, "
-            f"got {positions!r}{per_request}"
-        )
-    tables = tuple(row.expand(num_rows, *row.shape).clone() for row in _identity_rows(name, rows[0].shape[0]))
-    for table, row in zip(tables, rows):
-        table[positions] = row
-    return tables
-
-
-def _check_hook_name(name: Any, config: CaptureConfig) -> None:
-    editable = [*config.capture_specs, *(hook + SAE_FEATURES for hook in config.saes)]
-    if name not in editable:
-        close = difflib.get_close_matches(str(name), editable, n=3)
-        raise ValueError(
-            f"edits: {name!r} is not a configured hook or SAE's features"
-            + (f"; close matches: {close}" if close else "")
-            + f"; configured: {sorted(editable)}"
-        )
-    if (parse_hook_name(name) or ("",))[0] in _READ_ONLY_SITES:
-        raise ValueError(
-            f"edits: {name!r} is read-only: vLLM's fused mixture of experts routes inside its kernel, from "
-            "the router's logits; edit the block's input (mlp.hook_pre) or output (hook_mlp_out) instead"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class _RequestOptions:
-    """One request's options (see request_args), checked against its engine's config.
-
-    capture: one of _CAPTURE_MODES, or the positions kept, sorted int64.
-    edits: hook or features name -> (its table rows (see _parse_edit), sorted int64 positions or None).
-    digest: of the edits ("" without): the request's prefix-cache salt.
-    chosen: ``{features name}.chosen`` -> (its features, int64 [sae_chosen_features], None): read densely.
-    columns: source name (see _HookState.sources) -> the first columns of it the request keeps, where fewer.
-    """
-
-    capture: str | np.ndarray = "all"
-    edits: dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]] = dataclasses.field(default_factory=dict)
-    digest: str = ""
-    chosen: dict[str, tuple[tuple[torch.Tensor], None]] = dataclasses.field(default_factory=dict)
-    columns: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def slot_tables(self) -> dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]]:
-        """What a slot of the batched edit tables holds for the request: its edits and chosen features."""
-        return {**self.edits, **self.chosen}
-
-    # What the request keeps, decided here alone: kept_range for a step's array operations, keeps for a list of
-    # positions (which kept_range marks with first -1), keeps_any for a span.
-    def kept_range(self, prompt_len: int) -> tuple[int, int]:
-        """(first, last) position kept; first is -1 for a list of positions."""
-        if isinstance(self.capture, np.ndarray):
-            return (-1, _NO_LAST_POSITION)
-        last = prompt_len - 1
-        ranges = {"all": (0, _NO_LAST_POSITION), "prompt": (0, last), "last_prompt_token": (last, last)}
-        return ranges.get(self.capture, (0, -1))
-
-    def keeps(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
-        """Whether the row of each of these positions is kept (bool, positions' shape)."""
-        if isinstance(self.capture, np.ndarray):
-            return np.isin(positions, self.capture)
-        first, last = self.kept_range(prompt_len)
-        return (positions >= first) & (positions <= last)
-
-    def keeps_any(self, start: int, stop: int, prompt_len: int) -> bool:
-        """Whether the row of some position in [start, stop) is kept."""
-        if isinstance(self.capture, np.ndarray):
-            return bool(((self.capture >= start) & (self.capture < stop)).any())
-        first, last = self.kept_range(prompt_len)
-        return first <= last and first < stop and last >= start
-
-
-_KEEP_ALL, _KEEP_NONE = _RequestOptions("all"), _RequestOptions("none")
-
-
-def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOptions:
-    """The one parser of a request's options (request_args' JSON text, or a dict by hand);
-    ValueError naming the problem."""
-    if config is None or not config.enable_batching:
-        raise ValueError(
-            f"{_REQUEST_KEY} request options: this engine has {'no' if config is None else 'one-prompt'} hooks; "
-            "per-request capture and edits need configure(..., enable_batching=True)"
-        )
-    if isinstance(options, str):
-        try:
-            options = json.loads(options)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"request options: not valid JSON ({error}); write them with request_args") from None
-    if not isinstance(options, dict) or not set(options) <= {"capture", "edits", "top_k", "features"}:
-        raise ValueError(
-            f"request options: expected a dict with keys 'capture', 'edits', 'top_k' and 'features', got "
-            f"{options!r:.200}"
-        )
-    capture = options.get("capture", "all")
-    if isinstance(capture, (list, tuple)):
-        if not _is_position_list(capture):
-            raise ValueError(f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}")
-        capture = np.unique(np.asarray(capture, dtype=np.int64))
-    elif capture not in _CAPTURE_MODES:
-        raise ValueError(f"capture: expected one of {list(_CAPTURE_MODES)} or a list of positions, got {capture!r}")
-    edits = options.get("edits") or {}
-    if not isinstance(edits, dict):
-        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
-    parsed = {}
-    for name, edit in edits.items():
-        _check_hook_name(name, config)
-        rows, positions = _parse_edit(edit, name, config)
-        parsed[name] = (rows, None if positions is None else np.unique(np.asarray(positions, np.int64)))
-    digest = hashlib.sha256(json.dumps(edits, sort_keys=True).encode()).hexdigest()[:32] if edits else ""
-    top_k = options.get("top_k") or {}
-    features = [hook + SAE_FEATURES for hook in config.saes]
-    if not isinstance(top_k, dict) or not all(name in features for name in top_k):
-        raise ValueError(f"top_k: expected a dict {{features name: k}} of names in {features}, got {top_k!r:.200}")
-    for name, k in top_k.items():
-        if not _int_at_least(k, 1) or k > config.sae_top_k:
-            raise ValueError(f"top_k[{name!r}]: must be an int in [1, {config.sae_top_k}] (sae_top_k), got {k!r}")
-    columns = {n + part: k for n, k in top_k.items() if k < config.sae_top_k for part in (".indices", ".values")}
-    chosen, most = options.get("features") or {}, config.sae_chosen_features
-    if not isinstance(chosen, dict) or not all(name in features for name in chosen) or chosen and not most:
-        raise ValueError(
-            f"features: expected a dict {{features name: [feature, ...]}} of names in {features}, on an engine "
-            f"configured with sae_chosen_features > 0 (here {most}), got {chosen!r:.200}"
-        )
-    parsed_chosen = {}
-    for name in features if most else ():
-        listed, d_sae = chosen.get(name, []), config.sae(name.removesuffix(SAE_FEATURES)).d_sae
-        if not _lists_features(listed, 0, most, d_sae):
-            raise ValueError(
-                f"features[{name!r}]: up to {most} (sae_chosen_features) distinct feature indices in [0, {d_sae}), "
-                f"got {listed!r:.200}"
-            )
-        columns[name + ".chosen"] = len(listed)
-        if listed:
-            row = torch.tensor([*listed, *[0] * (most - len(listed))], dtype=torch.int64)  # padded with feature 0
-            parsed_chosen[name + ".chosen"] = ((row,), None)
-    return _RequestOptions(capture, parsed, digest, parsed_chosen, columns)
-
-
-@functools.lru_cache(maxsize=256)
-def _parse_options_text(text: str, payload: str | None) -> _RequestOptions:
-    """request_args' JSON text, parsed once however many requests share it."""
-    return _parse_options(text, _config_from_json(payload))
-
-
-def _request_options(extra_args: dict[str, Any] | None, payload: str | None) -> _RequestOptions | None:
-    """The options in a request's extra_args (None without) for an engine with the config
-    ``payload``; ValueError if they do not suit it."""
-    options = (extra_args or {}).get(_REQUEST_KEY)
-    if options is None:
-        return None
-    if isinstance(options, str):
-        return _parse_options_text(options, payload)
-    return _parse_options(options, _config_from_json(payload))
-
-
-# ---------------------------------------------------------------------------
-# Prefix caching. Tokens vLLM serves from its prefix cache never run through the model, so their rows are missing,
-# and a block computed under an edit would be served to requests that never asked for it. Engines built with
-# llm_kwargs or serve_args have it off; with the batched flavour a user may turn it on, and every rule that then
-# applies is in this section, what a request without options keeps (_default_options) among them.
-# ---------------------------------------------------------------------------
-
-_PREFIX_CACHING = False  # what llm_kwargs and serve_args set: every request keeps all its rows
-_CACHE_MARK = "tl_vllm_hooks_cache"  # in extra_args once _keep_apart_in_prefix_cache ran
-
-
-def _keep_apart_in_prefix_cache(request: Any, options: _RequestOptions) -> None:
-    """On the EngineCoreRequest vLLM's front end made, before its blocks are hashed: edits
-    salt its cache blocks (shared only by requests making the same edits), keeping prompt
-    rows before the last skips reading the cache, and the mark tells the workers."""
-    params = request.sampling_params
-    if options.edits:
-        request.cache_salt = f"{request.cache_salt or ''}{_REQUEST_KEY}:{options.digest}"
-    prompt_len = _prompt_len(request)
-    if options.keeps_any(0, prompt_len - 1, prompt_len):
-        params.skip_reading_prefix_cache = True
-    params.extra_args = {**params.extra_args, _CACHE_MARK: options.digest}
-
-
-def _refuse_prefix_caching(prefix_caching: bool, config: CaptureConfig, edits: Any = None) -> None:
-    """Refuse the one-prompt flavour on an engine with prefix caching, and engine-wide edits on any."""
-    if prefix_caching and not config.enable_batching:
-        raise ValueError(
-            "enable_prefix_caching: the one-prompt flavour keeps the rows of one forward, and tokens served from "
-            "vLLM's prefix cache never run through the model, so rows would be missing; build the engine with "
-            "LLM(model, **config.llm_kwargs), which turns it off, or use the batched flavour (configure(..., "
-            "enable_batching=True)), which keeps capturing requests off the cache"
-        )
-    if prefix_caching and edits:
-        raise ValueError(
-            "set_edits: engine-wide edits change every request's keys and values, and vLLM's prefix cache would go "
-            "on serving blocks computed without them; on an engine with prefix caching, edit per request: "
-            "request_args(config, edits=...)"
-        )
-
-
-def _default_options(prefix_caching: bool) -> _RequestOptions:
-    """What a request without options keeps, wherever the workers meet one: every row, or none with prefix caching on
-    (it may be served from the cache)."""
-    return _KEEP_NONE if prefix_caching else _KEEP_ALL
-
-
-def _worker_options(extra_args: dict[str, Any], state: _HookState) -> tuple[_RequestOptions, str | None]:
-    """A new request's options as the workers apply them, and why its rows cannot be read
-    (None if they can); without options, _default_options."""
-    if _REQUEST_KEY not in extra_args:
-        return _default_options(state.prefix_caching), None
-    if state.prefix_caching and _CACHE_MARK not in extra_args:  # its edits would reach others' blocks
-        return _KEEP_NONE, (
-            "its options were not applied: vLLM's front end did not load tl_vllm_hooks, which keeps "
-            "requests with options apart in the prefix cache; install the module (its entry point loads it "
-            "in every vLLM process) or build the engine with enable_prefix_caching=False"
-        )
-    try:
-        return _request_options(extra_args, state.payload), None
-    except (ValueError, TypeError) as error:
-        # The driver or the front end checked them; hand-written extra_args that fail here must not stop the engine:
-        # the request runs unedited, reading it raises.
-        return _KEEP_NONE, f"its options were refused: {error}"
-
-
-def _skipped_rows_problem(expected: int, first_position: int) -> str:
-    """Why a request's rows are not whole: positions it keeps never ran (served from the cache)."""
-    return (
-        f"rows for positions {expected}..{first_position - 1} never ran through the model "
-        "(prefix caching reused them); build the engine with enable_prefix_caching=False"
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -3308,6 +3071,243 @@ def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
     if target.device.type == "cuda":
         source = source.pin_memory()  # the copy is queued; pinned memory outlives it
     target.copy_(source, non_blocking=True)
+
+
+# ---------------------------------------------------------------------------
+# Transport. vLLM's RPC carries msgpack values, not tensors, and this module never asks for pickle: a tensor travels
+# as dtype name, shape and its raw bytes, so every dtype (bfloat16 included) round-trips bit for bit. Batched rows
+# travel in row files instead, both ends of which are here (below).
+# ---------------------------------------------------------------------------
+
+_WIRE_DTYPES = CAPTURE_DTYPES + ("int64", "int32", "bool")
+
+
+def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """``{"dtype": str, "shape": list[int], "data": bytes}``, exact for every dtype."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape), "data": data}
+
+
+def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
+    """Inverse of ``encode_tensor``: a CPU tensor of the encoded dtype and shape."""
+    if not isinstance(message, dict) or set(message) != {"dtype", "shape", "data"}:
+        raise ValueError(f"decode_tensor: expected keys dtype, shape, data; got {message!r:.200}")
+    if message["dtype"] not in _WIRE_DTYPES:
+        raise ValueError(f"decode_tensor: dtype {message['dtype']!r} is not one of {_WIRE_DTYPES}")
+    dtype, shape = getattr(torch, message["dtype"]), [int(size) for size in message["shape"]]
+    data = bytes(message["data"])
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"decode_tensor: {len(data)} bytes for a {message['dtype']} tensor of shape {shape}")
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# Batched rows, which can be gigabytes, reach a driver on the worker's host without a copy on the way: each step's
+# kept rows go from the device straight into pages of a file in /dev/shm (shared memory) that the worker keeps mapped
+# (on CUDA also pinned, so that the copy runs beside the next forward); a read hands over file names and byte
+# offsets, and the driver maps the files. Pages are never rewritten while a driver may map them: each read hands a
+# file over under a token (``path#number``), and once no tensor holds the driver's mapping the driver creates a file
+# of that name, by which the worker knows it may fill the file again. A worker removes its files when its hooks go
+# (and at exit), and the next engine to install hooks removes those of processes that died.
+
+_SHARED_DIR = "/dev/shm"
+_SHARED_PREFIX = "tl_vllm_hooks-"
+_SHARED_FILE_BYTES = (16 << 20, 256 << 20)  # a worker's first row file, and the most one grows to (doubling)
+_shared_file_numbers = itertools.count()
+
+
+def _sweep_shared_files(own: bool = False) -> None:
+    """Unlink the row files of processes that are gone (and, with ``own``, this one's)."""
+    for path in glob.glob(os.path.join(_SHARED_DIR, _SHARED_PREFIX + "*")):
+        pid = os.path.basename(path)[len(_SHARED_PREFIX) :].partition("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            gone = own and int(pid) == os.getpid()
+        except ProcessLookupError:
+            gone = True
+        except PermissionError:  # another user's, alive
+            gone = False
+        if gone:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+@dataclasses.dataclass(eq=False)
+class _RowFile:
+    """One row file as its worker holds it: its pages (uint8, mapped), the bytes filled, the chunks of rows in it not
+    yet read (or written by a sink's writer thread), and the driver mappings of it not yet given back."""
+
+    path: str
+    pages: torch.Tensor
+    used: int = 0
+    held: int = 0
+    lent: set[str] = dataclasses.field(default_factory=set)  # a token per read that handed the file to a driver
+
+
+class _SharedRows:
+    """A batched worker's row files: the one being filled, and the others until nothing holds them. Without a
+    usable /dev/shm (none, or full) a step's rows go to ordinary host memory (pinned on CUDA) and reads encode them."""
+
+    def __init__(self, pin: bool, wait: Any):
+        self.pin, self.wait = pin, wait  # wait(): for the copies into pinned pages still in flight
+        self.files: dict[str, _RowFile] = {}
+        self.filling: _RowFile | None = None
+        self.usable = os.path.isdir(_SHARED_DIR)
+        self.created = 0  # files made so far
+        # An engine shut down without removing its hooks still leaves no file once its worker's state is collected.
+        weakref.finalize(self, _remove_row_files, self.files, pin)
+
+    def region(self, nbytes: int) -> tuple[_RowFile | None, torch.Tensor]:
+        """(its file, uint8 [nbytes]) of host memory for one step's rows, 64-byte aligned."""
+        file = self.filling
+        if self.usable and (file is None or file.used + nbytes > file.pages.numel()):
+            file = self.filling = self._refill(nbytes)
+        if file is None:
+            return None, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        start, file.used = file.used, file.used + -(-nbytes // 64) * 64
+        return file, file.pages[start : start + nbytes]
+
+    def _refill(self, nbytes: int) -> _RowFile | None:
+        """A file with room for nbytes: an idle one emptied, else a new one (None if /dev/shm cannot hold it) sized
+        to a power of two, so that steps of about this size fill it again; idle files too small for it are removed."""
+        self.filling = None
+        self._take_back()
+        for file in (idle := [f for f in self.files.values() if self._idle(f)]):
+            if file.pages.numel() >= nbytes:
+                file.used = 0
+                return file
+        for file in idle:
+            self._remove(file)
+        path = os.path.join(_SHARED_DIR, f"{_SHARED_PREFIX}{os.getpid()}-{next(_shared_file_numbers)}")
+        size = max(1 << (nbytes - 1).bit_length(), min(_SHARED_FILE_BYTES[0] << self.created, _SHARED_FILE_BYTES[1]))
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not later with SIGBUS on a page
+            pages = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+        except OSError as error:
+            os.unlink(path)
+            self.usable = False
+            logger.warning("tl_vllm_hooks: %s: %s; batched rows now reach the driver through vLLM's RPC", path, error)
+            return None
+        finally:
+            os.close(fd)
+        if self.pin:
+            torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), size, 0)
+        file = self.files[path] = _RowFile(path, pages)
+        self.created += 1
+        return file
+
+    def status(self) -> dict[str, int]:
+        """``{"files", "bytes", "created"}``: the row files held now, their size, and how many were made so far."""
+        files = self.files.values()
+        return {"files": len(files), "bytes": sum(f.pages.numel() for f in files), "created": self.created}
+
+    def _idle(self, file: _RowFile) -> bool:
+        return not file.held and not file.lent and file is not self.filling
+
+    def hold(self, file: _RowFile | None) -> None:
+        if file is not None:
+            file.held += 1
+
+    def drop(self, file: _RowFile | None) -> None:
+        """A chunk of rows in ``file`` is read, written or forgotten."""
+        if file is not None:
+            file.held -= 1
+
+    def lend(self, files: list[_RowFile]) -> list[str]:
+        """A token for each file a read hands to a driver (``path#number``), lent until a file of that name exists."""
+        tokens = [f"{file.path}#{next(_shared_file_numbers)}" for file in files]
+        for file, token in zip(files, tokens):
+            file.lent.add(token)
+        return tokens
+
+    def _take_back(self) -> None:
+        """Every lent file whose driver mapping is gone (its token's file exists, made by the driver) is no longer lent."""
+        for file in list(self.files.values()):
+            for token in [token for token in file.lent if os.path.exists(token)]:
+                os.unlink(token)
+                file.lent.discard(token)
+
+    def trim(self) -> None:
+        """Remove every file nothing holds (kept until then, to be filled again)."""
+        self.filling = None
+        self._take_back()
+        for file in [f for f in self.files.values() if self._idle(f)]:
+            self._remove(file)
+
+    def close(self) -> None:
+        self.filling = None
+        for file in list(self.files.values()):
+            self._remove(file)
+
+    def _remove(self, file: _RowFile) -> None:
+        if self.pin:
+            self.wait()
+        _remove_row_files({file.path: self.files.pop(file.path)}, self.pin)
+
+
+def _remove_row_files(files: dict[str, _RowFile], pin: bool) -> None:
+    """Unpin and unlink these row files and their tokens (a driver may still map one: its memory goes with that)."""
+    for file in list(files.values()):
+        if pin:
+            torch.cuda.cudart().cudaHostUnregister(file.pages.data_ptr())
+        for path in [file.path, *file.lent]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    files.clear()
+
+
+def _map_row_file(token: str) -> torch.Tensor:
+    """The row file a read handed over (``path#number``) as a 1-D uint8 tensor, mapped copy-on-write; once no tensor
+    holds the mapping, a file named ``token`` tells the worker it may fill the file again."""
+    path = token.rpartition("#")[0]
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")
+    weakref.finalize(mapped, _give_back_row_file, path, token)
+    return torch.from_numpy(mapped)
+
+
+def _give_back_row_file(path: str, token: str) -> None:
+    if os.path.exists(path):  # (else its worker removed it)
+        with contextlib.suppress(OSError):
+            os.close(os.open(token, os.O_CREAT | os.O_WRONLY, 0o600))
+
+
+def _row_layouts(hooks: list[list]) -> list[tuple[str, list[int], list[int], torch.dtype]]:
+    """(name, row shape, strides of [rows, *row shape], contiguous, dtype) of each source a read's reply lists as
+    [name, row shape, dtype]; worked out once per reply, for every request's rows."""
+    return [
+        (name, row_shape, [math.prod(row_shape[i:]) for i in range(len(row_shape) + 1)], getattr(torch, dtype))
+        for name, row_shape, dtype in hooks
+    ]
+
+
+def _rows_in(
+    mapped: dict[torch.dtype, list[torch.Tensor]],
+    layouts: list[tuple[str, list[int], list[int], torch.dtype]],
+    message: dict[str, Any],
+) -> dict[str, torch.Tensor]:
+    """``{name: [rows, *row shape]}`` of one request from its read message: encoded, or its pieces in the row files
+    (mapped: each file viewed as each dtype), one per step that kept rows: [file, rows, then per source, in
+    ``layouts`` order (see _row_layouts), the element offset of the first row]; a view of the file where a source's
+    rows are one piece, else joined; of a source the request keeps fewer columns of, those (a view)."""
+    if "encoded" in message:
+        rows = {name: decode_tensor(encoded) for name, encoded in message["encoded"].items()}
+    else:
+        rows, pieces = {}, message["pieces"]
+        for k, (name, row_shape, strides, dtype) in enumerate(layouts):
+            files = mapped[dtype]
+            parts = [files[piece[0]].as_strided([piece[1], *row_shape], strides, piece[2 + k]) for piece in pieces]
+            if len(parts) == 1:
+                rows[name] = parts[0]
+            else:
+                rows[name] = torch.cat(parts) if parts else torch.empty([0, *row_shape], dtype=dtype)
+    for name, columns in message.get("columns", {}).items():
+        rows[name] = rows[name][:, :columns]
+    return rows
 
 
 # ---------------------------------------------------------------------------
