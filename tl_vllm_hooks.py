@@ -2337,7 +2337,9 @@ _HOOK_BUILDERS = {  # tap kind -> the builder of its hooks
 # stream by (new_f - old_f) * W_dec[f] alone, so the SAE's reconstruction error stays in it and an unedited row is
 # left as it was. A transcoder encodes the rows of one hook, and its edits change those of its layer's hook_mlp_out.
 # The companion reads SAELens's files (tl_vllm_hooks_tools.read_sae, when the config is made and checked against the
-# hook); each worker loads the weights onto its device before the first forward.
+# hook); each worker loads the weights onto its device before the first forward (_SAE). The rest of SAE handling is
+# here too: the feature edits' parsing and the features a batched request reads densely; elsewhere SAEs are only
+# named (a config's saes, the lanes, sources and targets of a worker's hooks, the width _place_hooks checks).
 # ---------------------------------------------------------------------------
 
 SAE_FEATURES = ".hook_sae_acts_post"
