@@ -75,14 +75,14 @@ HERE = Path(__file__).resolve().parent
 # Every family the module claims: one per record, read from the records (never typed here). A multimodal checkpoint's
 # (its text model under a text_prefix) runs in test_tl_vllm_hooks_vision.py, in an environment where torchvision
 # imports (test_multimodal_checkpoints_in_the_vision_environment).
-FAMILIES = tuple(name for name, record in tlh._FAMILIES.items() if not record.text_classes)
-MULTIMODAL = tuple(name for name, record in tlh._FAMILIES.items() if record.text_classes)
+FAMILIES = tuple(name for name, record in tlh.FAMILIES.items() if not record.text_classes)
+MULTIMODAL = tuple(name for name, record in tlh.FAMILIES.items() if record.text_classes)
 
 
 def tap_kinds(family: str) -> set:
     """What the one-prompt flavour's row logic meets in a family: each site's tap on every layer, less its module
     path (kind, inputs, norm, columns, multiplier, bias, routing), and where the text model sits in vLLM's tree."""
-    record = tlh._FAMILIES[family]
+    record = tlh.FAMILIES[family]
     text = tools.tiny_config(family).get_text_config()
     kinds = {("text_prefix", record.text_prefix)}
     for layer in [None, *range(text.num_hidden_layers)]:
@@ -92,12 +92,12 @@ def tap_kinds(family: str) -> set:
 
 def covering_families() -> tuple[str, ...]:
     """The families, fewest first found (greedy), whose records together hold every tap kind of every record."""
-    kinds = {family: tap_kinds(family) for family in tlh._FAMILIES}
+    kinds = {family: tap_kinds(family) for family in tlh.FAMILIES}
     chosen, covered = [], set()
     while uncovered := {family: len(found - covered) for family, found in kinds.items() if found - covered}:
         chosen.append(max(uncovered, key=uncovered.get))
         covered |= kinds[chosen[-1]]
-    return tuple(family for family in tlh._FAMILIES if family in chosen)
+    return tuple(family for family in tlh.FAMILIES if family in chosen)
 
 
 # The one-prompt flavour runs on every text family; a multimodal checkpoint's text model, whose engines are the
@@ -217,7 +217,7 @@ class Model:
         if self._expected is None:
             with torch.no_grad():
                 _logits, cache = self.bridge.run_with_cache(torch.tensor([PROMPT[:8]]))
-            refused = tlh._FAMILIES[self.family].refused
+            refused = tlh.FAMILIES[self.family].refused
             found = {}
             for name, tensor in cache.items():
                 site = site_of(name)
@@ -281,7 +281,7 @@ def needs_torchvision(family: str) -> bool:
     import transformers
     from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_ARCHITECTURES
 
-    record = tlh._FAMILIES[family]
+    record = tlh.FAMILIES[family]
     if "torchvision" in (getattr(SUPPORTED_ARCHITECTURES[record.architecture], "required_libraries", None) or []):
         return True
     processor = tools._TINY_MODELS[family].processor
@@ -1002,12 +1002,12 @@ def test_every_decoder_transformer_lens_and_vllm_share_is_supported_or_refused_w
         for architecture in set(SUPPORTED_ARCHITECTURES) & set(ModelRegistry.get_supported_archs())
         if architecture.endswith(DECODERS)
     }
-    supported = {family.architecture for family in tlh._FAMILIES.values()}
-    refused = set(tlh._REFUSED)
+    supported = {family.architecture for family in tlh.FAMILIES.values()}
+    refused = set(tlh.REFUSED)
     assert not supported & refused, f"both supported and refused: {sorted(supported & refused)}"
     assert not shared - supported - refused, f"neither supported nor refused: {sorted(shared - supported - refused)}"
     assert not (supported | refused) - shared, f"not in both registries: {sorted((supported | refused) - shared)}"
-    for architecture, reason in tlh._REFUSED.items():
+    for architecture, reason in tlh.REFUSED.items():
         config = types.SimpleNamespace(architectures=[architecture], get_text_config=lambda: None)
         with pytest.raises(ValueError, match=re.escape(f"{architecture}: refused: {reason}")):
             tlh.capture_specs(config)
@@ -1029,8 +1029,8 @@ def test_the_readmes_family_tables_are_the_records():
 @NO_ENGINE
 def test_every_record_has_one_tiny_model():
     """The companion's table of tiny test models (a dict: one entry a name) names every record, and no other."""
-    missing = sorted(set(tlh._FAMILIES) - set(tools._TINY_MODELS))
-    unknown = sorted(set(tools._TINY_MODELS) - set(tlh._FAMILIES))
+    missing = sorted(set(tlh.FAMILIES) - set(tools._TINY_MODELS))
+    unknown = sorted(set(tools._TINY_MODELS) - set(tlh.FAMILIES))
     assert not missing and not unknown, f"records without a tiny model: {missing}; tiny models of no record: {unknown}"
 
 
@@ -1189,17 +1189,10 @@ def test_step_collection_keeps_each_requests_rows():
 
     buffer = torch.zeros(32, 2)
     config = tlh.CaptureConfig({"h": ("model.layers.0", 2)}, 32, enable_batching=True)
-    model = torch.nn.Linear(1, 1)
-    worker = types.SimpleNamespace(
-        model_runner=types.SimpleNamespace(get_model=lambda: model),
-        vllm_config=types.SimpleNamespace(
-            model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(get_text_config=lambda: None)),
-            cache_config=types.SimpleNamespace(enable_prefix_caching=False),
-            scheduler_config=types.SimpleNamespace(max_num_seqs=8),
-        ),
-    )
+    text_config = types.SimpleNamespace(get_text_config=lambda: None)
+    engine = tlh._EngineFacts(torch.nn.Linear(1, 1), text_config, 32, 8, False, torch.device("cpu"), torch.float32, None)
     hook = types.SimpleNamespace(buffer=buffer, width=2, row_shape=(2,), keeps_rows=True, sae=None)
-    state = tlh._Batched(config, worker, {"h": hook}, [])
+    state = tlh._Batched(config, engine, {"h": hook}, [])
     def plan(prompt_len, capture):
         return tlh._RunningRequest(tlh._RequestOptions(capture), prompt_len, None)
 
@@ -1220,7 +1213,8 @@ def test_step_collection_keeps_each_requests_rows():
         starts = np.concatenate([[0], np.cumsum(counts)])
         first = np.array([position for _, position, _ in layout])
         request_ids = [request for request, _, _ in layout]
-        state.step = tlh._StepLayout(starts, request_ids, first, state.request_table.entries(request_ids))
+        entries = state.request_table.entries(request_ids, tlh._KEEP_ALL.kept_range(0))
+        state.step = tlh._StepLayout(starts, request_ids, first, entries)
         owners = np.repeat(np.arange(len(layout)), counts)
         buffer.zero_()
         buffer[: starts[-1], 0] = torch.from_numpy(state.step.row_positions).float()  # what the row is ...
@@ -1303,14 +1297,14 @@ def test_request_table_reuses_entries_and_keeps_values_as_it_grows():
     ids = [f"r{i}" for i in range(150)]  # past the first 64 entries and the next 64
     for i, request in enumerate(ids):
         table.add(request, (i, i + 1), i % 2 == 0)
-    entries = table.entries(ids)
+    entries = table.entries(ids, tlh._KEEP_ALL.kept_range(0))
     assert sorted(entries.tolist()) == list(range(150))
     assert table.kept_first[entries].tolist() == list(range(150))
     assert table.has_edits[entries].tolist() == [1 - i % 2 for i in range(150)]
     table.next_position[entries] = 7
     for request in ids[:10]:
         table.remove(request)
-    (reused,) = table.entries(["new"])  # not added: keeps every row
+    (reused,) = table.entries(["new"], tlh._KEEP_ALL.kept_range(0))  # not added: keeps the default
     assert reused in entries[:10] and table.next_position[reused] == 0
     assert (table.kept_first[reused], table.kept_last[reused]) == tlh._KEEP_ALL.kept_range(0)
     again = table.add(ids[20], (3, 4), False)  # added again: its position carries on
@@ -1484,7 +1478,7 @@ def test_each_family_places_exactly_the_hooks_transformer_lens_runs(models, fami
     each of which is refused by name with its reason; every other site is refused by name (for a
     multimodal checkpoint, the bridge booted on it, text prompts)."""
     model = models[family]
-    record = tlh._FAMILIES[family]
+    record = tlh.FAMILIES[family]
     assert tlh.capture_specs(model.hf.config, sites=model.sites) == model.expected
     assert not set(record.refused) & set(model.sites), "a site is both placed and refused"
     for site, reason in record.refused.items():

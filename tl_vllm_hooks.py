@@ -14,7 +14,8 @@ and applies ``out * scale + bias`` from tables the host rewrites between forward
 * batched (``enable_batching=True``): many requests per generate, each with its own rows to keep and its own edits
   (``request_args``, also the OpenAI server's ``vllm_xargs``), whole across chunked prefill, preemption and decode;
   with a ``sink_dir``, finished requests' rows go to safetensors shards on disk, written and read (``CaptureDataset``)
-  by the companion module tl_vllm_hooks_tools, imported only for it.
+  by the companion module tl_vllm_hooks_tools, which also reads SAELens's files (``saes``): imported only for those
+  (and tiny_model, serve, the command line), through _companion alone.
 
 The driver helpers take an ``LLM``, or an ``AsyncLLM`` and then return awaitables. Installed with pip, the
 ``vllm.general_plugins`` entry point calls ``register()`` in every vLLM process; copied in, the file registers itself
@@ -44,6 +45,7 @@ import socket
 import sys
 import warnings
 import weakref
+import typing
 from typing import Any
 
 import numpy as np
@@ -53,19 +55,24 @@ __version__ = "0.3.0"
 
 # fmt: off
 __all__ = [
-    "SAE_FEATURES", "SITES", "WORKER_EXTENSION", "CaptureConfig", "CaptureDataset", "WorkerExtension", "capture_specs",
-    "configure", "decode_tensor", "encode_tensor", "flush_sink", "open_capture", "read_batched", "read_captures",
-    "read_fire_counts", "register", "remove_hooks", "request_args", "reset_batched", "reset_edits",
-    "reset_fire_counts", "segment_by_request", "serve", "set_edits", "status", "tiny_model", "unregister"
+    "CAPTURE_DTYPES", "FAMILIES", "REFUSED", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION",
+    "CaptureConfig", "CaptureDataset", "SAESpec", "WorkerExtension", "capture_specs", "configure", "decode_tensor",
+    "encode_tensor", "flush_sink", "join_ranks", "model_sites", "open_capture", "parse_hook_name", "read_batched",
+    "read_captures", "read_fire_counts", "register", "remove_hooks", "request_args", "reset_batched", "reset_edits",
+    "reset_fire_counts", "segment_by_request", "serve", "set_edits", "status", "tiny_model", "unregister",
+    "user_request_id",
 ]
 # fmt: on
 
 logger = logging.getLogger(__name__)
 
 
-def _tools() -> Any:
-    """The companion module (the sink, CaptureDataset, SAELens's files, tiny_model, the command line), imported when
-    asked for."""
+def _companion(name: str) -> Any:
+    """``name`` of the companion module, tl_vllm_hooks_tools, imported when first asked for: the one way in from this
+    module, for the companion's documented features, none of which a core copied in alone needs: read_sae (``saes``),
+    check_sink_dir, RankSink and CaptureDataset (``sink_dir``), and the names forwarded to it (CaptureDataset, serve,
+    tiny_model, the command line's main). The way back: the companion uses this module's public names, and the
+    batched flavour's sink interface (see _Batched)."""
     try:
         import tl_vllm_hooks_tools
     except ModuleNotFoundError as error:
@@ -75,7 +82,7 @@ def _tools() -> Any:
             "sink_dir, saes, CaptureDataset, tiny_model and the command line live in tl_vllm_hooks_tools.py: "
             f"copy it from the project beside {__file__}"
         ) from None
-    return tl_vllm_hooks_tools
+    return getattr(tl_vllm_hooks_tools, name)
 
 
 # ---------------------------------------------------------------------------
@@ -84,7 +91,7 @@ def _tools() -> Any:
 # (_Family), the one owner of what the module knows of it: module paths, norms, residual layout, multipliers, routing
 # and its config's settings (its tiny test model is the companion's, which builds it). _taps reads a record and places
 # every site of one layer. The records drive tiny_model, the tests and the README's table; an architecture no record
-# describes is refused, with the measured reason where _REFUSED holds one, never guessed.
+# describes is refused, with the measured reason where REFUSED holds one, never guessed.
 # ---------------------------------------------------------------------------
 
 # fmt: off
@@ -129,8 +136,9 @@ _NO_ATTENTION_MATRIX = (
 _HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
 
-def _parse_hook_name(name: str) -> tuple[str, int | None] | None:
-    """(site, layer or None) of a TransformerLens hook name this module knows, else None."""
+def parse_hook_name(name: str) -> tuple[str, int | None] | None:
+    """(site, layer) of a TransformerLens hook name this module knows (a key of SITES, and the layer or None for a
+    site outside the layers), else None: ``parse_hook_name("blocks.3.hook_resid_post") == ("resid_post", 3)``."""
     for pattern, site in _HOOK_NAME.items():
         match = pattern.match(name)
         if match:
@@ -309,7 +317,7 @@ _BACKEND = _Family(
 _H_LAYER = "transformer.h.{i}"
 
 # fmt: off
-_FAMILIES = {family.name: family for family in (
+FAMILIES = {family.name: family for family in (
     _Family("llama", "LlamaForCausalLM"),
     _Family("qwen2", "Qwen2ForCausalLM"),
     _Family("qwen3", "Qwen3ForCausalLM"),
@@ -466,13 +474,13 @@ _LM = "language_model."
 
 def _text_model_under_lm(text: str, name: str, architecture: str, text_classes: tuple[str, ...], **changes) -> _Family:
     """The record of a multimodal checkpoint whose text model is the ``text`` family's, at language_model."""
-    return dataclasses.replace(_FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM,
+    return dataclasses.replace(FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM,
                                text_classes=text_classes, **changes)
 
 
 _LLAVA_TEXT = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # fmt: off
-_FAMILIES.update({family.name: family for family in (
+FAMILIES.update({family.name: family for family in (
     _text_model_under_lm("gemma3", "gemma3_mm", "Gemma3ForConditionalGeneration", ("Gemma3ForCausalLM",)),
     _text_model_under_lm("gemma4", "gemma4_mm", "Gemma4ForConditionalGeneration", ("Gemma4ForCausalLM",)),
     _text_model_under_lm("mistral", "mistral3", "Mistral3ForConditionalGeneration", ("MistralForCausalLM",)),
@@ -493,7 +501,7 @@ _FAMILIES.update({family.name: family for family in (
     _text_model_under_lm("llama", "glmasr", "GlmAsrForConditionalGeneration", ("LlamaForCausalLM",)),
     # Idefics3: vLLM's text model is a LlamaModel at model.text_model (lm_head at the top).
     dataclasses.replace(
-        _FAMILIES["llama"], name="idefics3", architecture="Idefics3ForConditionalGeneration",
+        FAMILIES["llama"], name="idefics3", architecture="Idefics3ForConditionalGeneration",
         text_prefix="model.text_model.", layer="layers.{i}", embed="embed_tokens", final_norm="norm",
         text_classes=("LlamaModel",)),
     _text_model_under_lm("gemma4", "gemma4_unified", "Gemma4UnifiedForConditionalGeneration", ("Gemma4ForCausalLM",)),
@@ -515,9 +523,11 @@ _FAMILIES.update({family.name: family for family in (
                                   "hook_scale (its norms are bare components)")),
 )})
 # fmt: on
-_ARCHITECTURES = {family.architecture: family for family in _FAMILIES.values()}
+"""name -> the family's record (a frozen _Family: ``architecture``, ``vllm_class``, module paths, ``refused`` sites
+with why, ...), text families first, then multimodal checkpoints (``text_classes``); tiny_model takes the names."""
+_ARCHITECTURES = {family.architecture: family for family in FAMILIES.values()}
 # fmt: off
-_REFUSED = {  # architecture -> why no record describes it, as measured with vLLM 0.32 CPU, TransformerLens 4.3, transformers 5.19
+REFUSED = {  # architecture -> why no record describes it, as measured with vLLM 0.32 CPU, TransformerLens 4.3, transformers 5.19
     **dict.fromkeys(("ExaoneForCausalLM", "InternLM2ForCausalLM"), "transformers 5.19 has no class for it (its "
                     "checkpoints need remote code): 'Transformers does not recognize this architecture'"),
     **dict.fromkeys(("LagunaForCausalLM", "MiniMaxM2ForCausalLM"), "vLLM 0.32's CPU MoE router takes softmax "
@@ -551,6 +561,7 @@ _REFUSED = {  # architecture -> why no record describes it, as measured with vLL
                                        "the first PP rank')",
 }
 # fmt: on
+"""architecture (``config.architectures[0]``) -> why no record describes it: capture_specs refuses it saying so."""
 
 
 def _family(hf_config: Any) -> _Family:
@@ -570,8 +581,8 @@ def _family(hf_config: Any) -> _Family:
         )
     architecture = hf_config.architectures[0]
     family = _ARCHITECTURES.get(architecture)
-    if architecture in _REFUSED:
-        raise ValueError(f"architecture {architecture}: refused: {_REFUSED[architecture]}")
+    if architecture in REFUSED:
+        raise ValueError(f"architecture {architecture}: refused: {REFUSED[architecture]}")
     if family is None:
         raise ValueError(
             f"architecture {architecture}: TransformerLens hook names are placed per architecture and this module has "
@@ -765,17 +776,26 @@ def _family_sites(family: _Family, config: Any) -> list[str]:
     return [site for site in SITES if site in present]
 
 
+def model_sites(hf_config: Any) -> list[str]:
+    """The sites (keys of SITES) the model has, on some layer or outside them, in forward order: those capture_specs
+    takes. hf_config: as capture_specs's (ValueError for an architecture no record describes)."""
+    return _family_sites(_family(hf_config), hf_config.get_text_config())
+
+
 # ---------------------------------------------------------------------------
 # Config channel. vLLM builds its workers in other processes, so a module global set in the driver never reaches
 # them: the config travels as JSON in vLLM's own additional_config (which every worker receives, Ray's included, and
 # which vLLM hashes into its compile-cache key), or, for servers started by hand, in one environment variable.
-# Validated when written and again when read (a worker may run another copy).
+# Validated when written and again when read (a worker may run another copy); a config's saes are read by the
+# companion's read_sae as it is made (in the driver and in each worker), its sink_dir checked by the companion in
+# configure.
 # ---------------------------------------------------------------------------
 
 _CONFIG_ENV = "TL_VLLM_HOOKS_CONFIG"
 _DISABLE_ENV = "TL_VLLM_HOOKS_DISABLE"
 _ADDITIONAL_CONFIG_KEY = "tl_vllm_hooks_config"
-_FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+CAPTURE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+"""The dtypes a CaptureConfig's buffers take, as torch names."""
 
 WORKER_EXTENSION = f"{__name__}.WorkerExtension"
 """vLLM's ``worker_extension_cls`` for this module (``config.llm_kwargs`` holds it)."""
@@ -841,12 +861,12 @@ class CaptureConfig:
                 f"them), got {self.sae_chosen_features!r}"
             )
         object.__setattr__(self, "saes", {n: os.path.abspath(d) if isinstance(d, str) else d for n, d in saes.items()})
-        object.__setattr__(self, "_sae_specs", {n: _tools().read_sae(n, d, self) for n, d in self.saes.items()})
+        object.__setattr__(self, "_sae_specs", {n: _companion("read_sae")(n, d, self) for n, d in self.saes.items()})
         for field in ("max_num_batched_tokens", "shard_bytes"):
             if not _int_at_least(getattr(self, field), 1):
                 raise ValueError(f"{field}: must be a positive int, got {getattr(self, field)!r}")
-        if not isinstance(self.dtype, torch.dtype) or _dtype_name(self.dtype) not in _FLOAT_DTYPES:
-            raise ValueError(f"dtype: expected one of torch.{', torch.'.join(_FLOAT_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.dtype, torch.dtype) or _dtype_name(self.dtype) not in CAPTURE_DTYPES:
+            raise ValueError(f"dtype: expected one of torch.{', torch.'.join(CAPTURE_DTYPES)}, got {self.dtype!r}")
         for flag in ("enable_batching", "enable_position_interventions"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag}: must be a bool, got {getattr(self, flag)!r}")
@@ -866,7 +886,7 @@ class CaptureConfig:
         """The shape of one row of hook ``name``: ``(width,)`` or ``(n_heads, d_head)``."""
         return _row_shape(self.capture_specs[name])
 
-    def sae(self, name: str) -> _SAESpec:
+    def sae(self, name: str) -> SAESpec:
         """The SAE encoding hook ``name`` (a key of ``saes``), as its files describe it."""
         return self._sae_specs[name]
 
@@ -929,8 +949,8 @@ class CaptureConfig:
                 f"{_CONFIG_ENV}: written by another version of tl_vllm_hooks than {__version__!r}; driver and workers "
                 "must load the same version"
             )
-        if data["dtype"] not in _FLOAT_DTYPES or not isinstance(data["capture_specs"], dict):
-            raise ValueError(f"{_CONFIG_ENV}: dtype must be one of {list(_FLOAT_DTYPES)} and capture_specs an object")
+        if data["dtype"] not in CAPTURE_DTYPES or not isinstance(data["capture_specs"], dict):
+            raise ValueError(f"{_CONFIG_ENV}: dtype must be one of {list(CAPTURE_DTYPES)} and capture_specs an object")
         data["capture_specs"] = {n: tuple(s) if isinstance(s, list) else s for n, s in data["capture_specs"].items()}
         return cls(**{**data, "dtype": getattr(torch, data["dtype"])})
 
@@ -958,7 +978,7 @@ def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
         )
     if re.fullmatch(r"blocks\.\d+\.attn\.(hook_pattern|hook_attn_scores)", name):
         raise ValueError(f"capture_specs: {name!r}: {_NO_ATTENTION_MATRIX}")
-    if _parse_hook_name(name) is None:
+    if parse_hook_name(name) is None:
         close = difflib.get_close_matches(name, [t.format(i=0) for t in SITES.values()], n=3)
         raise ValueError(
             f"capture_specs: {name!r} is not a hook this module knows; TransformerLens hooks here: "
@@ -992,7 +1012,7 @@ def configure(capture_specs: dict[str, tuple[int, ...] | tuple[str, int]], *args
     written or holds captures of other hooks or another dtype."""
     config = CaptureConfig(capture_specs, *args, **kwargs)
     if config.sink_dir is not None:
-        _tools().check_sink_dir(config)
+        _companion("check_sink_dir")(config)
     register()
     return config
 
@@ -1002,55 +1022,342 @@ def _disabled() -> bool:
 
 
 # ---------------------------------------------------------------------------
-# SAEs. A sparse autoencoder in SAELens's on-disk format encodes a hook's rows inside the graph, in every forward:
-# each token's top-k features are kept beside (or instead of) its rows, and an edit of features f changes the
-# stream by (new_f - old_f) * W_dec[f] alone, so the SAE's reconstruction error stays in it and an unedited row is
-# left as it was. A transcoder encodes the rows of one hook, and its edits change those of its layer's hook_mlp_out.
-# The companion reads SAELens's files (tl_vllm_hooks_tools.read_sae, when the config is made and checked against the
-# hook); each worker loads the weights onto its device before the first forward.
+# Edits and request options. One wire form for every flavour: per hook, an op, an optional value (a number or a
+# row-shaped tensor) and optional positions. Each becomes a (scale, bias) pair with out = out * scale + bias. A
+# request's options are parsed into one _RequestOptions, by the same function wherever they are read (the driver,
+# the engine's front end and the workers), and checked there before anything runs; what a request keeps is decided
+# by _RequestOptions alone.
 # ---------------------------------------------------------------------------
 
-SAE_FEATURES = ".hook_sae_acts_post"
-"""The suffix that names a hook's SAE features (SAELens's name for them): ``blocks.6.hook_resid_post`` with an SAE
-has features ``blocks.6.hook_resid_post.hook_sae_acts_post``, which edits name. Reads give ``{that}.indices``
-(int32) and ``{that}.values`` (the capture dtype), each ``[rows, k]``: per token its k highest features, highest
-first, so ``torch.zeros(rows, d_sae).scatter_(1, indices.long(), values)`` is SAELens's ``sae.encode(rows)``
-wherever at most k features fire (a value 0 is a feature that did not). With ``sae_chosen_features``,
-``{that}.chosen`` holds the activations of the features a request chose, in its order (``[rows, 0]`` for one that
-chose none)."""
+_EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
+_REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
+_CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
+_NO_LAST_POSITION = np.iinfo(np.int64).max
 
-_SAE_WEIGHTS = {  # architecture -> the tensors of sae_weights.safetensors it encodes and steers with (a skip
-    # transcoder's W_skip, its linear path from input to output, does not change with its features)
-    name: ("W_enc", "W_dec", "b_enc", "b_dec", *(("threshold",) if "jumprelu" in name else ()))
-    for name in (
-        "standard",
-        "jumprelu",
-        "topk",
-        "transcoder",
-        "skip_transcoder",
-        "jumprelu_transcoder",
-        "jumprelu_skip_transcoder",
-    )
+
+def _parse_edit(edit: Any, name: str, config: CaptureConfig) -> tuple[tuple[torch.Tensor, ...], list[int] | None]:
+    """Validate one wire edit: its table rows and its positions. A hook's rows are (scale, bias), [width] float64,
+    out = out * scale + bias; a hook's features' (see _parse_feature_edit) are (features, scale, bias)."""
+    if name.endswith(SAE_FEATURES):
+        return _parse_feature_edit(edit, name, config)
+    _check_edit_keys(edit, name, {"op", "value", "positions"})
+    op, row_shape = edit["op"], config.row_shape(name)
+    width = math.prod(row_shape)
+    shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
+    valid = f"a finite number, or finite numbers of shape {' or '.join(map(str, map(list, shapes)))}"
+    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, shapes, valid))
+    scale_row = torch.zeros(width, dtype=torch.float64).add_(keeps)
+    bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
+    return (scale_row, bias_row), _edit_positions(edit, name)
+
+
+_EDIT_FORM = {  # op -> (scale, bias) of its value
+    "suppress": lambda _value: (0, 0),
+    "scale": lambda value: (value, 0),
+    "add": lambda value: (1, value),
+    "set": lambda value: (0, value),
 }
-# Sites whose hooks can add a feature edit's change to the stream: not the norms' (whose edits reach the norm's output
-# as edited * weight + bias), not the router's (read-only).
-_SAE_SITES = tuple(site for site in SITES if site not in (*_NORM_SITES, *_READ_ONLY_SITES))
-_FEATURE_EDITS = 8  # the most features one edit changes at a hook: the width of the feature edit tables
+
+
+def _edit_value(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> torch.Tensor:
+    """An edit's value, float64 [the first shape's elements] (zeros for an op that takes none): one number for every
+    element, or finite numbers of one of ``shapes``; ValueError saying ``valid`` otherwise."""
+    width = math.prod(shapes[0])
+    if not _EDIT_OPS[edit["op"]]:
+        return torch.zeros(width, dtype=torch.float64)
+    raw = edit["value"]
+    try:
+        if _holds_bool(raw):
+            raise TypeError("a bool is not a number")
+        vector = torch.tensor(raw, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
+    if vector.dim() == 0:
+        vector = vector.expand(width)
+    if tuple(vector.shape) not in shapes:
+        raise ValueError(f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)}")
+    value = vector.reshape(width)
+    if not torch.isfinite(value).all():
+        raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
+    return value
+
+
+def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
+    """The edit is a dict of these keys, 'op' among them, and its op takes a value if and only if it has one."""
+    if not isinstance(edit, dict) or "op" not in edit or not set(edit) <= keys:
+        found = sorted(edit) if isinstance(edit, dict) else edit
+        raise ValueError(
+            f"edits[{name!r}]: keys must be 'op' plus optional {sorted(keys - {'op'})}, got {found!r:.200}"
+        )
+    op = edit["op"]
+    if op not in _EDIT_OPS:
+        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
+    if _EDIT_OPS[op] != ("value" in edit):
+        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if _EDIT_OPS[op] else 'takes no'} 'value'")
+
+
+def _edit_positions(edit: dict[str, Any], name: str) -> list[int] | None:
+    positions = edit.get("positions")
+    if positions is not None and not _is_position_list(positions):
+        raise ValueError(f"edits[{name!r}]: positions must be a non-empty list of ints >= 0, got {positions!r}")
+    return None if positions is None else list(positions)
+
+
+def _identity_rows(name: str, width: int) -> tuple[torch.Tensor, ...]:
+    """The table rows of no edit: scale 1 and bias 0 (and for features, feature 0)."""
+    ones, zeros = torch.ones(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
+    return (torch.zeros(width, dtype=torch.int64), ones, zeros) if name.endswith(SAE_FEATURES) else (ones, zeros)
+
+
+def _holds_bool(value: Any) -> bool:
+    return isinstance(value, bool) or isinstance(value, (list, tuple)) and any(map(_holds_bool, value))
+
+
+def _global_rows(config: CaptureConfig) -> int:
+    """Rows of the engine-wide part of an edit table: one per position and one past, or one."""
+    return config.max_num_batched_tokens + 1 if config.enable_position_interventions else 1
+
+
+def _engine_wide_tables(edit: dict[str, Any], name: str, config: CaptureConfig) -> tuple[torch.Tensor, ...]:
+    """An engine-wide edit's tables (see _parse_edit): each a row, or [max_rows + 1, row] by position."""
+    rows, positions = _parse_edit(edit, name, config)
+    per_request = "; request_args(edits=...) takes any position" if config.enable_batching else ""
+    if not config.enable_position_interventions:
+        if positions is not None:
+            raise ValueError(f"edits[{name!r}]: positions need enable_position_interventions=True{per_request}")
+        return rows
+    num_rows = _global_rows(config)
+    if positions is None:  # every row, the last (every position past the table) included
+        return tuple(row.expand(num_rows, *row.shape) for row in rows)
+    if max(positions) >= num_rows - 1:
+        raise ValueError(
+            f"edits[{name!r}]: positions must be < {num_rows - 1} (max_num_batched_tokens) for an engine-wide edit, "
+            f"got {positions!r}{per_request}"
+        )
+    tables = tuple(row.expand(num_rows, *row.shape).clone() for row in _identity_rows(name, rows[0].shape[0]))
+    for table, row in zip(tables, rows):
+        table[positions] = row
+    return tables
+
+
+def _check_hook_name(name: Any, config: CaptureConfig) -> None:
+    editable = [*config.capture_specs, *(hook + SAE_FEATURES for hook in config.saes)]
+    if name not in editable:
+        close = difflib.get_close_matches(str(name), editable, n=3)
+        raise ValueError(
+            f"edits: {name!r} is not a configured hook or SAE's features"
+            + (f"; close matches: {close}" if close else "")
+            + f"; configured: {sorted(editable)}"
+        )
+    if (parse_hook_name(name) or ("",))[0] in _READ_ONLY_SITES:
+        raise ValueError(
+            f"edits: {name!r} is read-only: vLLM's fused mixture of experts routes inside its kernel, from "
+            "the router's logits; edit the block's input (mlp.hook_pre) or output (hook_mlp_out) instead"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
-class _SAESpec:
-    """An SAE as its cfg.json and the header of its weights file describe it; k: a topk SAE's features per token;
-    writes: the hook a transcoder writes (its layer's hook_mlp_out), decoding to rows of d_out, else None."""
+class _RequestOptions:
+    """One request's options (see request_args), checked against its engine's config.
 
-    directory: str
-    architecture: str
-    d_in: int
-    d_sae: int
-    apply_b_dec_to_input: bool
-    k: int | None
-    writes: str | None
-    d_out: int
+    capture: one of _CAPTURE_MODES, or the positions kept, sorted int64.
+    edits: hook or features name -> (its table rows (see _parse_edit), sorted int64 positions or None).
+    digest: of the edits ("" without): the request's prefix-cache salt.
+    chosen: ``{features name}.chosen`` -> (its features, int64 [sae_chosen_features], None): read densely.
+    columns: source name (see _HookState.sources) -> the first columns of it the request keeps, where fewer.
+    """
+
+    capture: str | np.ndarray = "all"
+    edits: dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]] = dataclasses.field(default_factory=dict)
+    digest: str = ""
+    chosen: dict[str, tuple[tuple[torch.Tensor], None]] = dataclasses.field(default_factory=dict)
+    columns: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def slot_tables(self) -> dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]]:
+        """What a slot of the batched edit tables holds for the request: its edits and chosen features."""
+        return {**self.edits, **self.chosen}
+
+    # What the request keeps, decided here alone: kept_range for a step's array operations, keeps for a list of
+    # positions (which kept_range marks with first -1), keeps_any for a span.
+    def kept_range(self, prompt_len: int) -> tuple[int, int]:
+        """(first, last) position kept; first is -1 for a list of positions."""
+        if isinstance(self.capture, np.ndarray):
+            return (-1, _NO_LAST_POSITION)
+        last = prompt_len - 1
+        ranges = {"all": (0, _NO_LAST_POSITION), "prompt": (0, last), "last_prompt_token": (last, last)}
+        return ranges.get(self.capture, (0, -1))
+
+    def keeps(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+        """Whether the row of each of these positions is kept (bool, positions' shape)."""
+        if isinstance(self.capture, np.ndarray):
+            return np.isin(positions, self.capture)
+        first, last = self.kept_range(prompt_len)
+        return (positions >= first) & (positions <= last)
+
+    def keeps_any(self, start: int, stop: int, prompt_len: int) -> bool:
+        """Whether the row of some position in [start, stop) is kept."""
+        if isinstance(self.capture, np.ndarray):
+            return bool(((self.capture >= start) & (self.capture < stop)).any())
+        first, last = self.kept_range(prompt_len)
+        return first <= last and first < stop and last >= start
+
+
+_KEEP_ALL, _KEEP_NONE = _RequestOptions("all"), _RequestOptions("none")
+
+
+def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOptions:
+    """The one parser of a request's options (request_args' JSON text, or a dict by hand);
+    ValueError naming the problem."""
+    if config is None or not config.enable_batching:
+        raise ValueError(
+            f"{_REQUEST_KEY} request options: this engine has {'no' if config is None else 'one-prompt'} hooks; "
+            "per-request capture and edits need configure(..., enable_batching=True)"
+        )
+    if isinstance(options, str):
+        try:
+            options = json.loads(options)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"request options: not valid JSON ({error}); write them with request_args") from None
+    if not isinstance(options, dict) or not set(options) <= {"capture", "edits", "top_k", "features"}:
+        raise ValueError(
+            f"request options: expected a dict with keys 'capture', 'edits', 'top_k' and 'features', got "
+            f"{options!r:.200}"
+        )
+    capture = options.get("capture", "all")
+    if isinstance(capture, (list, tuple)):
+        if not _is_position_list(capture):
+            raise ValueError(f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}")
+        capture = np.unique(np.asarray(capture, dtype=np.int64))
+    elif capture not in _CAPTURE_MODES:
+        raise ValueError(f"capture: expected one of {list(_CAPTURE_MODES)} or a list of positions, got {capture!r}")
+    edits = options.get("edits") or {}
+    if not isinstance(edits, dict):
+        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
+    parsed = {}
+    for name, edit in edits.items():
+        _check_hook_name(name, config)
+        rows, positions = _parse_edit(edit, name, config)
+        parsed[name] = (rows, None if positions is None else np.unique(np.asarray(positions, np.int64)))
+    digest = hashlib.sha256(json.dumps(edits, sort_keys=True).encode()).hexdigest()[:32] if edits else ""
+    top_k = options.get("top_k") or {}
+    features = [hook + SAE_FEATURES for hook in config.saes]
+    if not isinstance(top_k, dict) or not all(name in features for name in top_k):
+        raise ValueError(f"top_k: expected a dict {{features name: k}} of names in {features}, got {top_k!r:.200}")
+    for name, k in top_k.items():
+        if not _int_at_least(k, 1) or k > config.sae_top_k:
+            raise ValueError(f"top_k[{name!r}]: must be an int in [1, {config.sae_top_k}] (sae_top_k), got {k!r}")
+    columns = {n + part: k for n, k in top_k.items() if k < config.sae_top_k for part in (".indices", ".values")}
+    chosen, most = options.get("features") or {}, config.sae_chosen_features
+    if not isinstance(chosen, dict) or not all(name in features for name in chosen) or chosen and not most:
+        raise ValueError(
+            f"features: expected a dict {{features name: [feature, ...]}} of names in {features}, on an engine "
+            f"configured with sae_chosen_features > 0 (here {most}), got {chosen!r:.200}"
+        )
+    parsed_chosen = {}
+    for name in features if most else ():
+        listed, d_sae = chosen.get(name, []), config.sae(name.removesuffix(SAE_FEATURES)).d_sae
+        if not _lists_features(listed, 0, most, d_sae):
+            raise ValueError(
+                f"features[{name!r}]: up to {most} (sae_chosen_features) distinct feature indices in [0, {d_sae}), "
+                f"got {listed!r:.200}"
+            )
+        columns[name + ".chosen"] = len(listed)
+        if listed:
+            row = torch.tensor([*listed, *[0] * (most - len(listed))], dtype=torch.int64)  # padded with feature 0
+            parsed_chosen[name + ".chosen"] = ((row,), None)
+    return _RequestOptions(capture, parsed, digest, parsed_chosen, columns)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_options_text(text: str, payload: str | None) -> _RequestOptions:
+    """request_args' JSON text, parsed once however many requests share it."""
+    return _parse_options(text, _config_from_json(payload))
+
+
+def _request_options(extra_args: dict[str, Any] | None, payload: str | None) -> _RequestOptions | None:
+    """The options in a request's extra_args (None without) for an engine with the config
+    ``payload``; ValueError if they do not suit it."""
+    options = (extra_args or {}).get(_REQUEST_KEY)
+    if options is None:
+        return None
+    if isinstance(options, str):
+        return _parse_options_text(options, payload)
+    return _parse_options(options, _config_from_json(payload))
+
+
+# ---------------------------------------------------------------------------
+# Prefix caching. Tokens vLLM serves from its prefix cache never run through the model, so their rows are missing,
+# and a block computed under an edit would be served to requests that never asked for it. Engines built with
+# llm_kwargs or serve_args have it off; with the batched flavour a user may turn it on, and every rule that then
+# applies is in this section, what a request without options keeps (_default_options) among them.
+# ---------------------------------------------------------------------------
+
+_PREFIX_CACHING = False  # what llm_kwargs and serve_args set: every request keeps all its rows
+_CACHE_MARK = "tl_vllm_hooks_cache"  # in extra_args once _keep_apart_in_prefix_cache ran
+
+
+def _keep_apart_in_prefix_cache(request: Any, options: _RequestOptions) -> None:
+    """On the EngineCoreRequest vLLM's front end made, before its blocks are hashed: edits
+    salt its cache blocks (shared only by requests making the same edits), keeping prompt
+    rows before the last skips reading the cache, and the mark tells the workers."""
+    params = request.sampling_params
+    if options.edits:
+        request.cache_salt = f"{request.cache_salt or ''}{_REQUEST_KEY}:{options.digest}"
+    prompt_len = _prompt_len(request)
+    if options.keeps_any(0, prompt_len - 1, prompt_len):
+        params.skip_reading_prefix_cache = True
+    params.extra_args = {**params.extra_args, _CACHE_MARK: options.digest}
+
+
+def _refuse_prefix_caching(prefix_caching: bool, config: CaptureConfig, edits: Any = None) -> None:
+    """Refuse the one-prompt flavour on an engine with prefix caching, and engine-wide edits on any."""
+    if prefix_caching and not config.enable_batching:
+        raise ValueError(
+            "enable_prefix_caching: the one-prompt flavour keeps the rows of one forward, and tokens served from "
+            "vLLM's prefix cache never run through the model, so rows would be missing; build the engine with "
+            "LLM(model, **config.llm_kwargs), which turns it off, or use the batched flavour (configure(..., "
+            "enable_batching=True)), which keeps capturing requests off the cache"
+        )
+    if prefix_caching and edits:
+        raise ValueError(
+            "set_edits: engine-wide edits change every request's keys and values, and vLLM's prefix cache would go "
+            "on serving blocks computed without them; on an engine with prefix caching, edit per request: "
+            "request_args(config, edits=...)"
+        )
+
+
+def _default_options(prefix_caching: bool) -> _RequestOptions:
+    """What a request without options keeps, wherever the workers meet one: every row, or none with prefix caching on
+    (it may be served from the cache)."""
+    return _KEEP_NONE if prefix_caching else _KEEP_ALL
+
+
+def _worker_options(extra_args: dict[str, Any], state: _HookState) -> tuple[_RequestOptions, str | None]:
+    """A new request's options as the workers apply them, and why its rows cannot be read
+    (None if they can); without options, _default_options."""
+    if _REQUEST_KEY not in extra_args:
+        return _default_options(state.prefix_caching), None
+    if state.prefix_caching and _CACHE_MARK not in extra_args:  # its edits would reach others' blocks
+        return _KEEP_NONE, (
+            "its options were not applied: vLLM's front end did not load tl_vllm_hooks, which keeps "
+            "requests with options apart in the prefix cache; install the module (its entry point loads it "
+            "in every vLLM process) or build the engine with enable_prefix_caching=False"
+        )
+    try:
+        return _request_options(extra_args, state.payload), None
+    except (ValueError, TypeError) as error:
+        # The driver or the front end checked them; hand-written extra_args that fail here must not stop the engine:
+        # the request runs unedited, reading it raises.
+        return _KEEP_NONE, f"its options were refused: {error}"
+
+
+def _skipped_rows_problem(expected: int, first_position: int) -> str:
+    """Why a request's rows are not whole: positions it keeps never ran (served from the cache)."""
+    return (
+        f"rows for positions {expected}..{first_position - 1} never ran through the model "
+        "(prefix caching reused them); build the engine with enable_prefix_caching=False"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -1058,7 +1365,10 @@ class _SAESpec:
 # section (the module paths and argument names of the architecture tables above aside), so a vLLM upgrade is read
 # here. Checked on vLLM 0.24.0 (CUDA: V1 runner and Model Runner V2), 0.28.0 and 0.32.0 (CPU, V1 runner). Hooks must
 # exist before vLLM's first forward (the profile run), where Dynamo traces the model: hooks added later are not in
-# the compiled graph and never run, so they go in right after load_model.
+# the compiled graph and never run, so they go in right after load_model. What the hooks know of their engine is read
+# once per install (_EngineFacts), what they know of a step once per step (_Step); which columns of a hook a
+# tensor-parallel rank holds is decided here alone (_tensor_parallel_share; join_ranks joins them). One exception:
+# _keep_apart_in_prefix_cache, the prefix-cache policy, sets three fields of the request vLLM's front end made.
 # ---------------------------------------------------------------------------
 
 _V2_BATCH = "_tl_step_batch"  # Model Runner V2's batch of the step in flight, see _wrap_steps
@@ -1177,11 +1487,12 @@ def _after_warm_up(worker: Any, callback: Any) -> None:
     _patch(worker, "compile_or_warm_up_model", compile_or_warm_up_model)
 
 
-def _wrap_steps(runner: Any, steps: Any) -> None:
-    """Around each step of the model runner: ``steps.schedule(scheduler_output)`` before it, ``steps.prepared()``
-    before the forward, ``steps.executed()`` after it and ``steps.finish()`` in any case. Model Runner V2 (0.24)
-    builds a fresh InputBatch in ``prepare_inputs`` and keeps it in a local variable: the wrapper keeps it on the
-    runner until execute_model returns, for segment_by_request."""
+def _wrap_steps(worker: Any, steps: Any) -> Any:
+    """Around each step of the worker's model runner (returned): ``steps.schedule(_scheduled(scheduler_output))``
+    before it, ``steps.prepared()`` before the forward, ``steps.executed()`` after it and ``steps.finish()`` in any
+    case. Model Runner V2 (0.24) builds a fresh InputBatch in ``prepare_inputs`` and keeps it in a local variable: the
+    wrapper keeps it on the runner until execute_model returns, for segment_by_request."""
+    runner = worker.model_runner
     execute_model = runner.execute_model
     tracks_v2 = not hasattr(runner, "input_batch")
     prepare_name = "prepare_inputs" if tracks_v2 else "_prepare_inputs"
@@ -1197,7 +1508,7 @@ def _wrap_steps(runner: Any, steps: Any) -> None:
         return prepared
 
     def execute_then_collect(scheduler_output, *args, **kwargs):
-        steps.schedule(scheduler_output)
+        steps.schedule(_scheduled(scheduler_output))
         try:
             result = execute_model(scheduler_output, *args, **kwargs)
             steps.executed()
@@ -1209,6 +1520,7 @@ def _wrap_steps(runner: Any, steps: Any) -> None:
 
     _patch(runner, prepare_name, prepare_then_route)
     _patch(runner, "execute_model", execute_then_collect)
+    return runner
 
 
 def _step_positions(runner: Any) -> torch.Tensor:
@@ -1225,15 +1537,36 @@ def _prompt_len(request: Any) -> int:
     return len(ids) if ids is not None else int(request.prompt_embeds.shape[0])
 
 
-def _scheduled(scheduler_output: Any) -> tuple[Any, list[tuple[str, int, list[int] | None, dict, int]], dict]:
-    """(finished ids, [(id, prompt tokens, prompt token ids or None, extra_args, first
-    position)] of new requests, {id: first position} of the others) of a scheduler output."""
+class _NewRequest(typing.NamedTuple):
+    """A request in its first step, as its scheduler output entry gives it."""
+
+    request_id: str
+    prompt_len: int
+    prompt_token_ids: list[int] | None  # None for prompt embeddings
+    extra_args: dict[str, Any]
+    first_position: int
+
+
+class _Step(typing.NamedTuple):
+    """What a step's scheduler output says: the requests that finished since the last, the new ones, each other
+    request's first position, and the tokens the step runs."""
+
+    finished: Any
+    new: list[_NewRequest]
+    first_positions: dict[str, int]
+    num_tokens: int
+
+
+def _scheduled(scheduler_output: Any) -> _Step:
+    output, cached = scheduler_output, scheduler_output.scheduled_cached_reqs
     new = [
-        (r.req_id, _prompt_len(r), r.prompt_token_ids, r.sampling_params.extra_args or {}, r.num_computed_tokens)
-        for r in scheduler_output.scheduled_new_reqs
+        _NewRequest(
+            r.req_id, _prompt_len(r), r.prompt_token_ids, r.sampling_params.extra_args or {}, r.num_computed_tokens
+        )
+        for r in output.scheduled_new_reqs
     ]
-    cached = scheduler_output.scheduled_cached_reqs
-    return scheduler_output.finished_req_ids, new, dict(zip(cached.req_ids, cached.num_computed_tokens))
+    first_positions = dict(zip(cached.req_ids, cached.num_computed_tokens))
+    return _Step(output.finished_req_ids, new, first_positions, output.total_num_scheduled_tokens)
 
 
 def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
@@ -1256,21 +1589,66 @@ def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
     )
 
 
-def _parallel_ranks() -> tuple[int, int, int]:
-    """(tensor-parallel rank, tensor-parallel size, pipeline stage) of this worker."""
+class _Ranks(typing.NamedTuple):
+    """Where this worker sits in the engine: tensor-parallel rank and size, pipeline stage."""
+
+    tensor_rank: int
+    tensor_size: int
+    stage: int
+
+
+def _worker_extension_of(engine: Any) -> str:
+    """The worker_extension_cls of an LLM's or an AsyncLLM's engine."""
+    return getattr(engine, "llm_engine", engine).vllm_config.parallel_config.worker_extension_cls
+
+
+def _has_unfinished_requests(engine: Any) -> bool:
+    return getattr(engine, "llm_engine", engine).output_processor.has_unfinished_requests()
+
+
+def _parallel_ranks() -> _Ranks:
     from vllm.distributed import parallel_state
 
     tensor_group = parallel_state.get_tp_group()
-    return tensor_group.rank_in_group, tensor_group.world_size, parallel_state.get_pp_group().rank_in_group
+    return _Ranks(tensor_group.rank_in_group, tensor_group.world_size, parallel_state.get_pp_group().rank_in_group)
 
 
-def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int) -> tuple[int, int] | None:
+@dataclasses.dataclass(frozen=True)
+class _EngineFacts:
+    """What the hooks know of their worker and its engine, read once per install (_engine_facts): the model vLLM
+    loaded, its checkpoint's transformers config, the engine's tokens per forward and requests per step, whether it
+    caches prefixes, the device and dtype of the model's parameters (the edit tables'), and the worker's ranks."""
+
+    model: torch.nn.Module
+    hf_config: Any
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    prefix_caching: bool
+    device: torch.device
+    dtype: torch.dtype
+    ranks: _Ranks
+
+
+def _engine_facts(worker: Any) -> _EngineFacts:
+    vllm_config, model = worker.vllm_config, worker.model_runner.get_model()
+    scheduler = vllm_config.scheduler_config
+    # (not a tower vLLM left on the meta device: language_model_only builds a multimodal checkpoint's text model
+    # alone, and LLaVA-NeXT's first parameter, image_newline, is the tower's)
+    parameter = next(p for p in model.parameters() if p.device.type != "meta")
+    caching = bool(vllm_config.cache_config.enable_prefix_caching)
+    return _EngineFacts(
+        model, vllm_config.model_config.hf_config, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, caching,
+        parameter.device, parameter.dtype, _parallel_ranks(),
+    )  # fmt: skip
+
+
+def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int, ranks: _Ranks) -> tuple[int, int] | None:
     """(first column, columns) of a row of ``width`` this rank holds, or None for all of it:
     under tensor parallelism heads of q, k, v and z and the MLP's hidden units are split."""
     if tap.kind == _INPUT and getattr(module, "input_is_parallel", False) and getattr(module, "tp_size", 1) > 1:
         share = module.input_size_per_partition
         return module.tp_rank * share, share
-    rank, ranks, _stage = _parallel_ranks()
+    rank, ranks, _stage = ranks
     if ranks == 1:
         return None
     if tap.kind == _OUTPUT and any(
@@ -1329,8 +1707,18 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
 
 # ---------------------------------------------------------------------------
 # Worker state. Built once, in _HookState, before the profile run, torch.compile and CUDA-graph capture, so compiled
-# code always sees the same tensors; between forwards only their contents are rewritten.
+# code always sees the same tensors; between forwards only their contents are rewritten. _place_hooks places every
+# configured hook and checks it against the model; sent_sources says what a rank hands over (replicated hooks from
+# the first tensor-parallel rank alone).
 # ---------------------------------------------------------------------------
+
+
+class _Source(typing.NamedTuple):
+    """One thing a forward keeps: its name, its device buffer [max_rows, width] and one row's shape."""
+
+    name: str
+    buffer: torch.Tensor
+    row_shape: tuple[int, ...]
 
 
 class _HookState:
@@ -1346,24 +1734,23 @@ class _HookState:
     sink: Any = None  # the batched flavour's, with a sink_dir: tl_vllm_hooks_tools.RankSink
     shared: _SharedRows | None = None  # the batched flavour's row files
 
-    def __init__(self, config: CaptureConfig, worker: Any, placed: dict[str, _Hook], absent: list[str]):
-        vllm_config = worker.vllm_config
+    def __init__(self, config: CaptureConfig, engine: _EngineFacts, placed: dict[str, _Hook], absent: list[str]):
         self.config, self.placed, self.hook_names, self.absent = config, placed, list(placed), absent
         # What edits target, each with its lane of the flavour's row_index: the hooks, then their SAEs' features.
         saes = [name + SAE_FEATURES for name in placed if name in config.saes]
         self.lanes = [*placed, *saes, *(name + ".chosen" for name in saes if config.sae_chosen_features)]
-        self.hf_config = vllm_config.model_config.hf_config.get_text_config()  # the routers' and multipliers'
+        self.hf_config = engine.hf_config.get_text_config()  # the routers' and multipliers'
         self.payload = config.to_json()  # what request options are checked against
-        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
-        # (not a tower vLLM left on the meta device: language_model_only builds a multimodal checkpoint's text model
-        # alone, and LLaVA-NeXT's first parameter, image_newline, is the tower's)
-        parameter = next(p for p in worker.model_runner.get_model().parameters() if p.device.type != "meta")
-        self.device, self.edit_dtype = parameter.device, parameter.dtype
+        self.prefix_caching, self.max_num_seqs, self.ranks = engine.prefix_caching, engine.max_num_seqs, engine.ranks
+        self.device, self.edit_dtype = engine.device, engine.dtype
         self.handles: list[Any] = []
         self.fire_counts = torch.zeros(len(placed), dtype=torch.int64, device=self.device)
         # One int64 per hook: 0 = open (the next forward writes its rows), 1 = closed.
         self.capture_flags = torch.zeros(len(placed), dtype=torch.int64, device=self.device)
+
+    def attach(self, worker: Any) -> None:
+        """Once the hooks are in: the flavour's steps run around each of the worker's (see _wrap_steps)."""
+        self.runner = _wrap_steps(worker, self)
 
     def forget_warm_up(self) -> None:
         """Drop what vLLM's own warm-up and graph-capture forwards left behind."""
@@ -1382,19 +1769,25 @@ class _HookState:
         return {**self.placed, **saes, **chosen}
 
     @functools.cached_property
-    def sources(self) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
-        """What a forward keeps, as (name, device buffer [max_rows, ...], one row's shape): each hook's rows (whose
-        rows are kept), then each SAE's features as ``{features name}.indices``, ``.values`` (and ``.chosen``; see
-        SAE_FEATURES)."""
-        sources = [(name, hook.buffer, hook.row_shape) for name, hook in self.placed.items() if hook.keeps_rows]
+    def sources(self) -> list[_Source]:
+        """What a forward keeps: each hook's rows (whose rows are kept), then each SAE's features as ``{features
+        name}.indices``, ``.values`` (and ``.chosen``; see SAE_FEATURES)."""
+        sources = [_Source(name, hook.buffer, hook.row_shape) for name, hook in self.placed.items() if hook.keeps_rows]
         for name, hook in self.placed.items():
             if hook.sae is not None:
                 buffers = {"indices": hook.sae.indices, "values": hook.sae.values}
                 if hook.sae.chosen is not None:
                     buffers["chosen"] = hook.sae.chosen_values
                 rows = self.config.feature_rows(name).items()
-                sources += [(source, buffers[source.rpartition(".")[2]], shape) for source, shape in rows]
+                sources += [_Source(source, buffers[source.rpartition(".")[2]], shape) for source, shape in rows]
         return sources
+
+    @functools.cached_property
+    def sent_sources(self) -> list[_Source]:
+        """The sources this rank hands over (reads and the sink): each replicated one from the first tensor-parallel
+        rank alone, each rank's part of a split one."""
+        shards = self.shards()
+        return [source for source in self.sources if self.ranks.tensor_rank == 0 or source.name in shards]
 
     def shards(self) -> dict[str, int]:
         """Where this rank's part of each hook split by tensor parallelism starts in a row's first dimension."""
@@ -1435,21 +1828,20 @@ class _HookState:
 
 
 def _install(worker: Any, config: CaptureConfig) -> None:
-    engine_rows = worker.vllm_config.scheduler_config.max_num_batched_tokens
-    if engine_rows > config.max_num_batched_tokens:
+    engine = _engine_facts(worker)
+    if engine.max_num_batched_tokens > config.max_num_batched_tokens:
         raise ValueError(
-            f"max_num_batched_tokens: the engine schedules up to {engine_rows} tokens per forward but the capture "
-            f"buffers hold {config.max_num_batched_tokens}; build it with LLM(model, **config.llm_kwargs), which "
-            "passes the buffers' size on"
+            f"max_num_batched_tokens: the engine schedules up to {engine.max_num_batched_tokens} tokens per forward "
+            f"but the capture buffers hold {config.max_num_batched_tokens}; build it with LLM(model, "
+            "**config.llm_kwargs), which passes the buffers' size on"
         )
-    _refuse_prefix_caching(bool(worker.vllm_config.cache_config.enable_prefix_caching), config)
+    _refuse_prefix_caching(engine.prefix_caching, config)
     _uninstall(worker)
     _sweep_shared_files()
     atexit.unregister(_sweep_shared_files)  # once per process, however many installs
     atexit.register(_sweep_shared_files, own=True)
-    model = worker.model_runner.get_model()
-    placed, absent = _place_hooks(model, worker.vllm_config.model_config.hf_config, config)
-    state = (_Batched if config.enable_batching else _OnePrompt)(config, worker, placed, absent)
+    placed, absent = _place_hooks(engine, config)
+    state = (_Batched if config.enable_batching else _OnePrompt)(config, engine, placed, absent)
     for index, hook in enumerate(state.placed.values()):  # the hooks that read and edit each
         hook.bind(state, index)
         _HOOK_BUILDERS[hook.tap.kind](hook)
@@ -1468,8 +1860,9 @@ def _uninstall(worker: Any) -> None:
         worker._tl_hooks = None
 
 
-def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) -> tuple[dict[str, _Hook], list[str]]:
+def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str, _Hook], list[str]]:
     """This rank's hooks in forward order (the order hooks on one module run in), and those on other pipeline ranks."""
+    model, hf_config = engine.model, engine.hf_config
     modules = dict(model.named_modules())
     # An SAE's hook, and the hook a transcoder writes, are placed whether or not their rows are kept (_Hook.keeps_rows).
     writes = [config.sae(name).writes for name in config.saes]
@@ -1486,7 +1879,7 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
         prefix = _text_prefix(family, modules)
 
     def forward_order(name: str) -> tuple:  # modules of the user's choosing last, as given
-        site, layer = _parse_hook_name(name) or (None, None)
+        site, layer = parse_hook_name(name) or (None, None)
         if site is None:
             return (2,)
         return (site.startswith("final_norm"), -1 if layer is None else layer, list(SITES).index(site))
@@ -1497,7 +1890,7 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
         if spec is not None and isinstance(spec[0], str):
             tap, path = _Tap(spec[0], _OUTPUT), spec[0]
         else:
-            site, layer = _parse_hook_name(name)
+            site, layer = parse_hook_name(name)
             if layer is not None and layer >= text_config.num_hidden_layers:
                 raise ValueError(f"{name}: the model has {text_config.num_hidden_layers} layers")
             taps, shapes = _taps(family, text_config, layer), _row_shapes(family, text_config, layer)
@@ -1525,7 +1918,7 @@ def _place_hooks(model: torch.nn.Module, hf_config: Any, config: CaptureConfig) 
                 )
         row_shape = _row_shape(spec)
         width = math.prod(row_shape)
-        start, columns = _tensor_parallel_share(module, tap, width) or (0, width)
+        start, columns = _tensor_parallel_share(module, tap, width, engine.ranks) or (0, width)
         for sae in config.saes:  # those that read or write this hook
             verb, expected = ("reads", config.sae(sae).d_in) if sae == name else ("writes", config.sae(sae).d_out)
             if name in (sae, config.sae(sae).writes) and (width != expected or columns != width):
@@ -1604,15 +1997,41 @@ def _with_arguments(args, kwargs, inputs, values):
 
 
 def _normalize(rows, norm, eps):
-    """[rows, width] normalized over the last dimension in fp32, before any weight."""
-    rows = rows.float()
+    """(the rows centred (for LayerNorm), their variance + eps) in fp32, as TransformerLens normalizes [rows, width]
+    over the last dimension, before any weight: normalized, centred * rsqrt(variance + eps)."""
+    centered = rows.float()
     if norm.startswith("layer"):
-        rows = rows - rows.mean(-1, keepdim=True)
-    return rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps)
+        centered = centered - centered.mean(-1, keepdim=True)
+    return centered, centered.pow(2).mean(-1, keepdim=True) + eps
+
+
+class _EditTables:
+    """What an edit lane writes (a hook, its SAE's features, their chosen features): its ``tables``, whose rows the
+    flavour's row_index picks, and their ``identity`` values (None: no engine-wide edit, a request's own alone)."""
+
+    identity: tuple | None = None
+
+    def local(self, row: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full edit row or table (all of it but for a hook split by tensor parallelism)."""
+        return row
+
+    def set_engine_wide(self, values: tuple[torch.Tensor, ...] | None) -> None:
+        """Copy an engine-wide edit's tables (see _engine_wide_tables) into the engine-wide rows (all of a 1-row
+        table), or identity."""
+        if self.identity is None:
+            return
+        for table, value, same in zip(self.tables, values or self.identity, self.identity):
+            rows = table if table.dim() == 1 else table[: _global_rows(self.state.config)]
+            rows.copy_(self.local(value) if values is not None else torch.tensor(same))
+
+    def write_edit(self, row: int, rows: tuple[torch.Tensor, ...]) -> None:
+        """Write a request's table rows into row ``row`` of the tables."""
+        for table, value in zip(self.tables, rows):
+            table[row].copy_(self.local(value))
 
 
 @dataclasses.dataclass(eq=False)
-class _Hook:
+class _Hook(_EditTables):
     """One configured hook as this worker holds it: module, tap, row shape and the columns of
     a full row it holds (a slice under tensor parallelism); once bound, its capture buffer,
     flag, fire count and edit tables, and the [rows, width] views its builder's hooks use."""
@@ -1639,6 +2058,7 @@ class _Hook:
         # Edit tables, out = out * scale + bias, of the flavour's rows.
         self.scale = torch.ones(*filter(None, (state.table_rows, self.width)), dtype=state.edit_dtype, device=device)
         self.bias = torch.zeros_like(self.scale)
+        self.tables, self.identity = (self.scale, self.bias), (1, 0)
         self.row_index = state.row_index(index)
         if self.order is not None:
             self.order = self.order.to(device)
@@ -1649,15 +2069,6 @@ class _Hook:
             self.norm_changed = torch.zeros(rows, 1, dtype=torch.bool, device=device)
         features = self.name + SAE_FEATURES
         self.sae = _SAE(self, state, state.lanes.index(features)) if features in state.lanes else None
-
-    def set_engine_wide(self, tables: tuple[torch.Tensor, ...] | None) -> None:
-        """Write an engine-wide edit's (scale, bias) (see _engine_wide_tables), or identity."""
-        _set_engine_wide((self.scale, self.bias), tables and tuple(map(self.local, tables)), (1, 0), self.state)
-
-    def write_edit(self, row: int, rows: tuple[torch.Tensor, ...]) -> None:
-        """Write a request's (scale, bias) rows into row ``row`` of the tables."""
-        self.scale[row].copy_(self.local(rows[0]))
-        self.bias[row].copy_(self.local(rows[1]))
 
     def steer(self, activation: torch.Tensor, into: torch.Tensor, factor: float | None = None) -> None:
         """With an SAE here: keep the features of ``activation`` (the edited rows) and add the feature edits' change
@@ -1676,7 +2087,6 @@ class _Hook:
             into.add_(change if factor is None else change * factor)
 
     def local(self, row: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of a full-width edit row or table."""
         return row[..., self.columns[0] : self.columns[1]]
 
     def columns_of(self, tensor):
@@ -1742,104 +2152,6 @@ def _rows_of_tables(tables: tuple[torch.Tensor, ...], row_index: torch.Tensor | 
         return tables
     picked = row_index.narrow(0, 0, num_rows).clamp(max=tables[0].shape[0] - 1)
     return tuple(table.index_select(0, picked) for table in tables)
-
-
-def _set_engine_wide(tables: tuple, values: tuple | None, identity: tuple, state: _HookState) -> None:
-    """Copy an engine-wide edit's tables into the engine-wide rows of these (all of a 1-row table), or identity."""
-    for table, value, same in zip(tables, values or identity, identity):
-        (table if table.dim() == 1 else table[: _global_rows(state.config)]).copy_(
-            value if values is not None else torch.tensor(same)
-        )
-
-
-class _SAE:
-    """A hook's SAE (or transcoder) on its worker's device, its weights in the capture dtype: each forward's top
-    features (kept as the hook keeps its rows: the first forward after an open wins) and the tables of feature
-    edits, rows picked by the features' own lane of the flavour's row_index: the features edited, int64 [..,
-    _FEATURE_EDITS], and each one's new activation as old * scale + bias."""
-
-    def __init__(self, hook: _Hook, state: _HookState, lane: int):
-        import safetensors  # (vLLM brings it)
-
-        config, device, dtype = state.config, state.device, state.config.dtype
-        self.spec, self.hook = config.sae(hook.name), hook
-        path = os.path.join(self.spec.directory, "sae_weights.safetensors")
-        with safetensors.safe_open(path, framework="pt", device=str(device)) as file:
-            weights = {name: file.get_tensor(name).to(dtype) for name in _SAE_WEIGHTS[self.spec.architecture]}
-        self.W_enc, self.W_dec, self.b_enc, self.b_dec = (weights[n] for n in ("W_enc", "W_dec", "b_enc", "b_dec"))
-        self.threshold = weights.get("threshold")
-        rows = config.max_num_batched_tokens
-        self.pending = None  # a transcoder's change of the hook it writes, [rows, d_out], until that hook runs
-        if self.spec.writes is not None:
-            self.pending = torch.zeros(rows, self.spec.d_out, dtype=dtype, device=device)
-            state.placed[self.spec.writes].transcoder = self
-        self.indices = torch.zeros(rows, config.sae_top_k, dtype=torch.int32, device=device)
-        self.values = torch.zeros(rows, config.sae_top_k, dtype=dtype, device=device)
-        shape = (*filter(None, (state.table_rows,)), _FEATURE_EDITS)
-        self.features = torch.zeros(shape, dtype=torch.int64, device=device)
-        self.scale = torch.ones(shape, dtype=dtype, device=device)
-        self.bias = torch.zeros(shape, dtype=dtype, device=device)
-        self.row_index, self.state = state.row_index(lane), state
-        self.chosen = None  # with sae_chosen_features: the features each request reads densely, by its own lane
-        if config.sae_chosen_features:
-            width = (rows, config.sae_chosen_features)
-            self.chosen = _ChosenFeatures(torch.zeros(state.table_rows, width[1], dtype=torch.int64, device=device))
-            self.chosen_values = torch.zeros(width, dtype=dtype, device=device)
-            self.chosen_index = state.row_index(state.lanes.index(hook.name + SAE_FEATURES + ".chosen"))
-
-    def encode(self, rows: torch.Tensor) -> torch.Tensor:
-        """SAELens's ``encode`` of rows [n, d_in]: their feature activations, [n, d_sae] in the capture dtype."""
-        x = rows.to(self.W_enc.dtype)
-        if self.spec.apply_b_dec_to_input:
-            x = x - self.b_dec
-        pre = x @ self.W_enc + self.b_enc
-        if self.threshold is not None:  # (jumprelu, and its transcoders)
-            return pre.relu() * (pre > self.threshold)
-        if self.spec.architecture == "topk":
-            values, indices = pre.topk(self.spec.k, dim=-1)
-            return torch.zeros_like(pre).scatter(-1, indices, values.relu())
-        return pre.relu()
-
-    def change(self, rows: torch.Tensor) -> torch.Tensor:
-        """Keep the top features of rows ([n, d_in], the hook's edited rows) and return what the feature edits add
-        to the rows it writes, the sum over edited f of (new_f - old_f) * W_dec[f]: [n, d_out], rows' dtype; exact
-        zeros unedited."""
-        activations, num_rows = self.encode(rows), rows.shape[0]
-        values, indices = activations.topk(self.values.shape[1], dim=-1)
-        closed = self.hook.flag.bool()  # (the hook's keep closes it after this)
-        kept = [(self.values, values), (self.indices, indices.to(torch.int32))]
-        if self.chosen is not None:
-            (chosen,) = _rows_of_tables((self.chosen.table,), self.chosen_index, num_rows)
-            kept.append((self.chosen_values, activations.gather(1, chosen)))
-        for buffer, new in kept:
-            buffer.narrow(0, 0, num_rows).copy_(torch.where(closed, buffer.narrow(0, 0, num_rows), new))
-        features, scale, bias = _rows_of_tables((self.features, self.scale, self.bias), self.row_index, num_rows)
-        features, scale, bias = (t.expand(num_rows, _FEATURE_EDITS) for t in (features, scale, bias))
-        old = activations.gather(1, features)
-        change = old * scale + bias - old
-        bag = torch.nn.functional.embedding_bag(features, self.W_dec, per_sample_weights=change, mode="sum")
-        return bag.to(rows.dtype)
-
-    def set_engine_wide(self, tables: tuple[torch.Tensor, ...] | None) -> None:
-        _set_engine_wide((self.features, self.scale, self.bias), tables, (0, 1, 0), self.state)
-
-    def write_edit(self, row: int, rows: tuple[torch.Tensor, ...]) -> None:
-        for table, value in zip((self.features, self.scale, self.bias), rows):
-            table[row].copy_(value)
-
-
-@dataclasses.dataclass
-class _ChosenFeatures:
-    """An SAE's table of the features each batched request reads densely: int64 [table_rows,
-    sae_chosen_features], a request's slot row holding its choice (padded with feature 0)."""
-
-    table: torch.Tensor
-
-    def set_engine_wide(self, _tables: None) -> None:
-        """(A choice is a request's own.)"""
-
-    def write_edit(self, row: int, rows: tuple[torch.Tensor]) -> None:
-        self.table[row].copy_(rows[0])
 
 
 def _router_hooks(site: _Hook) -> None:
@@ -1983,11 +2295,8 @@ def _norm_hooks(site: _Hook) -> None:
         hidden, residual = (None if t is None else t.view(-1, t.shape[-1]) for t in site.inputs_of(args, kwargs))
         total = edited_by(_NORM_INPUT, hidden if residual is None else hidden + residual)
         activation = total
-        if tap.kind != _NORM_INPUT:  # as TransformerLens: in fp32, centred x over sqrt(mean(x**2) + eps)
-            centered = total.float()
-            if tap.norm.startswith("layer"):
-                centered = centered - centered.mean(-1, keepdim=True)
-            variance = centered.pow(2).mean(-1, keepdim=True) + eps
+        if tap.kind != _NORM_INPUT:
+            centered, variance = _normalize(total, tap.norm, eps)
             normalized = edited_by(_NORM_SCALE, centered * torch.rsqrt(variance))
             activation = variance.sqrt() if tap.kind == _NORM_SCALE else normalized
         row_scale, row_bias = site.edit_of(activation)
@@ -2001,7 +2310,10 @@ def _norm_hooks(site: _Hook) -> None:
         out = output[0] if isinstance(output, tuple) else output
         out = out.view(-1, out.shape[-1])
         edited = norm_rows.narrow(0, 0, out.shape[0])
-        result = _normalize(edited, tap.norm, eps) if tap.kind == _NORM_INPUT else edited
+        result = edited
+        if tap.kind == _NORM_INPUT:
+            centered, variance = _normalize(edited, tap.norm, eps)
+            result = centered * torch.rsqrt(variance)
         result = result * (weight.float() + 1.0 if tap.norm.endswith("_offset") else weight.float())
         if tap.norm.startswith("layer") and norm_bias is not None:
             result = result + norm_bias.float()
@@ -2020,11 +2332,756 @@ _HOOK_BUILDERS = {  # tap kind -> the builder of its hooks
 
 
 # ---------------------------------------------------------------------------
-# Tensor wire format. vLLM's RPC carries msgpack values, not tensors, and this module never asks for pickle: a
-# tensor travels as dtype name, shape and its raw bytes, so every dtype (bfloat16 included) round-trips bit for bit.
+# SAEs. A sparse autoencoder in SAELens's on-disk format encodes a hook's rows inside the graph, in every forward:
+# each token's top-k features are kept beside (or instead of) its rows, and an edit of features f changes the
+# stream by (new_f - old_f) * W_dec[f] alone, so the SAE's reconstruction error stays in it and an unedited row is
+# left as it was. A transcoder encodes the rows of one hook, and its edits change those of its layer's hook_mlp_out.
+# The companion reads SAELens's files (tl_vllm_hooks_tools.read_sae, when the config is made and checked against the
+# hook); each worker loads the weights onto its device before the first forward (_SAE). The rest of SAE handling is
+# here too: the feature edits' parsing and the features a batched request reads densely; elsewhere SAEs are only
+# named (a config's saes, the lanes, sources and targets of a worker's hooks, the width _place_hooks checks).
 # ---------------------------------------------------------------------------
 
-_WIRE_DTYPES = _FLOAT_DTYPES + ("int64", "int32", "bool")
+SAE_FEATURES = ".hook_sae_acts_post"
+"""The suffix that names a hook's SAE features (SAELens's name for them): ``blocks.6.hook_resid_post`` with an SAE
+has features ``blocks.6.hook_resid_post.hook_sae_acts_post``, which edits name. Reads give ``{that}.indices``
+(int32) and ``{that}.values`` (the capture dtype), each ``[rows, k]``: per token its k highest features, highest
+first, so ``torch.zeros(rows, d_sae).scatter_(1, indices.long(), values)`` is SAELens's ``sae.encode(rows)``
+wherever at most k features fire (a value 0 is a feature that did not). With ``sae_chosen_features``,
+``{that}.chosen`` holds the activations of the features a request chose, in its order (``[rows, 0]`` for one that
+chose none)."""
+
+SAE_WEIGHTS = {
+    name: ("W_enc", "W_dec", "b_enc", "b_dec", *(("threshold",) if "jumprelu" in name else ()))
+    for name in (
+        "standard",
+        "jumprelu",
+        "topk",
+        "transcoder",
+        "skip_transcoder",
+        "jumprelu_transcoder",
+        "jumprelu_skip_transcoder",
+    )
+}
+"""SAELens architecture -> the tensors of its sae_weights.safetensors that encode and steer (a skip transcoder's
+W_skip, its linear path from input to output, does not change with its features)."""
+SAE_SITES = tuple(site for site in SITES if site not in (*_NORM_SITES, *_READ_ONLY_SITES))
+"""The sites an SAE may read: those whose hooks can add a feature edit's change to the stream, not the norms' (whose
+edits reach the norm's output as edited * weight + bias), not the router's (read-only)."""
+_FEATURE_EDITS = 8  # the most features one edit changes at a hook: the width of the feature edit tables
+
+
+@dataclasses.dataclass(frozen=True)
+class SAESpec:
+    """An SAE as its cfg.json and the header of its weights file describe it (``config.sae(hook)``; the companion's
+    read_sae reads them): architecture, a key of SAE_WEIGHTS; d_in, d_sae, d_out: widths of its input rows, features
+    and output rows; k: a topk SAE's features per token; writes: the hook a transcoder writes (its layer's
+    hook_mlp_out), else None."""
+
+    directory: str
+    architecture: str
+    d_in: int
+    d_sae: int
+    apply_b_dec_to_input: bool
+    k: int | None
+    writes: str | None
+    d_out: int
+
+
+class _SAE(_EditTables):
+    """A hook's SAE (or transcoder) on its worker's device, its weights in the capture dtype: each forward's top
+    features (kept as the hook keeps its rows: the first forward after an open wins) and the tables of feature
+    edits, rows picked by the features' own lane of the flavour's row_index: the features edited, int64 [..,
+    _FEATURE_EDITS], and each one's new activation as old * scale + bias."""
+
+    def __init__(self, hook: _Hook, state: _HookState, lane: int):
+        import safetensors  # (vLLM brings it)
+
+        config, device, dtype = state.config, state.device, state.config.dtype
+        self.spec, self.hook = config.sae(hook.name), hook
+        path = os.path.join(self.spec.directory, "sae_weights.safetensors")
+        with safetensors.safe_open(path, framework="pt", device=str(device)) as file:
+            weights = {name: file.get_tensor(name).to(dtype) for name in SAE_WEIGHTS[self.spec.architecture]}
+        self.W_enc, self.W_dec, self.b_enc, self.b_dec = (weights[n] for n in ("W_enc", "W_dec", "b_enc", "b_dec"))
+        self.threshold = weights.get("threshold")
+        rows = config.max_num_batched_tokens
+        self.pending = None  # a transcoder's change of the hook it writes, [rows, d_out], until that hook runs
+        if self.spec.writes is not None:
+            self.pending = torch.zeros(rows, self.spec.d_out, dtype=dtype, device=device)
+            state.placed[self.spec.writes].transcoder = self
+        self.indices = torch.zeros(rows, config.sae_top_k, dtype=torch.int32, device=device)
+        self.values = torch.zeros(rows, config.sae_top_k, dtype=dtype, device=device)
+        shape = (*filter(None, (state.table_rows,)), _FEATURE_EDITS)
+        self.features = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.scale = torch.ones(shape, dtype=dtype, device=device)
+        self.bias = torch.zeros(shape, dtype=dtype, device=device)
+        self.tables, self.identity = (self.features, self.scale, self.bias), (0, 1, 0)
+        self.row_index, self.state = state.row_index(lane), state
+        self.chosen = None  # with sae_chosen_features: the features each request reads densely, by its own lane
+        if config.sae_chosen_features:
+            width = (rows, config.sae_chosen_features)
+            self.chosen = _ChosenFeatures(torch.zeros(state.table_rows, width[1], dtype=torch.int64, device=device))
+            self.chosen_values = torch.zeros(width, dtype=dtype, device=device)
+            self.chosen_index = state.row_index(state.lanes.index(hook.name + SAE_FEATURES + ".chosen"))
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """SAELens's ``encode`` of rows [n, d_in]: their feature activations, [n, d_sae] in the capture dtype."""
+        x = rows.to(self.W_enc.dtype)
+        if self.spec.apply_b_dec_to_input:
+            x = x - self.b_dec
+        pre = x @ self.W_enc + self.b_enc
+        if self.threshold is not None:  # (jumprelu, and its transcoders)
+            return pre.relu() * (pre > self.threshold)
+        if self.spec.architecture == "topk":
+            values, indices = pre.topk(self.spec.k, dim=-1)
+            return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+        return pre.relu()
+
+    def change(self, rows: torch.Tensor) -> torch.Tensor:
+        """Keep the top features of rows ([n, d_in], the hook's edited rows) and return what the feature edits add
+        to the rows it writes, the sum over edited f of (new_f - old_f) * W_dec[f]: [n, d_out], rows' dtype; exact
+        zeros unedited."""
+        activations, num_rows = self.encode(rows), rows.shape[0]
+        values, indices = activations.topk(self.values.shape[1], dim=-1)
+        closed = self.hook.flag.bool()  # (the hook's keep closes it after this)
+        kept = [(self.values, values), (self.indices, indices.to(torch.int32))]
+        if self.chosen is not None:
+            (chosen,) = _rows_of_tables(self.chosen.tables, self.chosen_index, num_rows)
+            kept.append((self.chosen_values, activations.gather(1, chosen)))
+        for buffer, new in kept:
+            buffer.narrow(0, 0, num_rows).copy_(torch.where(closed, buffer.narrow(0, 0, num_rows), new))
+        features, scale, bias = _rows_of_tables((self.features, self.scale, self.bias), self.row_index, num_rows)
+        features, scale, bias = (t.expand(num_rows, _FEATURE_EDITS) for t in (features, scale, bias))
+        old = activations.gather(1, features)
+        change = old * scale + bias - old
+        bag = torch.nn.functional.embedding_bag(features, self.W_dec, per_sample_weights=change, mode="sum")
+        return bag.to(rows.dtype)
+
+
+class _ChosenFeatures(_EditTables):
+    """An SAE's table of the features each batched request reads densely: int64 [table_rows, sae_chosen_features], a
+    request's slot row holding its choice (padded with feature 0); no engine-wide choice."""
+
+    def __init__(self, table: torch.Tensor):
+        self.tables = (table,)
+
+
+def _lists_features(features: Any, least: int, most: int, d_sae: int) -> bool:
+    """Whether ``features`` is a list of ``least`` to ``most`` distinct feature indices (ints) in [0, d_sae)."""
+    return (
+        isinstance(features, (list, tuple))
+        and least <= len(features) <= most
+        and all(_int_at_least(f, 0) and f < d_sae for f in features)
+        and len(set(features)) == len(features)
+    )
+
+
+def _parse_feature_edit(
+    edit: Any, name: str, config: CaptureConfig
+) -> tuple[tuple[torch.Tensor, ...], list[int] | None]:
+    """A feature edit, ``{"op", "features": [f, ...], "value": a number or one per feature, "positions"}``, as table
+    rows: the features (int64), and each one's new activation as old * scale + bias (float64), each
+    [_FEATURE_EDITS], padded with feature 0 left as it is."""
+    _check_edit_keys(edit, name, {"op", "features", "value", "positions"})
+    d_sae, op, features = config.sae(name.removesuffix(SAE_FEATURES)).d_sae, edit["op"], edit.get("features")
+    if not _lists_features(features, 1, _FEATURE_EDITS, d_sae):
+        raise ValueError(
+            f"edits[{name!r}]: 'features' must list 1 to {_FEATURE_EDITS} distinct feature indices in [0, {d_sae}) "
+            f"(d_sae), got {features!r:.200}"
+        )
+    valid = f"a finite number or a list of {len(features)}, one per feature"
+    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, [(len(features),)], valid))
+    rows = _identity_rows(name, _FEATURE_EDITS)
+    rows[0][: len(features)] = torch.tensor(features)
+    rows[1][: len(features)], rows[2][: len(features)] = keeps, adds
+    return rows, _edit_positions(edit, name)
+
+
+# ---------------------------------------------------------------------------
+# Flavours: what differs between the one-prompt and the batched hooks, behind _HookState's interface. The hooks
+# above run in every forward; what depends on which requests are in a step happens on the host, outside any graph,
+# so both flavours run under torch.compile and CUDA graphs as they run eagerly.
+# ---------------------------------------------------------------------------
+
+
+class _OnePrompt(_HookState):
+    """``open_capture`` arms the hooks; the next forward's rows stay until the next open.
+    Edit tables are [width], or, with edits by position, [max_rows + 1, width] indexed by
+    token position (the last row serves every position past max_rows)."""
+
+    name = "one-prompt"
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        # Token positions of the forward in flight, copied from the runner's before it (a hook on the model would
+        # miss the models vLLM compiles whole, whose __call__ skips hooks).
+        rows, by_position = self.config.max_num_batched_tokens, self.config.enable_position_interventions
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=self.device) if by_position else None
+        self.table_rows = _global_rows(self.config) if by_position else None
+        # The rows the first forward since open_capture wrote: None before any open_capture, 0 until that forward.
+        self.forward_rows: int | None = None
+
+    def row_index(self, _hook_index: int) -> torch.Tensor | None:
+        return self.positions
+
+    def open_capture(self) -> None:
+        self.capture_flags.zero_()
+        self.forward_rows = 0
+
+    # The steps _wrap_steps calls: the rows of the captured forward, and the positions of each.
+    def schedule(self, step: _Step) -> None:
+        if self.forward_rows == 0:
+            self.forward_rows = step.num_tokens
+
+    def prepared(self) -> None:
+        if self.positions is None:
+            return
+        given = _step_positions(self.runner)
+        rows = min(given.shape[0], self.positions.shape[0])
+        self.positions.narrow(0, 0, rows).copy_(given.narrow(0, 0, rows))
+
+    def executed(self) -> None:
+        """(The rows stay in the buffers until read.)"""
+
+    def finish(self) -> None:
+        """(Nothing held per step.)"""
+
+    def read_captures(self, num_rows: int) -> dict[str, Any]:
+        """``{"shards", "rows": {name: encoded [num_rows, *row shape]}}`` of the armed forward (see sources)."""
+        limit = self.config.max_num_batched_tokens
+        if not _int_at_least(num_rows, 1) or num_rows > limit:
+            raise ValueError(
+                f"read_captures: num_rows must be an int in [1, {limit}] (the capture buffer), got {num_rows!r}; "
+                "a longer prompt is split by chunked prefill and only its first chunk is kept"
+            )
+        if self.forward_rows is None:
+            raise RuntimeError("read_captures: nothing captured yet: call open_capture, then generate, then read")
+        still_open = [n for n, flag in zip(self.hook_names, self.capture_flags.tolist()) if flag == 0]
+        if not self.forward_rows:
+            raise RuntimeError("read_captures: no forward ran since open_capture")
+        if still_open:
+            raise RuntimeError(f"read_captures: no forward ran since open_capture for hooks {still_open}")
+        if num_rows > self.forward_rows:
+            raise ValueError(
+                f"read_captures: the forward after open_capture wrote {self.forward_rows} rows (one per token it "
+                f"ran), so {num_rows} would include rows it never wrote; read at most {self.forward_rows}"
+            )
+        rows = {name: buffer[:num_rows].view(num_rows, *shape) for name, buffer, shape in self.sources}
+        return {"shards": self.shards(), "rows": {name: encode_tensor(r) for name, r in rows.items()}}
+
+
+class _RequestTable:
+    """What every step reads of its requests, as int64 arrays with an entry per running request, so that a step
+    reads and updates them in a few array operations: kept_first and kept_last (_RequestOptions.kept_range),
+    next_position (that of its next row) and has_edits."""
+
+    _COLUMNS = ("kept_first", "kept_last", "next_position", "has_edits")
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}  # request id -> its entry
+        self.free: list[int] = []
+        for column in self._COLUMNS:
+            setattr(self, column, np.zeros(0, dtype=np.int64))
+
+    def add(self, request_id: str, kept_range: tuple[int, int], has_edits: bool) -> int:
+        """The request's entry, made on its first call; kept_range and has_edits written on every call."""
+        entry = self.index.get(request_id)
+        if entry is None:
+            if not self.free:
+                size = len(self.kept_first)
+                for column in self._COLUMNS:
+                    setattr(self, column, np.concatenate([getattr(self, column), np.zeros(max(size, 64), np.int64)]))
+                self.free = list(range(len(self.kept_first) - 1, size - 1, -1))
+            entry = self.index[request_id] = self.free.pop()
+            self.next_position[entry] = 0
+        self.kept_first[entry], self.kept_last[entry] = kept_range
+        self.has_edits[entry] = has_edits
+        return entry
+
+    def remove(self, request_id: str) -> None:
+        entry = self.index.pop(request_id, None)
+        if entry is not None:
+            self.free.append(entry)
+
+    def entries(self, request_ids: list[str], default: tuple[int, int]) -> np.ndarray:
+        """int64 [len(request_ids)]: each request's entry. One never added (running since before the hooks' first
+        step) gets one keeping the ``default`` range, a request's without options."""
+        entries = np.fromiter(map(self.index.get, request_ids, itertools.repeat(-1)), np.int64, len(request_ids))
+        for i in np.flatnonzero(entries < 0):
+            entries[i] = self.add(request_ids[i], default, False)
+        return entries
+
+
+@dataclasses.dataclass
+class _StepLayout:
+    """The rows of one forward: request i owns rows starts[i]:starts[i + 1], the first of
+    them at token position first_positions[i]; its numbers are entries[i] of the request table."""
+
+    starts: np.ndarray  # int64 [num_requests + 1]
+    request_ids: list[str]
+    first_positions: np.ndarray  # int64 [num_requests]
+    entries: np.ndarray  # int64 [num_requests]
+    counts: np.ndarray = dataclasses.field(init=False)  # int64 [num_requests], rows each request runs
+    row_positions: np.ndarray = dataclasses.field(init=False)  # int64 [num_rows], each row's position
+
+    def __post_init__(self) -> None:
+        self.counts = np.diff(self.starts)
+        offsets = self.first_positions - self.starts[:-1]  # position minus row, per request
+        self.row_positions = np.repeat(offsets, self.counts) + np.arange(self.starts[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunningRequest:
+    """A request from its first step to its end: its options and its prompt."""
+
+    options: _RequestOptions
+    prompt_len: int
+    prompt_token_ids: list[int] | None  # None for prompt embeddings
+
+
+@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)  # (compared by identity: positions is an array)
+class _RowChunk:
+    """A request's rows of one step: rows [start:end] of that step's host rows by hook, sliced only when read."""
+
+    step_rows: dict[str, torch.Tensor]
+    start: int
+    end: int
+    positions: np.ndarray  # int64 [end - start]: each row's token position
+    file: _RowFile | None  # the row file holding step_rows, where they are in one
+
+
+@dataclasses.dataclass
+class _RequestRows:
+    """What one request kept so far: a chunk per step that kept rows."""
+
+    columns: dict[str, int]  # the request's (see _RequestOptions)
+    chunks: list[_RowChunk] = dataclasses.field(default_factory=list)
+
+    def rows(self, name: str) -> list[torch.Tensor]:
+        return [chunk.step_rows[name][chunk.start : chunk.end] for chunk in self.chunks]
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int64 [rows]: the token position of each row kept."""
+        return np.concatenate([c.positions for c in self.chunks]) if self.chunks else np.zeros(0, np.int64)
+
+    @property
+    def files(self) -> list[_RowFile | None]:
+        return [chunk.file for chunk in self.chunks]
+
+
+@dataclasses.dataclass(frozen=True)
+class _FinishedRequest:
+    """A finished request as _Batched.take_finished hands it to the sink: its rows, or why it has none (neither for
+    one that kept nothing, or one of vLLM's warm-up requests), and the row files its rows are in, which the sink
+    gives back (_Batched.release) once it has written them."""
+
+    request_id: str
+    prompt_token_ids: list[int] | None
+    rows: _RequestRows | None
+    error: str | None
+    files: list[_RowFile | None]
+
+
+class _Batched(_HookState):
+    """Many requests per generate. Before each forward the host writes which edit-table row each token row uses
+    (``row_edit_index``); after it, the rows each request keeps are gathered on the device and copied to host memory
+    (on CUDA on a side stream, so the next forward overlaps the copy), per request. Edit tables: the engine-wide
+    rows (always 2-D), one identity row, then ``max_num_seqs`` slots that requests with edits hold."""
+
+    name = "batched"
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        # Row r of the forward in flight uses row row_edit_index[k, r] of hook k's tables.
+        rows = self.config.max_num_batched_tokens
+        self.row_edit_index = torch.zeros(len(self.lanes), rows, dtype=torch.int64, device=self.device)
+        self.row_edit_index_dirty = False
+        self.table_rows = _global_rows(self.config) + 1 + self.max_num_seqs
+        self.slots: dict[str, int] = {}  # request id -> slot holding its edits
+        self.running: dict[str, _RunningRequest] = {}
+        self.request_table = _RequestTable()
+        self.first_positions: dict[str, int] | None = None  # of the step being prepared
+        self.step: _StepLayout | None = None  # of the step whose forward is in flight
+        self.records: dict[str, _RequestRows] = {}
+        # The ids of the requests read_batched handed over, the last _READ_KEPT, each as vLLM's and as the user's
+        # (without vLLM's suffix), so that a second read of one says so.
+        self.read_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.incomplete: dict[str, str] = {}  # request id -> why its rows cannot be read
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.shared = _SharedRows(self.copy_stream is not None, self._wait_for_copies)
+        self.warmed_up = False  # Model Runner V2's warm-up requests (_warmup_{i}_) are never read
+
+    def row_index(self, hook_index: int) -> torch.Tensor:
+        return self.row_edit_index[hook_index]
+
+    def attach(self, worker: Any) -> None:
+        super().attach(worker)
+        if self.config.sink_dir is not None:
+            self.sink = _companion("RankSink")(self, worker)
+
+    def forget_warm_up(self) -> None:
+        super().forget_warm_up()
+        self.warmed_up = True
+        self.running.clear()
+        self.request_table = _RequestTable()
+        self.slots.clear()
+        self.reset_batched()
+
+    def close(self) -> None:
+        super().close()
+        if self.sink is not None:
+            self.sink.close()
+        self._wait_for_copies()
+        self.shared.close()
+
+    def reset_batched(self) -> None:
+        """Drop every row not yet read, and the row files nothing maps."""
+        self._wait_for_copies()
+        for record in self.records.values():
+            self.release(record.files)
+        self.records.clear()
+        self.incomplete.clear()
+        self.shared.trim()
+
+    def _wait_for_copies(self) -> None:
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # the copies to host still in flight
+
+    def _copies_queued(self) -> Any:
+        """A CUDA event that completes once the copies to host queued so far are done (None on the CPU, where each
+        step's rows are in host memory when the step ends): a thread that waits on it leaves the steps running."""
+        return None if self.copy_stream is None else self.copy_stream.record_event()
+
+    @property
+    def unread_requests(self) -> int:
+        return len(self.records)
+
+    # The sink's interface: tl_vllm_hooks_tools.RankSink reads this flavour through these, config, sent_sources,
+    # shards() and ranks, and nothing else of this module's internals.
+
+    def take_finished(self, request_ids: list[str]) -> tuple[list[_FinishedRequest], Any]:
+        """These finished requests, each handed over once (its rows forgotten here), and a CUDA event by which the
+        copies of their rows to host memory are done (None on the CPU)."""
+        copied = self._copies_queued() if request_ids else None
+        finished = []
+        for request_id in request_ids:
+            error, rows = self.incomplete.pop(request_id, None), self.records.pop(request_id, None)
+            request = self.running.get(request_id)
+            prompt = None if request is None or request.prompt_token_ids is None else list(request.prompt_token_ids)
+            files = rows.files if rows is not None else []
+            if not self.warmed_up:
+                rows = error = None
+            finished.append(_FinishedRequest(request_id, prompt, rows, error, files))
+        return finished, copied
+
+    def held_request_ids(self) -> list[str]:
+        """Every request whose rows (or why it has none) are held here, not yet read or handed over."""
+        return sorted(set(self.records) | set(self.incomplete))
+
+    def release(self, files: list[_RowFile | None]) -> None:
+        """Give back row files whose rows are written: later steps may fill them again."""
+        for file in files:
+            self.shared.drop(file)
+
+    # Steps, in the order _wrap_steps calls them.
+
+    def schedule(self, step: _Step) -> None:
+        """Read the step's new requests' options and every request's first position."""
+        finished, new, first_positions = step.finished, step.new, step.first_positions
+        if self.sink is not None:
+            self.sink.write(finished)
+        for request_id in finished:
+            self.running.pop(request_id, None)
+            self.request_table.remove(request_id)
+            self.slots.pop(request_id, None)
+        for request_id, prompt_len, prompt_token_ids, extra_args, first_position in new:
+            options, problem = _worker_options(extra_args, self)
+            if problem is not None:
+                self.incomplete[request_id] = problem
+            self.running[request_id] = _RunningRequest(options, prompt_len, prompt_token_ids)
+            self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.slot_tables))
+            if options.keeps_any(0, _NO_LAST_POSITION, prompt_len):
+                self.records.setdefault(request_id, self._record(options))  # read_batched knows it from now on
+            first_positions[request_id] = first_position
+        self.first_positions = first_positions
+        self.capture_flags.zero_()  # this step's forward writes its rows
+
+    def prepared(self) -> None:
+        """After the step is prepared, before its forward: route each row to its edit."""
+        if self.first_positions is None:  # preparation outside execute_model
+            return
+        starts, request_ids = segment_by_request(self.runner)
+        if not request_ids:
+            return
+        first = np.fromiter(
+            map(self.first_positions.get, request_ids, itertools.repeat(-1)), np.int64, len(request_ids)
+        )
+        if (first < 0).any():
+            # Every request of a step is in its scheduler output; if one is not, its rows cannot be placed: say so
+            # when read rather than guess.
+            for i in np.flatnonzero(first < 0):
+                self.incomplete[request_ids[i]] = "a step ran it without its scheduler output entry"
+            return
+        starts = np.asarray(starts, dtype=np.int64)
+        default = _default_options(self.prefix_caching).kept_range(0)
+        self.step = _StepLayout(starts, request_ids, first, self.request_table.entries(request_ids, default))
+        row_positions, global_rows = self.step.row_positions, _global_rows(self.config)
+        edited = np.flatnonzero(self.request_table.has_edits[self.step.entries])
+        if global_rows == 1 and not edited.size:
+            # Every row uses the engine-wide row 0: write the index only if a request's edit changed it since.
+            if self.row_edit_index_dirty:
+                self.row_edit_index.zero_()
+                self.row_edit_index_dirty = False
+            return
+        self.row_edit_index_dirty = True
+        lanes = self.lanes
+        index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(lanes), 0)
+        for i in edited:
+            edits = self.running[request_ids[i]].options.slot_tables
+            slot_row = self._slot_row(request_ids[i], edits, request_ids)
+            rows = slice(starts[i], starts[i + 1])
+            for k, name in enumerate(lanes):
+                if name in edits and edits[name][1] is None:
+                    index[k, rows] = slot_row
+                elif name in edits:
+                    hit = np.isin(row_positions[rows], edits[name][1])
+                    index[k, rows] = np.where(hit, slot_row, global_rows)  # identity row
+        _copy_to_device(index, self.row_edit_index[:, : starts[-1]])
+
+    def _slot_row(self, request_id: str, edits: dict, step_ids: list[str]) -> int:
+        """The edit-table row of the slot holding this request's edits, written there on first use."""
+        first_slot_row = _global_rows(self.config) + 1  # past the engine-wide rows and identity
+        if request_id in self.slots:
+            return first_slot_row + self.slots[request_id]
+        taken = set(self.slots.values())
+        free = [slot for slot in range(self.max_num_seqs) if slot not in taken]
+        if not free:
+            # A step holds at most max_num_seqs requests, so some slot belongs to a request outside this step
+            # (preempted or finished).
+            holder = next(r for r in self.slots if r not in set(step_ids))
+            free = [self.slots.pop(holder)]
+        self.slots[request_id] = free[0]
+        row = first_slot_row + free[0]
+        for name, (rows, _positions) in edits.items():
+            if name in self.targets:  # (else on another pipeline stage)
+                self.targets[name].write_edit(row, rows)
+        return row
+
+    def executed(self) -> None:
+        """After the forward: the kept rows to host memory, per request, with numpy over the
+        step's rows and Python only for requests that kept rows or did not follow on."""
+        step = self.step
+        if step is None:
+            return
+        kept = self._kept_rows(step)
+        num_run = step.counts
+        running = num_run > 0  # (reduceat would read one row for an empty segment)
+        kept_per_request = np.zeros(len(num_run), dtype=np.int64)
+        if running.any():
+            kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), step.starts[:-1][running])
+        kept_rows = np.flatnonzero(kept)
+        file, host_rows = self._rows_to_host(kept_rows) if kept_rows.size else (None, {})
+        next_position = self.request_table.next_position
+        expected = next_position[step.entries]
+        next_position[step.entries[running]] = (step.first_positions + num_run)[running]
+        offsets = np.cumsum(kept_per_request) - kept_per_request
+        for i in np.flatnonzero(running & ((kept_per_request > 0) | (step.first_positions != expected))):
+            start, end = int(offsets[i]), int(offsets[i] + kept_per_request[i])
+            chunk = _RowChunk(host_rows, start, end, step.row_positions[kept_rows[start:end]], file)
+            self._accumulate(step.request_ids[i], int(expected[i]), int(step.first_positions[i]), chunk)
+
+    def finish(self) -> None:
+        self.first_positions = None
+        self.step = None
+
+    def _kept_rows(self, step: _StepLayout) -> np.ndarray:
+        """Boolean mask over the step's rows: which ones their request keeps."""
+        first = self.request_table.kept_first[step.entries]
+        last = self.request_table.kept_last[step.entries]
+        positions = step.row_positions
+        kept = (positions >= np.repeat(first, step.counts)) & (positions <= np.repeat(last, step.counts))
+        for i in np.flatnonzero(first < 0):  # requests keeping a list of positions
+            rows, request = slice(step.starts[i], step.starts[i + 1]), self.running[step.request_ids[i]]
+            kept[rows] = request.options.keeps(positions[rows], request.prompt_len)
+        return kept
+
+    def _rows_to_host(self, kept_rows: np.ndarray) -> tuple[_RowFile | None, dict[str, torch.Tensor]]:
+        """(their row file, {hook: [len(kept_rows), width]}): the kept rows of every hook, in one region of host
+        memory. On the CPU they are gathered straight into it; on CUDA gathered on the compute stream (the next
+        forward rewrites the buffers), then copied on a side stream, which only a read waits for."""
+        num_rows = kept_rows.size
+        sizes = [-(-num_rows * buffer[0].nbytes // 64) * 64 for _name, buffer, _shape in self.sources]
+        file, region = self.shared.region(sum(sizes))
+        index = None
+        if num_rows != kept_rows[-1] + 1:  # not rows 0..n-1
+            index = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+            _copy_to_device(kept_rows, index)
+        host_rows, gathered, offset = {}, {}, 0
+        for (name, buffer, _shape), size in zip(self.sources, sizes):
+            host = region[offset : offset + size].view(buffer.dtype)[: num_rows * buffer.shape[1]]
+            host_rows[name], offset = host.view(num_rows, buffer.shape[1]), offset + size
+            if self.copy_stream is None and index is None:
+                host_rows[name].copy_(buffer[:num_rows])
+            elif self.copy_stream is None:
+                torch.index_select(buffer, 0, index, out=host_rows[name])
+            else:
+                gathered[name] = buffer[:num_rows].clone() if index is None else buffer.index_select(0, index)
+        if gathered:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                for name, rows in gathered.items():
+                    host_rows[name].copy_(rows, non_blocking=True)
+                    rows.record_stream(self.copy_stream)
+        return file, host_rows
+
+    def _accumulate(self, request_id: str, expected: int, first_position: int, chunk: _RowChunk) -> None:
+        """Add one step's chunk of a request whose rows ran from first_position; expected
+        is the position its rows should have started at, had they followed on."""
+        if first_position < expected:
+            # Preempted and recomputed from first_position: drop what it kept past that point, so no row appears
+            # twice.
+            record = self.records.get(request_id)
+            chunks, record_chunks = [], record.chunks if record is not None else []
+            for held in record_chunks:
+                keep = int(np.searchsorted(held.positions, first_position))
+                if keep:
+                    chunks.append(dataclasses.replace(held, end=held.start + keep, positions=held.positions[:keep]))
+                else:
+                    self.shared.drop(held.file)
+            if record is not None:
+                record.chunks = chunks
+        elif first_position > expected:
+            request = self.running.get(request_id)
+            if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
+                self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
+        if chunk.end > chunk.start:  # (reset_batched may have dropped its record meanwhile)
+            request = self.running.get(request_id)
+            options = request.options if request else _default_options(self.prefix_caching)
+            record = self.records.setdefault(request_id, self._record(options))
+            record.chunks.append(chunk)
+            self.shared.hold(chunk.file)
+
+    def _record(self, options: _RequestOptions) -> _RequestRows:
+        """A new record of a request's rows: of its SAEs' chosen features, none unless it chose some."""
+        return _RequestRows({**{name: 0 for name, *_ in self.sources if name.endswith(".chosen")}, **options.columns})
+
+    def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
+        """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "files", "rows": {user id:
+        message}}``, the requests' rows then freed (each id must match one captured request, or nothing is read). For a
+        driver on this host, a request's message holds ``"pieces"``, where its rows are in the row ``files`` (tokens;
+        see _map_row_file and _rows_in), one message per request, as a read of many requests of one row each costs
+        per message; else ``"encoded"``, {name: encoded rows}; and ``"columns"``, where it keeps fewer features.
+        Of the sent_sources."""
+        reply = {"shards": self.shards(), "hooks": [], "files": [], "rows": {}}
+        if self.config.sink_dir is not None:
+            raise RuntimeError(
+                f"read_batched: this engine writes captured rows to its sink_dir {self.config.sink_dir}: "
+                "call flush_sink(llm), which returns them as a CaptureDataset"
+            )
+        if not self.hook_names:  # a pipeline rank that holds none of the hooks
+            return reply
+        sources = self.sent_sources
+        matches = _match_request_ids(request_ids, self.held_request_ids(), self.read_ids)
+        for user_id, worker_id in matches.items():
+            if worker_id in self.incomplete:
+                raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
+        self._wait_for_copies()
+        reply["hooks"] = [[name, list(shape), _dtype_name(buffer.dtype)] for name, buffer, shape in sources]
+        widths = np.array([buffer.shape[1] for _name, buffer, _shape in sources], dtype=np.int64)
+        same_host, files, firsts = driver_host == socket.gethostname(), {}, {}  # firsts: per step, see below
+        for user_id, worker_id in matches.items():
+            record = self.records.pop(worker_id)
+            self.read_ids.update(dict.fromkeys((worker_id, user_request_id(worker_id))))
+            while len(self.read_ids) > 2 * _READ_KEPT:
+                self.read_ids.popitem(last=False)
+            message = reply["rows"][user_id] = {"columns": record.columns} if record.columns else {}
+            if same_host and None not in record.files:
+                pieces = message["pieces"] = []
+                for chunk in record.chunks:
+                    step_rows = chunk.step_rows
+                    if id(step_rows) not in firsts:  # the element offset of each source's rows of that step in file
+                        base = chunk.file.pages.data_ptr()
+                        firsts[id(step_rows)] = np.array(
+                            [
+                                (step_rows[name].data_ptr() - base) // buffer.element_size()
+                                for name, buffer, _ in sources
+                            ],
+                            dtype=np.int64,
+                        )
+                    first = firsts[id(step_rows)] + chunk.start * widths
+                    pieces.append([files.setdefault(chunk.file, len(files)), chunk.end - chunk.start, *first.tolist()])
+            else:
+                encoded = message["encoded"] = {}
+                num_rows = sum(chunk.end - chunk.start for chunk in record.chunks)
+                for name, buffer, row_shape in sources:
+                    shape, kept = [num_rows, *row_shape], record.rows(name)
+                    rows = torch.cat(kept).view(shape) if kept else torch.empty(shape, dtype=buffer.dtype)
+                    encoded[name] = encode_tensor(rows)
+            self.release(record.files)
+        reply["files"] = self.shared.lend(list(files))
+        return reply
+
+    def flush_sink(self) -> dict[str, Any] | None:
+        if self.sink is None:
+            raise RuntimeError("flush_sink: this engine has no sink: configure(..., sink_dir=directory)")
+        return self.sink.flush()
+
+
+_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what vLLM adds to a user's request id
+
+
+def user_request_id(request_id: str) -> str:
+    """The user's id of a worker's request id: without the ``-{8 hex}`` suffix vLLM adds (unless told not to)."""
+    return _VLLM_SUFFIX.sub("", request_id)
+_READ_KEPT = 1 << 16  # requests whose ids a worker keeps once read (see _Batched.read_ids)
+
+
+def _match_request_ids(user_ids: list[str], worker_ids: list[str], read: dict[str, None]) -> dict[str, str]:
+    """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix; KeyError for an id that matches
+    none (saying so if it is among the ``read`` ids) or several. Messages name ids as the user gives them, vLLM's
+    only where they alone tell two requests apart."""
+    by_user_id: dict[str, list[str]] = {}
+    for worker_id in worker_ids:
+        by_user_id.setdefault(worker_id, []).append(worker_id)
+        if user_request_id(worker_id) != worker_id:
+            by_user_id.setdefault(user_request_id(worker_id), []).append(worker_id)
+    matches = {}
+    for user_id in user_ids:
+        found = by_user_id.get(user_id, [])
+        if not found and user_id in read:
+            raise KeyError(f"read_batched: id {user_id!r}: already read: a request's rows are handed over once")
+        if len(found) > 1:
+            raise KeyError(
+                f"read_batched: id {user_id!r} matches several captured requests, the id given again before their "
+                f"rows were read: read each by vLLM's id, one of {found}"
+            )
+        if not found:
+            unread = sorted(set(map(user_request_id, worker_ids)))
+            raise KeyError(
+                f"read_batched: id {user_id!r} matches no captured request; unread: {unread[:10]}"
+                + (f" and {len(unread) - 10} more" if len(unread) > 10 else "")
+                + " (a request with capture='none' keeps no rows, and reset_batched drops unread ones)"
+            )
+        matches[user_id] = found[0]
+    return matches
+
+
+def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
+    source = torch.from_numpy(array)
+    if target.device.type == "cuda":
+        source = source.pin_memory()  # the copy is queued; pinned memory outlives it
+    target.copy_(source, non_blocking=True)
+
+
+# ---------------------------------------------------------------------------
+# Transport. vLLM's RPC carries msgpack values, not tensors, and this module never asks for pickle: a tensor travels
+# as dtype name, shape and its raw bytes, so every dtype (bfloat16 included) round-trips bit for bit. Batched rows
+# travel in row files instead, both ends of which are here (below).
+# ---------------------------------------------------------------------------
+
+_WIRE_DTYPES = CAPTURE_DTYPES + ("int64", "int32", "bool")
 
 
 def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
@@ -2256,936 +3313,6 @@ def _rows_in(
 
 
 # ---------------------------------------------------------------------------
-# Edits and request options. One wire form for every flavour: per hook, an op, an optional value (a number or a
-# row-shaped tensor) and optional positions. Each becomes a (scale, bias) pair with out = out * scale + bias. A
-# request's options are parsed into one _RequestOptions, by the same function wherever they are read (the driver,
-# the engine's front end and the workers), and checked there before anything runs.
-# ---------------------------------------------------------------------------
-
-_EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
-_REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
-_CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
-_NO_LAST_POSITION = np.iinfo(np.int64).max
-
-
-def _parse_edit(edit: Any, name: str, config: CaptureConfig) -> tuple[tuple[torch.Tensor, ...], list[int] | None]:
-    """Validate one wire edit: its table rows and its positions. A hook's rows are (scale, bias), [width] float64,
-    out = out * scale + bias; a hook's features' (see _parse_feature_edit) are (features, scale, bias)."""
-    if name.endswith(SAE_FEATURES):
-        return _parse_feature_edit(edit, name, config)
-    _check_edit_keys(edit, name, {"op", "value", "positions"})
-    op, row_shape = edit["op"], config.row_shape(name)
-    width = math.prod(row_shape)
-    shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
-    valid = f"a finite number, or finite numbers of shape {' or '.join(map(str, map(list, shapes)))}"
-    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, shapes, valid))
-    scale_row = torch.zeros(width, dtype=torch.float64).add_(keeps)
-    bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
-    return (scale_row, bias_row), _edit_positions(edit, name)
-
-
-_EDIT_FORM = {  # op -> (scale, bias) of its value
-    "suppress": lambda _value: (0, 0),
-    "scale": lambda value: (value, 0),
-    "add": lambda value: (1, value),
-    "set": lambda value: (0, value),
-}
-
-
-def _edit_value(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> torch.Tensor:
-    """An edit's value, float64 [the first shape's elements] (zeros for an op that takes none): one number for every
-    element, or finite numbers of one of ``shapes``; ValueError saying ``valid`` otherwise."""
-    width = math.prod(shapes[0])
-    if not _EDIT_OPS[edit["op"]]:
-        return torch.zeros(width, dtype=torch.float64)
-    raw = edit["value"]
-    try:
-        if _holds_bool(raw):
-            raise TypeError("a bool is not a number")
-        vector = torch.tensor(raw, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
-    if vector.dim() == 0:
-        vector = vector.expand(width)
-    if tuple(vector.shape) not in shapes:
-        raise ValueError(f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)}")
-    value = vector.reshape(width)
-    if not torch.isfinite(value).all():
-        raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
-    return value
-
-
-def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
-    """The edit is a dict of these keys, 'op' among them, and its op takes a value if and only if it has one."""
-    if not isinstance(edit, dict) or "op" not in edit or not set(edit) <= keys:
-        found = sorted(edit) if isinstance(edit, dict) else edit
-        raise ValueError(
-            f"edits[{name!r}]: keys must be 'op' plus optional {sorted(keys - {'op'})}, got {found!r:.200}"
-        )
-    op = edit["op"]
-    if op not in _EDIT_OPS:
-        raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
-    if _EDIT_OPS[op] != ("value" in edit):
-        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if _EDIT_OPS[op] else 'takes no'} 'value'")
-
-
-def _edit_positions(edit: dict[str, Any], name: str) -> list[int] | None:
-    positions = edit.get("positions")
-    if positions is not None and not _is_position_list(positions):
-        raise ValueError(f"edits[{name!r}]: positions must be a non-empty list of ints >= 0, got {positions!r}")
-    return None if positions is None else list(positions)
-
-
-def _lists_features(features: Any, least: int, most: int, d_sae: int) -> bool:
-    """Whether ``features`` is a list of ``least`` to ``most`` distinct feature indices (ints) in [0, d_sae)."""
-    return (
-        isinstance(features, (list, tuple))
-        and least <= len(features) <= most
-        and all(_int_at_least(f, 0) and f < d_sae for f in features)
-        and len(set(features)) == len(features)
-    )
-
-
-def _parse_feature_edit(
-    edit: Any, name: str, config: CaptureConfig
-) -> tuple[tuple[torch.Tensor, ...], list[int] | None]:
-    """A feature edit, ``{"op", "features": [f, ...], "value": a number or one per feature, "positions"}``, as table
-    rows: the features (int64), and each one's new activation as old * scale + bias (float64), each
-    [_FEATURE_EDITS], padded with feature 0 left as it is."""
-    _check_edit_keys(edit, name, {"op", "features", "value", "positions"})
-    d_sae, op, features = config.sae(name.removesuffix(SAE_FEATURES)).d_sae, edit["op"], edit.get("features")
-    if not _lists_features(features, 1, _FEATURE_EDITS, d_sae):
-        raise ValueError(
-            f"edits[{name!r}]: 'features' must list 1 to {_FEATURE_EDITS} distinct feature indices in [0, {d_sae}) "
-            f"(d_sae), got {features!r:.200}"
-        )
-    valid = f"a finite number or a list of {len(features)}, one per feature"
-    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, [(len(features),)], valid))
-    rows = _identity_rows(name, _FEATURE_EDITS)
-    rows[0][: len(features)] = torch.tensor(features)
-    rows[1][: len(features)], rows[2][: len(features)] = keeps, adds
-    return rows, _edit_positions(edit, name)
-
-
-def _identity_rows(name: str, width: int) -> tuple[torch.Tensor, ...]:
-    """The table rows of no edit: scale 1 and bias 0 (and for features, feature 0)."""
-    ones, zeros = torch.ones(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
-    return (torch.zeros(width, dtype=torch.int64), ones, zeros) if name.endswith(SAE_FEATURES) else (ones, zeros)
-
-
-def _holds_bool(value: Any) -> bool:
-    return isinstance(value, bool) or isinstance(value, (list, tuple)) and any(map(_holds_bool, value))
-
-
-def _global_rows(config: CaptureConfig) -> int:
-    """Rows of the engine-wide part of an edit table: one per position and one past, or one."""
-    return config.max_num_batched_tokens + 1 if config.enable_position_interventions else 1
-
-
-def _engine_wide_tables(edit: dict[str, Any], name: str, config: CaptureConfig) -> tuple[torch.Tensor, ...]:
-    """An engine-wide edit's tables (see _parse_edit): each a row, or [max_rows + 1, row] by position."""
-    rows, positions = _parse_edit(edit, name, config)
-    per_request = "; request_args(edits=...) takes any position" if config.enable_batching else ""
-    if not config.enable_position_interventions:
-        if positions is not None:
-            raise ValueError(f"edits[{name!r}]: positions need enable_position_interventions=True{per_request}")
-        return rows
-    num_rows = _global_rows(config)
-    if positions is None:  # every row, the last (every position past the table) included
-        return tuple(row.expand(num_rows, *row.shape) for row in rows)
-    if max(positions) >= num_rows - 1:
-        raise ValueError(
-            f"edits[{name!r}]: positions must be < {num_rows - 1} (max_num_batched_tokens) for an engine-wide edit, "
-            f"got {positions!r}{per_request}"
-        )
-    tables = tuple(row.expand(num_rows, *row.shape).clone() for row in _identity_rows(name, rows[0].shape[0]))
-    for table, row in zip(tables, rows):
-        table[positions] = row
-    return tables
-
-
-def _check_hook_name(name: Any, config: CaptureConfig) -> None:
-    editable = [*config.capture_specs, *(hook + SAE_FEATURES for hook in config.saes)]
-    if name not in editable:
-        close = difflib.get_close_matches(str(name), editable, n=3)
-        raise ValueError(
-            f"edits: {name!r} is not a configured hook or SAE's features"
-            + (f"; close matches: {close}" if close else "")
-            + f"; configured: {sorted(editable)}"
-        )
-    if (_parse_hook_name(name) or ("",))[0] in _READ_ONLY_SITES:
-        raise ValueError(
-            f"edits: {name!r} is read-only: vLLM's fused mixture of experts routes inside its kernel, from "
-            "the router's logits; edit the block's input (mlp.hook_pre) or output (hook_mlp_out) instead"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class _RequestOptions:
-    """One request's options (see request_args), checked against its engine's config.
-
-    capture: one of _CAPTURE_MODES, or the positions kept, sorted int64.
-    edits: hook or features name -> (its table rows (see _parse_edit), sorted int64 positions or None).
-    digest: of the edits ("" without): the request's prefix-cache salt.
-    chosen: ``{features name}.chosen`` -> (its features, int64 [sae_chosen_features], None): read densely.
-    columns: source name (see _HookState.sources) -> the first columns of it the request keeps, where fewer.
-    """
-
-    capture: str | np.ndarray = "all"
-    edits: dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]] = dataclasses.field(default_factory=dict)
-    digest: str = ""
-    chosen: dict[str, tuple[tuple[torch.Tensor], None]] = dataclasses.field(default_factory=dict)
-    columns: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def slot_tables(self) -> dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]]:
-        """What a slot of the batched edit tables holds for the request: its edits and chosen features."""
-        return {**self.edits, **self.chosen}
-
-    def kept_range(self, prompt_len: int) -> tuple[int, int]:
-        """(first, last) position kept; first is -1 for a list of positions."""
-        if isinstance(self.capture, np.ndarray):
-            return (-1, _NO_LAST_POSITION)
-        last = prompt_len - 1
-        ranges = {"all": (0, _NO_LAST_POSITION), "prompt": (0, last), "last_prompt_token": (last, last)}
-        return ranges.get(self.capture, (0, -1))
-
-    def keeps_any(self, start: int, stop: int, prompt_len: int) -> bool:
-        """Whether the row of some position in [start, stop) is kept."""
-        if isinstance(self.capture, np.ndarray):
-            return bool(((self.capture >= start) & (self.capture < stop)).any())
-        first, last = self.kept_range(prompt_len)
-        return first <= last and first < stop and last >= start
-
-
-_KEEP_ALL, _KEEP_NONE = _RequestOptions("all"), _RequestOptions("none")
-
-
-def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOptions:
-    """The one parser of a request's options (request_args' JSON text, or a dict by hand);
-    ValueError naming the problem."""
-    if config is None or not config.enable_batching:
-        raise ValueError(
-            f"{_REQUEST_KEY} request options: this engine has {'no' if config is None else 'one-prompt'} hooks; "
-            "per-request capture and edits need configure(..., enable_batching=True)"
-        )
-    if isinstance(options, str):
-        try:
-            options = json.loads(options)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"request options: not valid JSON ({error}); write them with request_args") from None
-    if not isinstance(options, dict) or not set(options) <= {"capture", "edits", "top_k", "features"}:
-        raise ValueError(
-            f"request options: expected a dict with keys 'capture', 'edits', 'top_k' and 'features', got "
-            f"{options!r:.200}"
-        )
-    capture = options.get("capture", "all")
-    if isinstance(capture, (list, tuple)):
-        if not _is_position_list(capture):
-            raise ValueError(f"capture: a list of positions must hold ints >= 0 and not be empty, got {capture!r}")
-        capture = np.unique(np.asarray(capture, dtype=np.int64))
-    elif capture not in _CAPTURE_MODES:
-        raise ValueError(f"capture: expected one of {list(_CAPTURE_MODES)} or a list of positions, got {capture!r}")
-    edits = options.get("edits") or {}
-    if not isinstance(edits, dict):
-        raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
-    parsed = {}
-    for name, edit in edits.items():
-        _check_hook_name(name, config)
-        rows, positions = _parse_edit(edit, name, config)
-        parsed[name] = (rows, None if positions is None else np.unique(np.asarray(positions, np.int64)))
-    digest = hashlib.sha256(json.dumps(edits, sort_keys=True).encode()).hexdigest()[:32] if edits else ""
-    top_k = options.get("top_k") or {}
-    features = [hook + SAE_FEATURES for hook in config.saes]
-    if not isinstance(top_k, dict) or not all(name in features for name in top_k):
-        raise ValueError(f"top_k: expected a dict {{features name: k}} of names in {features}, got {top_k!r:.200}")
-    for name, k in top_k.items():
-        if not _int_at_least(k, 1) or k > config.sae_top_k:
-            raise ValueError(f"top_k[{name!r}]: must be an int in [1, {config.sae_top_k}] (sae_top_k), got {k!r}")
-    columns = {n + part: k for n, k in top_k.items() if k < config.sae_top_k for part in (".indices", ".values")}
-    chosen, most = options.get("features") or {}, config.sae_chosen_features
-    if not isinstance(chosen, dict) or not all(name in features for name in chosen) or chosen and not most:
-        raise ValueError(
-            f"features: expected a dict {{features name: [feature, ...]}} of names in {features}, on an engine "
-            f"configured with sae_chosen_features > 0 (here {most}), got {chosen!r:.200}"
-        )
-    parsed_chosen = {}
-    for name in features if most else ():
-        listed, d_sae = chosen.get(name, []), config.sae(name.removesuffix(SAE_FEATURES)).d_sae
-        if not _lists_features(listed, 0, most, d_sae):
-            raise ValueError(
-                f"features[{name!r}]: up to {most} (sae_chosen_features) distinct feature indices in [0, {d_sae}), "
-                f"got {listed!r:.200}"
-            )
-        columns[name + ".chosen"] = len(listed)
-        if listed:
-            row = torch.tensor([*listed, *[0] * (most - len(listed))], dtype=torch.int64)  # padded with feature 0
-            parsed_chosen[name + ".chosen"] = ((row,), None)
-    return _RequestOptions(capture, parsed, digest, parsed_chosen, columns)
-
-
-@functools.lru_cache(maxsize=256)
-def _parse_options_text(text: str, payload: str | None) -> _RequestOptions:
-    """request_args' JSON text, parsed once however many requests share it."""
-    return _parse_options(text, _config_from_json(payload))
-
-
-def _request_options(extra_args: dict[str, Any] | None, payload: str | None) -> _RequestOptions | None:
-    """The options in a request's extra_args (None without) for an engine with the config
-    ``payload``; ValueError if they do not suit it."""
-    options = (extra_args or {}).get(_REQUEST_KEY)
-    if options is None:
-        return None
-    if isinstance(options, str):
-        return _parse_options_text(options, payload)
-    return _parse_options(options, _config_from_json(payload))
-
-
-# ---------------------------------------------------------------------------
-# Prefix caching. Tokens vLLM serves from its prefix cache never run through the model, so their rows are missing,
-# and a block computed under an edit would be served to requests that never asked for it. Engines built with
-# llm_kwargs or serve_args have it off; with the batched flavour a user may turn it on, and every rule that then
-# applies is in this section.
-# ---------------------------------------------------------------------------
-
-_PREFIX_CACHING = False  # what llm_kwargs and serve_args set: every request keeps all its rows
-_CACHE_MARK = "tl_vllm_hooks_cache"  # in extra_args once _keep_apart_in_prefix_cache ran
-
-
-def _keep_apart_in_prefix_cache(request: Any, options: _RequestOptions) -> None:
-    """On the EngineCoreRequest vLLM's front end made, before its blocks are hashed: edits
-    salt its cache blocks (shared only by requests making the same edits), keeping prompt
-    rows before the last skips reading the cache, and the mark tells the workers."""
-    params = request.sampling_params
-    if options.edits:
-        request.cache_salt = f"{request.cache_salt or ''}{_REQUEST_KEY}:{options.digest}"
-    prompt_len = _prompt_len(request)
-    if options.keeps_any(0, prompt_len - 1, prompt_len):
-        params.skip_reading_prefix_cache = True
-    params.extra_args = {**params.extra_args, _CACHE_MARK: options.digest}
-
-
-def _refuse_prefix_caching(prefix_caching: bool, config: CaptureConfig, edits: Any = None) -> None:
-    """Refuse the one-prompt flavour on an engine with prefix caching, and engine-wide edits on any."""
-    if prefix_caching and not config.enable_batching:
-        raise ValueError(
-            "enable_prefix_caching: the one-prompt flavour keeps the rows of one forward, and tokens served from "
-            "vLLM's prefix cache never run through the model, so rows would be missing; build the engine with "
-            "LLM(model, **config.llm_kwargs), which turns it off, or use the batched flavour (configure(..., "
-            "enable_batching=True)), which keeps capturing requests off the cache"
-        )
-    if prefix_caching and edits:
-        raise ValueError(
-            "set_edits: engine-wide edits change every request's keys and values, and vLLM's prefix cache would go "
-            "on serving blocks computed without them; on an engine with prefix caching, edit per request: "
-            "request_args(config, edits=...)"
-        )
-
-
-def _worker_options(extra_args: dict[str, Any], state: _HookState) -> tuple[_RequestOptions, str | None]:
-    """A new request's options as the workers apply them, and why its rows cannot be read
-    (None if they can); without options, every row, or none with prefix caching on."""
-    if _REQUEST_KEY not in extra_args:
-        return (_KEEP_NONE if state.prefix_caching else _KEEP_ALL), None
-    if state.prefix_caching and _CACHE_MARK not in extra_args:  # its edits would reach others' blocks
-        return _KEEP_NONE, (
-            "its options were not applied: vLLM's front end did not load tl_vllm_hooks, which keeps "
-            "requests with options apart in the prefix cache; install the module (its entry point loads it "
-            "in every vLLM process) or build the engine with enable_prefix_caching=False"
-        )
-    try:
-        return _request_options(extra_args, state.payload), None
-    except (ValueError, TypeError) as error:
-        # The driver or the front end checked them; hand-written extra_args that fail here must not stop the engine:
-        # the request runs unedited, reading it raises.
-        return _KEEP_NONE, f"its options were refused: {error}"
-
-
-def _skipped_rows_problem(expected: int, first_position: int) -> str:
-    """Why a request's rows are not whole: positions it keeps never ran (served from the cache)."""
-    return (
-        f"rows for positions {expected}..{first_position - 1} never ran through the model "
-        "(prefix caching reused them); build the engine with enable_prefix_caching=False"
-    )
-
-
-# ---------------------------------------------------------------------------
-# Flavours: what differs between the one-prompt and the batched hooks, behind _HookState's interface. The hooks
-# above run in every forward; what depends on which requests are in a step happens on the host, outside any graph,
-# so both flavours run under torch.compile and CUDA graphs as they run eagerly.
-# ---------------------------------------------------------------------------
-
-
-class _OnePrompt(_HookState):
-    """``open_capture`` arms the hooks; the next forward's rows stay until the next open.
-    Edit tables are [width], or, with edits by position, [max_rows + 1, width] indexed by
-    token position (the last row serves every position past max_rows)."""
-
-    name = "one-prompt"
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        # Token positions of the forward in flight, copied from the runner's before it (a hook on the model would
-        # miss the models vLLM compiles whole, whose __call__ skips hooks).
-        rows, by_position = self.config.max_num_batched_tokens, self.config.enable_position_interventions
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=self.device) if by_position else None
-        self.table_rows = _global_rows(self.config) if by_position else None
-        # The rows the first forward since open_capture wrote: None before any open_capture, 0 until that forward.
-        self.forward_rows: int | None = None
-
-    def row_index(self, _hook_index: int) -> torch.Tensor | None:
-        return self.positions
-
-    def attach(self, worker: Any) -> None:
-        self.runner = worker.model_runner
-        _wrap_steps(self.runner, self)
-
-    def open_capture(self) -> None:
-        self.capture_flags.zero_()
-        self.forward_rows = 0
-
-    # The steps _wrap_steps calls: the rows of the captured forward, and the positions of each.
-    def schedule(self, scheduler_output: Any) -> None:
-        if self.forward_rows == 0:
-            self.forward_rows = scheduler_output.total_num_scheduled_tokens
-
-    def prepared(self) -> None:
-        if self.positions is None:
-            return
-        given = _step_positions(self.runner)
-        rows = min(given.shape[0], self.positions.shape[0])
-        self.positions.narrow(0, 0, rows).copy_(given.narrow(0, 0, rows))
-
-    def executed(self) -> None:
-        """(The rows stay in the buffers until read.)"""
-
-    def finish(self) -> None:
-        """(Nothing held per step.)"""
-
-    def read_captures(self, num_rows: int) -> dict[str, Any]:
-        """``{"shards", "rows": {name: encoded [num_rows, *row shape]}}`` of the armed forward (see sources)."""
-        limit = self.config.max_num_batched_tokens
-        if not _int_at_least(num_rows, 1) or num_rows > limit:
-            raise ValueError(
-                f"read_captures: num_rows must be an int in [1, {limit}] (the capture buffer), got {num_rows!r}; "
-                "a longer prompt is split by chunked prefill and only its first chunk is kept"
-            )
-        if self.forward_rows is None:
-            raise RuntimeError("read_captures: nothing captured yet: call open_capture, then generate, then read")
-        still_open = [n for n, flag in zip(self.hook_names, self.capture_flags.tolist()) if flag == 0]
-        if not self.forward_rows:
-            raise RuntimeError("read_captures: no forward ran since open_capture")
-        if still_open:
-            raise RuntimeError(f"read_captures: no forward ran since open_capture for hooks {still_open}")
-        if num_rows > self.forward_rows:
-            raise ValueError(
-                f"read_captures: the forward after open_capture wrote {self.forward_rows} rows (one per token it "
-                f"ran), so {num_rows} would include rows it never wrote; read at most {self.forward_rows}"
-            )
-        rows = {name: buffer[:num_rows].view(num_rows, *shape) for name, buffer, shape in self.sources}
-        return {"shards": self.shards(), "rows": {name: encode_tensor(r) for name, r in rows.items()}}
-
-
-class _RequestTable:
-    """What every step reads of its requests, as int64 arrays with an entry per running request, so that a step
-    reads and updates them in a few array operations: kept_first and kept_last (_RequestOptions.kept_range),
-    next_position (that of its next row) and has_edits."""
-
-    _COLUMNS = ("kept_first", "kept_last", "next_position", "has_edits")
-
-    def __init__(self) -> None:
-        self.index: dict[str, int] = {}  # request id -> its entry
-        self.free: list[int] = []
-        for column in self._COLUMNS:
-            setattr(self, column, np.zeros(0, dtype=np.int64))
-
-    def add(self, request_id: str, kept_range: tuple[int, int], has_edits: bool) -> int:
-        """The request's entry, made on its first call; kept_range and has_edits written on every call."""
-        entry = self.index.get(request_id)
-        if entry is None:
-            if not self.free:
-                size = len(self.kept_first)
-                for column in self._COLUMNS:
-                    setattr(self, column, np.concatenate([getattr(self, column), np.zeros(max(size, 64), np.int64)]))
-                self.free = list(range(len(self.kept_first) - 1, size - 1, -1))
-            entry = self.index[request_id] = self.free.pop()
-            self.next_position[entry] = 0
-        self.kept_first[entry], self.kept_last[entry] = kept_range
-        self.has_edits[entry] = has_edits
-        return entry
-
-    def remove(self, request_id: str) -> None:
-        entry = self.index.pop(request_id, None)
-        if entry is not None:
-            self.free.append(entry)
-
-    def entries(self, request_ids: list[str]) -> np.ndarray:
-        """int64 [len(request_ids)]: each request's entry. One never added (running since
-        before the hooks' first step) gets one that keeps every row."""
-        entries = np.fromiter(map(self.index.get, request_ids, itertools.repeat(-1)), np.int64, len(request_ids))
-        for i in np.flatnonzero(entries < 0):
-            entries[i] = self.add(request_ids[i], _KEEP_ALL.kept_range(0), False)
-        return entries
-
-
-@dataclasses.dataclass
-class _StepLayout:
-    """The rows of one forward: request i owns rows starts[i]:starts[i + 1], the first of
-    them at token position first_positions[i]; its numbers are entries[i] of the request table."""
-
-    starts: np.ndarray  # int64 [num_requests + 1]
-    request_ids: list[str]
-    first_positions: np.ndarray  # int64 [num_requests]
-    entries: np.ndarray  # int64 [num_requests]
-    counts: np.ndarray = dataclasses.field(init=False)  # int64 [num_requests], rows each request runs
-    row_positions: np.ndarray = dataclasses.field(init=False)  # int64 [num_rows], each row's position
-
-    def __post_init__(self) -> None:
-        self.counts = np.diff(self.starts)
-        offsets = self.first_positions - self.starts[:-1]  # position minus row, per request
-        self.row_positions = np.repeat(offsets, self.counts) + np.arange(self.starts[-1])
-
-
-@dataclasses.dataclass(frozen=True)
-class _RunningRequest:
-    """A request from its first step to its end: its options and its prompt."""
-
-    options: _RequestOptions
-    prompt_len: int
-    prompt_token_ids: list[int] | None  # None for prompt embeddings
-
-
-@dataclasses.dataclass
-@dataclasses.dataclass(frozen=True, eq=False)  # (compared by identity: positions is an array)
-class _RowChunk:
-    """A request's rows of one step: rows [start:end] of that step's host rows by hook, sliced only when read."""
-
-    step_rows: dict[str, torch.Tensor]
-    start: int
-    end: int
-    positions: np.ndarray  # int64 [end - start]: each row's token position
-    file: _RowFile | None  # the row file holding step_rows, where they are in one
-
-
-@dataclasses.dataclass
-class _RequestRows:
-    """What one request kept so far: a chunk per step that kept rows."""
-
-    columns: dict[str, int]  # the request's (see _RequestOptions)
-    chunks: list[_RowChunk] = dataclasses.field(default_factory=list)
-
-    def rows(self, name: str) -> list[torch.Tensor]:
-        return [chunk.step_rows[name][chunk.start : chunk.end] for chunk in self.chunks]
-
-    @property
-    def positions(self) -> np.ndarray:
-        """int64 [rows]: the token position of each row kept."""
-        return np.concatenate([c.positions for c in self.chunks]) if self.chunks else np.zeros(0, np.int64)
-
-    @property
-    def files(self) -> list[_RowFile | None]:
-        return [chunk.file for chunk in self.chunks]
-
-
-@dataclasses.dataclass(frozen=True)
-class _FinishedRequest:
-    """A finished request as _Batched.take_finished hands it to the sink: its rows, or why it has none (neither for
-    one that kept nothing, or one of vLLM's warm-up requests), and the row files its rows are in, which the sink
-    gives back (_Batched.release) once it has written them."""
-
-    request_id: str
-    prompt_token_ids: list[int] | None
-    rows: _RequestRows | None
-    error: str | None
-    files: list[_RowFile | None]
-
-
-class _Batched(_HookState):
-    """Many requests per generate. Before each forward the host writes which edit-table row each token row uses
-    (``row_edit_index``); after it, the rows each request keeps are gathered on the device and copied to host memory
-    (on CUDA on a side stream, so the next forward overlaps the copy), per request. Edit tables: the engine-wide
-    rows (always 2-D), one identity row, then ``max_num_seqs`` slots that requests with edits hold."""
-
-    name = "batched"
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        # Row r of the forward in flight uses row row_edit_index[k, r] of hook k's tables.
-        rows = self.config.max_num_batched_tokens
-        self.row_edit_index = torch.zeros(len(self.lanes), rows, dtype=torch.int64, device=self.device)
-        self.row_edit_index_dirty = False
-        self.table_rows = _global_rows(self.config) + 1 + self.max_num_seqs
-        self.slots: dict[str, int] = {}  # request id -> slot holding its edits
-        self.running: dict[str, _RunningRequest] = {}
-        self.request_table = _RequestTable()
-        self.first_positions: dict[str, int] | None = None  # of the step being prepared
-        self.step: _StepLayout | None = None  # of the step whose forward is in flight
-        self.records: dict[str, _RequestRows] = {}
-        # The ids of the requests read_batched handed over, the last _READ_KEPT, each as vLLM's and as the user's
-        # (without vLLM's suffix), so that a second read of one says so.
-        self.read_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.incomplete: dict[str, str] = {}  # request id -> why its rows cannot be read
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.shared = _SharedRows(self.copy_stream is not None, self._wait_for_copies)
-        self.warmed_up = False  # Model Runner V2's warm-up requests (_warmup_{i}_) are never read
-
-    def row_index(self, hook_index: int) -> torch.Tensor:
-        return self.row_edit_index[hook_index]
-
-    def attach(self, worker: Any) -> None:
-        self.runner = worker.model_runner
-        _wrap_steps(self.runner, self)
-        if self.config.sink_dir is not None:
-            self.sink = _tools().RankSink(self, worker)
-
-    def forget_warm_up(self) -> None:
-        super().forget_warm_up()
-        self.warmed_up = True
-        self.running.clear()
-        self.request_table = _RequestTable()
-        self.slots.clear()
-        self.reset_batched()
-
-    def close(self) -> None:
-        super().close()
-        if self.sink is not None:
-            self.sink.close()
-        self._wait_for_copies()
-        self.shared.close()
-
-    def reset_batched(self) -> None:
-        """Drop every row not yet read, and the row files nothing maps."""
-        self._wait_for_copies()
-        for record in self.records.values():
-            self.release(record.files)
-        self.records.clear()
-        self.incomplete.clear()
-        self.shared.trim()
-
-    def _wait_for_copies(self) -> None:
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()  # the copies to host still in flight
-
-    def _copies_queued(self) -> Any:
-        """A CUDA event that completes once the copies to host queued so far are done (None on the CPU, where each
-        step's rows are in host memory when the step ends): a thread that waits on it leaves the steps running."""
-        return None if self.copy_stream is None else self.copy_stream.record_event()
-
-    @property
-    def unread_requests(self) -> int:
-        return len(self.records)
-
-    # The sink's interface (tl_vllm_hooks_tools.RankSink reads this flavour through these, with sources and shards).
-
-    def take_finished(self, request_ids: list[str]) -> tuple[list[_FinishedRequest], Any]:
-        """These finished requests, each handed over once (its rows forgotten here), and a CUDA event by which the
-        copies of their rows to host memory are done (None on the CPU)."""
-        copied = self._copies_queued() if request_ids else None
-        finished = []
-        for request_id in request_ids:
-            error, rows = self.incomplete.pop(request_id, None), self.records.pop(request_id, None)
-            request = self.running.get(request_id)
-            prompt = None if request is None or request.prompt_token_ids is None else list(request.prompt_token_ids)
-            files = rows.files if rows is not None else []
-            if not self.warmed_up:
-                rows = error = None
-            finished.append(_FinishedRequest(request_id, prompt, rows, error, files))
-        return finished, copied
-
-    def held_request_ids(self) -> list[str]:
-        """Every request whose rows (or why it has none) are held here, not yet read or handed over."""
-        return sorted(set(self.records) | set(self.incomplete))
-
-    def release(self, files: list[_RowFile | None]) -> None:
-        """Give back row files whose rows are written: later steps may fill them again."""
-        for file in files:
-            self.shared.drop(file)
-
-    # Steps, in the order _wrap_steps calls them.
-
-    def schedule(self, scheduler_output: Any) -> None:
-        """Read the step's new requests' options and every request's first position."""
-        finished, new, first_positions = _scheduled(scheduler_output)
-        if self.sink is not None:
-            self.sink.write(finished)
-        for request_id in finished:
-            self.running.pop(request_id, None)
-            self.request_table.remove(request_id)
-            self.slots.pop(request_id, None)
-        for request_id, prompt_len, prompt_token_ids, extra_args, first_position in new:
-            options, problem = _worker_options(extra_args, self)
-            if problem is not None:
-                self.incomplete[request_id] = problem
-            self.running[request_id] = _RunningRequest(options, prompt_len, prompt_token_ids)
-            self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.slot_tables))
-            if not (isinstance(options.capture, str) and options.capture == "none"):
-                self.records.setdefault(request_id, self._record(options))  # read_batched knows it from now on
-            first_positions[request_id] = first_position
-        self.first_positions = first_positions
-        self.capture_flags.zero_()  # this step's forward writes its rows
-
-    def prepared(self) -> None:
-        """After the step is prepared, before its forward: route each row to its edit."""
-        if self.first_positions is None:  # preparation outside execute_model
-            return
-        starts, request_ids = segment_by_request(self.runner)
-        if not request_ids:
-            return
-        first = np.fromiter(
-            map(self.first_positions.get, request_ids, itertools.repeat(-1)), np.int64, len(request_ids)
-        )
-        if (first < 0).any():
-            # Every request of a step is in its scheduler output; if one is not, its rows cannot be placed: say so
-            # when read rather than guess.
-            for i in np.flatnonzero(first < 0):
-                self.incomplete[request_ids[i]] = "a step ran it without its scheduler output entry"
-            return
-        starts = np.asarray(starts, dtype=np.int64)
-        self.step = _StepLayout(starts, request_ids, first, self.request_table.entries(request_ids))
-        row_positions, global_rows = self.step.row_positions, _global_rows(self.config)
-        edited = np.flatnonzero(self.request_table.has_edits[self.step.entries])
-        if global_rows == 1 and not edited.size:
-            # Every row uses the engine-wide row 0: write the index only if a request's edit changed it since.
-            if self.row_edit_index_dirty:
-                self.row_edit_index.zero_()
-                self.row_edit_index_dirty = False
-            return
-        self.row_edit_index_dirty = True
-        lanes = self.lanes
-        index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(lanes), 0)
-        for i in edited:
-            edits = self.running[request_ids[i]].options.slot_tables
-            slot_row = self._slot_row(request_ids[i], edits, request_ids)
-            rows = slice(starts[i], starts[i + 1])
-            for k, name in enumerate(lanes):
-                if name in edits and edits[name][1] is None:
-                    index[k, rows] = slot_row
-                elif name in edits:
-                    hit = np.isin(row_positions[rows], edits[name][1])
-                    index[k, rows] = np.where(hit, slot_row, global_rows)  # identity row
-        _copy_to_device(index, self.row_edit_index[:, : starts[-1]])
-
-    def _slot_row(self, request_id: str, edits: dict, step_ids: list[str]) -> int:
-        """The edit-table row of the slot holding this request's edits, written there on first use."""
-        first_slot_row = _global_rows(self.config) + 1  # past the engine-wide rows and identity
-        if request_id in self.slots:
-            return first_slot_row + self.slots[request_id]
-        taken = set(self.slots.values())
-        free = [slot for slot in range(self.max_num_seqs) if slot not in taken]
-        if not free:
-            # A step holds at most max_num_seqs requests, so some slot belongs to a request outside this step
-            # (preempted or finished).
-            holder = next(r for r in self.slots if r not in set(step_ids))
-            free = [self.slots.pop(holder)]
-        self.slots[request_id] = free[0]
-        row = first_slot_row + free[0]
-        for name, (rows, _positions) in edits.items():
-            if name in self.targets:  # (else on another pipeline stage)
-                self.targets[name].write_edit(row, rows)
-        return row
-
-    def executed(self) -> None:
-        """After the forward: the kept rows to host memory, per request, with numpy over the
-        step's rows and Python only for requests that kept rows or did not follow on."""
-        step = self.step
-        if step is None:
-            return
-        kept = self._kept_rows(step)
-        num_run = step.counts
-        running = num_run > 0  # (reduceat would read one row for an empty segment)
-        kept_per_request = np.zeros(len(num_run), dtype=np.int64)
-        if running.any():
-            kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), step.starts[:-1][running])
-        kept_rows = np.flatnonzero(kept)
-        file, host_rows = self._rows_to_host(kept_rows) if kept_rows.size else (None, {})
-        next_position = self.request_table.next_position
-        expected = next_position[step.entries]
-        next_position[step.entries[running]] = (step.first_positions + num_run)[running]
-        offsets = np.cumsum(kept_per_request) - kept_per_request
-        for i in np.flatnonzero(running & ((kept_per_request > 0) | (step.first_positions != expected))):
-            start, end = int(offsets[i]), int(offsets[i] + kept_per_request[i])
-            chunk = _RowChunk(host_rows, start, end, step.row_positions[kept_rows[start:end]], file)
-            self._accumulate(step.request_ids[i], int(expected[i]), int(step.first_positions[i]), chunk)
-
-    def finish(self) -> None:
-        self.first_positions = None
-        self.step = None
-
-    def _kept_rows(self, step: _StepLayout) -> np.ndarray:
-        """Boolean mask over the step's rows: which ones their request keeps."""
-        first = self.request_table.kept_first[step.entries]
-        last = self.request_table.kept_last[step.entries]
-        positions = step.row_positions
-        kept = (positions >= np.repeat(first, step.counts)) & (positions <= np.repeat(last, step.counts))
-        for i in np.flatnonzero(first < 0):  # requests keeping a list of positions
-            rows = slice(step.starts[i], step.starts[i + 1])
-            kept[rows] = np.isin(positions[rows], self.running[step.request_ids[i]].options.capture)
-        return kept
-
-    def _rows_to_host(self, kept_rows: np.ndarray) -> tuple[_RowFile | None, dict[str, torch.Tensor]]:
-        """(their row file, {hook: [len(kept_rows), width]}): the kept rows of every hook, in one region of host
-        memory. On the CPU they are gathered straight into it; on CUDA gathered on the compute stream (the next
-        forward rewrites the buffers), then copied on a side stream, which only a read waits for."""
-        num_rows = kept_rows.size
-        sizes = [-(-num_rows * buffer[0].nbytes // 64) * 64 for _name, buffer, _shape in self.sources]
-        file, region = self.shared.region(sum(sizes))
-        index = None
-        if num_rows != kept_rows[-1] + 1:  # not rows 0..n-1
-            index = torch.empty(num_rows, dtype=torch.int64, device=self.device)
-            _copy_to_device(kept_rows, index)
-        host_rows, gathered, offset = {}, {}, 0
-        for (name, buffer, _shape), size in zip(self.sources, sizes):
-            host = region[offset : offset + size].view(buffer.dtype)[: num_rows * buffer.shape[1]]
-            host_rows[name], offset = host.view(num_rows, buffer.shape[1]), offset + size
-            if self.copy_stream is None and index is None:
-                host_rows[name].copy_(buffer[:num_rows])
-            elif self.copy_stream is None:
-                torch.index_select(buffer, 0, index, out=host_rows[name])
-            else:
-                gathered[name] = buffer[:num_rows].clone() if index is None else buffer.index_select(0, index)
-        if gathered:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                for name, rows in gathered.items():
-                    host_rows[name].copy_(rows, non_blocking=True)
-                    rows.record_stream(self.copy_stream)
-        return file, host_rows
-
-    def _accumulate(self, request_id: str, expected: int, first_position: int, chunk: _RowChunk) -> None:
-        """Add one step's chunk of a request whose rows ran from first_position; expected
-        is the position its rows should have started at, had they followed on."""
-        if first_position < expected:
-            # Preempted and recomputed from first_position: drop what it kept past that point, so no row appears
-            # twice.
-            record = self.records.get(request_id)
-            chunks, record_chunks = [], record.chunks if record is not None else []
-            for held in record_chunks:
-                keep = int(np.searchsorted(held.positions, first_position))
-                if keep:
-                    chunks.append(dataclasses.replace(held, end=held.start + keep, positions=held.positions[:keep]))
-                else:
-                    self.shared.drop(held.file)
-            if record is not None:
-                record.chunks = chunks
-        elif first_position > expected:
-            request = self.running.get(request_id)
-            if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
-                self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
-        if chunk.end > chunk.start:  # (reset_batched may have dropped its record meanwhile)
-            request = self.running.get(request_id)
-            record = self.records.setdefault(request_id, self._record(request.options if request else _KEEP_ALL))
-            record.chunks.append(chunk)
-            self.shared.hold(chunk.file)
-
-    def _record(self, options: _RequestOptions) -> _RequestRows:
-        """A new record of a request's rows: of its SAEs' chosen features, none unless it chose some."""
-        return _RequestRows({**{name: 0 for name, *_ in self.sources if name.endswith(".chosen")}, **options.columns})
-
-    def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
-        """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "files", "rows": {user id:
-        message}}``, the requests' rows then freed (each id must match one captured request, or nothing is read). For a
-        driver on this host, a request's message holds ``"pieces"``, where its rows are in the row ``files`` (tokens;
-        see _map_row_file and _rows_in), one message per request, as a read of many requests of one row each costs
-        per message; else ``"encoded"``, {name: encoded rows}; and ``"columns"``, where it keeps fewer features.
-        Replicated hooks come from the first tensor-parallel rank only."""
-        reply = {"shards": self.shards(), "hooks": [], "files": [], "rows": {}}
-        if self.config.sink_dir is not None:
-            raise RuntimeError(
-                f"read_batched: this engine writes captured rows to its sink_dir {self.config.sink_dir}: "
-                "call flush_sink(llm), which returns them as a CaptureDataset"
-            )
-        if not self.hook_names:  # a pipeline rank that holds none of the hooks
-            return reply
-        first_rank = _parallel_ranks()[0] == 0
-        sources = [source for source in self.sources if first_rank or source[0] in reply["shards"]]
-        matches = _match_request_ids(request_ids, self.held_request_ids(), self.read_ids)
-        for user_id, worker_id in matches.items():
-            if worker_id in self.incomplete:
-                raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
-        self._wait_for_copies()
-        reply["hooks"] = [[name, list(shape), _dtype_name(buffer.dtype)] for name, buffer, shape in sources]
-        widths = np.array([buffer.shape[1] for _name, buffer, _shape in sources], dtype=np.int64)
-        same_host, files, firsts = driver_host == socket.gethostname(), {}, {}  # firsts: per step, see below
-        for user_id, worker_id in matches.items():
-            record = self.records.pop(worker_id)
-            self.read_ids.update(dict.fromkeys((worker_id, _VLLM_SUFFIX.sub("", worker_id))))
-            while len(self.read_ids) > 2 * _READ_KEPT:
-                self.read_ids.popitem(last=False)
-            message = reply["rows"][user_id] = {"columns": record.columns} if record.columns else {}
-            if same_host and None not in record.files:
-                pieces = message["pieces"] = []
-                for chunk in record.chunks:
-                    step_rows = chunk.step_rows
-                    if id(step_rows) not in firsts:  # the element offset of each source's rows of that step in file
-                        base = chunk.file.pages.data_ptr()
-                        firsts[id(step_rows)] = np.array(
-                            [
-                                (step_rows[name].data_ptr() - base) // buffer.element_size()
-                                for name, buffer, _ in sources
-                            ],
-                            dtype=np.int64,
-                        )
-                    first = firsts[id(step_rows)] + chunk.start * widths
-                    pieces.append([files.setdefault(chunk.file, len(files)), chunk.end - chunk.start, *first.tolist()])
-            else:
-                encoded = message["encoded"] = {}
-                num_rows = sum(chunk.end - chunk.start for chunk in record.chunks)
-                for name, buffer, row_shape in sources:
-                    shape, kept = [num_rows, *row_shape], record.rows(name)
-                    rows = torch.cat(kept).view(shape) if kept else torch.empty(shape, dtype=buffer.dtype)
-                    encoded[name] = encode_tensor(rows)
-            self.release(record.files)
-        reply["files"] = self.shared.lend(list(files))
-        return reply
-
-    def flush_sink(self) -> dict[str, Any] | None:
-        if self.sink is None:
-            raise RuntimeError("flush_sink: this engine has no sink: configure(..., sink_dir=directory)")
-        return self.sink.flush()
-
-
-_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what vLLM adds to a user's request id
-_READ_KEPT = 1 << 16  # requests whose ids a worker keeps once read (see _Batched.read_ids)
-
-
-def _match_request_ids(user_ids: list[str], worker_ids: list[str], read: dict[str, None]) -> dict[str, str]:
-    """Join the user's ids to the worker's, which may carry a ``-{8 hex}`` suffix; KeyError for an id that matches
-    none (saying so if it is among the ``read`` ids) or several. Messages name ids as the user gives them, vLLM's
-    only where they alone tell two requests apart."""
-    by_user_id: dict[str, list[str]] = {}
-    for worker_id in worker_ids:
-        by_user_id.setdefault(worker_id, []).append(worker_id)
-        if _VLLM_SUFFIX.search(worker_id):
-            by_user_id.setdefault(_VLLM_SUFFIX.sub("", worker_id), []).append(worker_id)
-    matches = {}
-    for user_id in user_ids:
-        found = by_user_id.get(user_id, [])
-        if not found and user_id in read:
-            raise KeyError(f"read_batched: id {user_id!r}: already read: a request's rows are handed over once")
-        if len(found) > 1:
-            raise KeyError(
-                f"read_batched: id {user_id!r} matches several captured requests, the id given again before their "
-                f"rows were read: read each by vLLM's id, one of {found}"
-            )
-        if not found:
-            unread = sorted({_VLLM_SUFFIX.sub("", worker_id) for worker_id in worker_ids})
-            raise KeyError(
-                f"read_batched: id {user_id!r} matches no captured request; unread: {unread[:10]}"
-                + (f" and {len(unread) - 10} more" if len(unread) > 10 else "")
-                + " (a request with capture='none' keeps no rows, and reset_batched drops unread ones)"
-            )
-        matches[user_id] = found[0]
-    return matches
-
-
-def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
-    source = torch.from_numpy(array)
-    if target.device.type == "cuda":
-        source = source.pin_memory()  # the copy is queued; pinned memory outlives it
-    target.copy_(source, non_blocking=True)
-
-
-# ---------------------------------------------------------------------------
 # Worker calls. Mixed into vLLM's worker by worker_extension_cls and reached through llm.collective_rpc("tl_call");
 # arguments and results are msgpack values.
 # ---------------------------------------------------------------------------
@@ -3234,8 +3361,8 @@ def __getattr__(name: str) -> Any:
         # point to register it: it registers here.
         register()
         return _WorkerExtension
-    if name in ("CaptureDataset", "flush_sink", "serve", "tiny_model", "main"):
-        return getattr(_tools(), name)
+    if name in ("CaptureDataset", "serve", "tiny_model", "main"):
+        return _companion(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -3243,7 +3370,7 @@ def __getattr__(name: str) -> Any:
 # Driver helpers: a user's script calls these with its engine, an offline LLM or an AsyncLLM (whose collective_rpc
 # is a coroutine). Each is written once, as a generator that yields (worker method, args) and is sent the workers'
 # results; @_driver_helper runs it at once on an LLM, or returns an awaitable that runs it on an AsyncLLM. Results
-# come back as torch tensors keyed by hook name.
+# come back as torch tensors keyed by hook name; join_ranks joins what tensor-parallel ranks send.
 # ---------------------------------------------------------------------------
 
 
@@ -3253,7 +3380,7 @@ def _driver_helper(steps: Any) -> Any:
 
     @functools.wraps(steps)
     def helper(engine: Any, *args: Any) -> Any:
-        extension = getattr(engine, "llm_engine", engine).vllm_config.parallel_config.worker_extension_cls
+        extension = _worker_extension_of(engine)
         if extension != WORKER_EXTENSION:
             raise RuntimeError(
                 f"tl_vllm_hooks: the engine's worker_extension_cls is {extension!r}; build it with "
@@ -3312,9 +3439,10 @@ def status(engine: Any) -> dict[str, Any]:
     }
 
 
-def _join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    """One tensor per hook from each rank's (shards, {hook_name: rows}): a replicated hook
-    whole, a split one (attn_z, mlp_post) joined in order along a row's first dimension."""
+def join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """One tensor per hook from each tensor-parallel rank's (shards, {hook_name: [rows, *row shape]}), shards giving
+    where the rank's part of each split hook starts in a row's first dimension (a sink header's ``shards``): a
+    replicated hook whole (the first rank's), a split one (attn_z, mlp_post) joined in order along that dimension."""
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for shards, rows in per_rank:
         for name, tensor in rows.items():
@@ -3337,7 +3465,7 @@ def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
     rows as SITES says, whole under tensor parallelism. num_rows: the prompt's tokens; the
     prompt must fit one forward (``<= max_num_batched_tokens``)."""
     replies = yield "read_captures", (num_rows,)
-    return _join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
+    return join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
 
 
 def _edits_to_wire(edits: Any) -> dict[str, Any]:
@@ -3433,7 +3561,22 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
     if len(per_rank) == 1:  # nothing to join
         return per_rank[0][1]
     read = {request_id for _shards, rows in per_rank for request_id in rows}
-    return {r: _join_ranks([(shards, rows.get(r, {})) for shards, rows in per_rank]) for r in read}
+    return {r: join_ranks([(shards, rows.get(r, {})) for shards, rows in per_rank]) for r in read}
+
+
+@_driver_helper
+def flush_sink(engine: Any) -> Any:
+    """Write every request that ran to the engine's ``sink_dir``, close the open shards, and return the directory's
+    ``CaptureDataset``. Call it once ``generate`` has returned (vLLM tells its workers that a request finished only
+    at their next step). RuntimeError if a write failed (disk full, directory removed), naming the file and the
+    requests not written; the shards the manifests list stay whole and readable."""
+    if _has_unfinished_requests(engine):
+        raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
+    writers = [reply for reply in (yield "flush_sink", ()) if reply is not None]
+    failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
+    if failures:
+        raise RuntimeError("flush_sink: " + " | ".join(failures))
+    return _companion("CaptureDataset")(writers[0]["directory"])
 
 
 @_driver_helper
@@ -3467,4 +3610,4 @@ def remove_hooks(engine: Any) -> None:
 if __name__ == "__main__":
     # The command line is the companion's; it imports this file as tl_vllm_hooks, whose WORKER_EXTENSION and
     # registration state are the ones vLLM's workers see.
-    sys.exit(_tools().main())
+    sys.exit(_companion("main")())

@@ -45,31 +45,28 @@ import numpy as np
 import torch
 
 from tl_vllm_hooks import (
-    _FAMILIES,
-    _FLOAT_DTYPES,
-    _REFUSED,
-    _SAE_SITES,
-    _SAE_WEIGHTS,
-    _VLLM_SUFFIX,
+    CAPTURE_DTYPES,
+    FAMILIES,
+    REFUSED,
     SAE_FEATURES,
+    SAE_SITES,
+    SAE_WEIGHTS,
     SITES,
     CaptureConfig,
+    SAESpec,
     __version__,
-    _driver_helper,
-    _dtype_name,
-    _family_sites,
-    _int_at_least,
-    _join_ranks,
-    _parallel_ranks,
-    _parse_hook_name,
-    _SAESpec,
     capture_specs,
     configure,
+    flush_sink,
+    join_ranks,
+    model_sites,
     open_capture,
+    parse_hook_name,
     read_captures,
     request_args,
     reset_edits,
     set_edits,
+    user_request_id,
 )
 
 __all__ = [
@@ -100,6 +97,10 @@ logger = logging.getLogger("tl_vllm_hooks")
 _MANIFEST_FORMAT = "tl_vllm_hooks.sink/1"
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int32": "I32"}
 _SINK_QUEUE_BYTES = 1 << 30  # finished requests' rows waiting to be written, at most (but one)
+
+
+def _torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _header_room(shard_bytes: int) -> int:
@@ -145,7 +146,7 @@ def sink_header(config: CaptureConfig) -> dict[str, Any]:
     hooks = {name: list(config.row_shape(name)) for name in config.capture_specs}
     for name in config.saes:
         hooks.update({source: list(shape) for source, shape in config.feature_rows(name).items()})
-    return {"format": _MANIFEST_FORMAT, "dtype": _dtype_name(config.dtype), "hooks": hooks}
+    return {"format": _MANIFEST_FORMAT, "dtype": _torch_dtype_name(config.dtype), "hooks": hooks}
 
 
 def check_sink_dir(config: CaptureConfig) -> None:
@@ -184,21 +185,20 @@ def check_sink_dir(config: CaptureConfig) -> None:
 
 
 class RankSink:
-    """A batched worker's part of the sink: the first tensor-parallel rank of each pipeline
-    stage writes its stage's hooks, the other ranks only their parts of split ones, each
+    """A batched worker's part of the sink: each rank of each pipeline stage writes the rows it sends (the flavour's
+    sent_sources: the first tensor-parallel rank its stage's hooks, the other ranks their parts of split ones), each
     through a ShardWriter of its own (none where a rank writes nothing)."""
 
     def __init__(self, state: Any, worker: Any):
         self.state = state
-        tensor_rank, _size, stage = _parallel_ranks()
         shards = state.shards()
-        self.sources = [(name, shape) for name, _buffer, shape in state.sources if tensor_rank == 0 or name in shards]
+        self.sources = [(source.name, source.row_shape) for source in state.sent_sources]
         # Row files holding rows the writer thread has written, one entry per chunk: the steps may fill them again.
         self.written: collections.deque = collections.deque()
         self.hooks = [name for name, _shape in self.sources]
         self.writer: ShardWriter | None = None
         if self.hooks:
-            writer, config = f"pp{stage}-tp{tensor_rank}", state.config
+            writer, config = f"pp{state.ranks.stage}-tp{state.ranks.tensor_rank}", state.config
             header = {
                 **sink_header(config),
                 "writer": writer,
@@ -454,7 +454,7 @@ class ShardWriter:
             width = math.prod(shape[1:])  # (chunks are [rows, width]; of features, maybe wider than kept)
             chunks = [chunk if chunk.shape[1] == width else chunk[:, :width].contiguous() for chunk in chunks]
             self.data_bytes += _write_rows(self.fd, chunks)
-            dtype = _SAFETENSORS_DTYPES[_dtype_name(chunks[0].dtype)] if chunks else self.dtype
+            dtype = _SAFETENSORS_DTYPES[_torch_dtype_name(chunks[0].dtype)] if chunks else self.dtype
             self.tensors[keys[name]] = {"dtype": dtype, "shape": shape, "data_offsets": [start, self.data_bytes]}
         self.header_bytes += needed
         self.requests[request_id] = {**entry, "tensors": keys}
@@ -567,7 +567,7 @@ class CaptureDataset:
         self.request_ids = [request_id for request_id in self._writers[0][1] if request_id in self._whole]
         self._by_user_id: dict[str, list[str]] = {}  # several, where engines run into one directory gave one id
         for request_id in self.request_ids:
-            self._by_user_id.setdefault(_VLLM_SUFFIX.sub("", request_id), []).append(request_id)
+            self._by_user_id.setdefault(user_request_id(request_id), []).append(request_id)
         self._shard_headers: dict[str, dict[str, Any]] = {}
 
     @classmethod
@@ -639,7 +639,7 @@ class CaptureDataset:
                 start, end = (listed["__data_start__"] + offset for offset in tensor["data_offsets"])
                 rows[name] = torch.from_numpy(mapped[start:end]).view(self._dtype_of(name)).view(tensor["shape"])
             per_writer.append((header["shards"], rows))
-        return _join_ranks(per_writer)
+        return join_ranks(per_writer)
 
     def _shard_header(self, shard: str) -> dict[str, Any]:
         """The shard's safetensors header, checked against the file and the dataset's dtype."""
@@ -657,7 +657,7 @@ class CaptureDataset:
             for key, tensor in header.items():
                 start, end = tensor["data_offsets"]
                 dtype = self._dtype_of(key)
-                code, item = _SAFETENSORS_DTYPES[_dtype_name(dtype)], dtype.itemsize
+                code, item = _SAFETENSORS_DTYPES[_torch_dtype_name(dtype)], dtype.itemsize
                 if tensor["dtype"] != code or end - start != math.prod(tensor["shape"]) * item or end > data_bytes:
                     raise ValueError(f"{shard}: tensor {key!r} ({tensor}) does not fit the shard or its {code} dtype")
             self._shard_headers[shard] = {**header, "__data_start__": 8 + length}
@@ -668,21 +668,6 @@ class CaptureDataset:
         return torch.int32 if name.endswith(SAE_FEATURES + ".indices") else self.dtype
 
 
-@_driver_helper
-def flush_sink(engine: Any) -> Any:
-    """Write every request that ran to the engine's ``sink_dir``, close the open shards, and return the directory's
-    ``CaptureDataset``. Call it once ``generate`` has returned (vLLM tells its workers that a request finished only
-    at their next step). RuntimeError if a write failed (disk full, directory removed), naming the file and the
-    requests not written; the shards the manifests list stay whole and readable."""
-    if getattr(engine, "llm_engine", engine).output_processor.has_unfinished_requests():
-        raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
-    writers = [reply for reply in (yield "flush_sink", ()) if reply is not None]
-    failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
-    if failures:
-        raise RuntimeError("flush_sink: " + " | ".join(failures))
-    return CaptureDataset(writers[0]["directory"])
-
-
 # ---------------------------------------------------------------------------
 # SAELens's files. configure(..., saes=...) reads each SAE's cfg.json and the header of its weights file here, in
 # the driver and again in each worker, and checks them against the hook before anything runs; the core encodes and
@@ -690,15 +675,15 @@ def flush_sink(engine: Any) -> Any:
 # ---------------------------------------------------------------------------
 
 
-def read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
+def read_sae(name: Any, directory: Any, config: CaptureConfig) -> SAESpec:
     """One ``saes`` entry as its files describe it, checked against them and the config; ValueError naming the
     problem."""
     where = f"saes[{name!r}]"
-    site = (_parse_hook_name(name) if isinstance(name, str) else None) or (None,)
-    if site[0] not in _SAE_SITES:
+    site = (parse_hook_name(name) if isinstance(name, str) else None) or (None,)
+    if site[0] not in SAE_SITES:
         raise ValueError(
             f"{where}: an SAE reads a TransformerLens hook whose rows this module can edit, one of "
-            f"{[SITES[s] for s in _SAE_SITES]}; got {name!r}"
+            f"{[SITES[s] for s in SAE_SITES]}; got {name!r}"
         )
     if not isinstance(directory, str) or not os.path.isdir(directory):
         raise ValueError(
@@ -712,9 +697,9 @@ def read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
     except (OSError, ValueError) as error:
         raise ValueError(f"{where}: {directory}/cfg.json: {error}") from None
     architecture = cfg.get("architecture", "standard")
-    if architecture not in _SAE_WEIGHTS:
+    if architecture not in SAE_WEIGHTS:
         raise ValueError(
-            f"{where}: architecture {architecture!r} is not implemented here; implemented: {list(_SAE_WEIGHTS)}"
+            f"{where}: architecture {architecture!r} is not implemented here; implemented: {list(SAE_WEIGHTS)}"
         )
     # (SAELens before 6 wrote normalize_activations as a bool, the hook name at the top level, as hook_point too)
     implemented = {  # key -> (values implemented, as said)
@@ -737,7 +722,8 @@ def read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
     transcoder = "transcoder" in architecture
     d_in, d_sae, k = cfg.get("d_in"), cfg.get("d_sae"), cfg.get("k")
     d_out = cfg.get("d_out") if transcoder else d_in
-    if not all(_int_at_least(size, 1) for size in (d_in, d_sae, d_out, k if architecture == "topk" else 1)):
+    sizes = (d_in, d_sae, d_out, k if architecture == "topk" else 1)
+    if not all(isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in sizes):
         raise ValueError(
             f"{where}: {directory}/cfg.json must give d_in and d_sae (d_out for a transcoder, k for topk) as positive "
             "ints"
@@ -770,14 +756,14 @@ def read_sae(name: Any, directory: Any, config: CaptureConfig) -> _SAESpec:
             found = {key: weights.get_slice(key).get_shape() for key in weights.keys()}
     except Exception as error:  # a missing or damaged file: safetensors' own error types differ by version
         raise ValueError(f"{where}: {path} is not a readable safetensors file ({error})") from None
-    for key in _SAE_WEIGHTS[architecture]:
+    for key in SAE_WEIGHTS[architecture]:
         if found.get(key) != shapes[key]:
             raise ValueError(
                 f"{where}: {path} must hold {key} of shape {shapes[key]} (d_in {d_in}, d_sae {d_sae}, d_out {d_out}), "
                 f"found {found.get(key, 'none')}"
             )
     apply_b_dec = bool(cfg.get("apply_b_dec_to_input", not transcoder))
-    return _SAESpec(directory, architecture, d_in, d_sae, apply_b_dec, k, writes, d_out)
+    return SAESpec(directory, architecture, d_in, d_sae, apply_b_dec, k, writes, d_out)
 
 
 # ---------------------------------------------------------------------------
@@ -796,7 +782,7 @@ _TINY_SHAPE = dict(  # tiny_model's common shape, as each family's config names 
 )
 
 
-# Each record's tiny test model, by record name. A record (tl_vllm_hooks._FAMILIES) holds its family's facts; the
+# Each record's tiny test model, by record name. A record (tl_vllm_hooks.FAMILIES) holds its family's facts; the
 # model tiny_model builds for it is here: the settings beside _TINY_SHAPE that give each part of the record something
 # to act on (grouped queries, experts, sliding windows, shared layers, ...). A multimodal checkpoint's is its text
 # family's, with the smallest towers its config takes, the checkpoint's special tokens and its processor's files, so
@@ -1158,9 +1144,9 @@ def tiny_config(family: str) -> Any:
     """The transformers config of ``family``'s tiny model (see tiny_model), without weights."""
     import transformers
 
-    if family not in _FAMILIES:
-        raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(_FAMILIES)}")
-    record, tiny = _FAMILIES[family], _TINY_MODELS[family]
+    if family not in FAMILIES:
+        raise ValueError(f"tiny_model: family {family!r} is not one of {sorted(FAMILIES)}")
+    record, tiny = FAMILIES[family], _TINY_MODELS[family]
     config_class = getattr(transformers, record.hf_class or record.architecture).config_class
     if record.text_classes:  # a multimodal checkpoint's: the text model takes the common shape
         text = dict(tiny.config.get("text_config") or {})
@@ -1271,7 +1257,7 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     import transformers
 
     config = tiny_config(family)
-    record, tiny = _FAMILIES[family], _TINY_MODELS[family]
+    record, tiny = FAMILIES[family], _TINY_MODELS[family]
     torch.manual_seed(zlib.crc32(family.encode()))
     model_class = getattr(transformers, record.hf_class or record.architecture)
     model = model_class(config).to(torch.float32).eval()
@@ -1304,12 +1290,12 @@ def families_markdown() -> str:
     Llama's, each family by name and architecture (with vLLM's class where it differs, and a multimodal checkpoint's
     text model), the reasons for sites not placed numbered once, on one line below; then the refused architectures,
     one table row per reason."""
-    default = _family_sites(_FAMILIES["llama"], tiny_config("llama"))
+    default = model_sites(tiny_config("llama"))
     short = {site: SITES[site].removeprefix("blocks.{i}.") for site in SITES}
     notes: dict[str, int] = {}  # reason -> its number
     groups: dict[str, list[str]] = {}  # sites beside Llama's -> its families, in the records' order
-    for name, record in _FAMILIES.items():
-        sites = _family_sites(record, tiny_config(name).get_text_config())
+    for name, record in FAMILIES.items():
+        sites = model_sites(tiny_config(name))
         also = [short[site] for site in sites if site not in default]
         lacks = [short[site] for site in default if site not in sites and site not in record.refused]
         cells = ([f"also {', '.join(also)}"] if also else []) + ([f"not {', '.join(lacks)}"] if lacks else [])
@@ -1326,11 +1312,11 @@ def families_markdown() -> str:
         family = f"{name} `{record.architecture}`" + (f" ({'; '.join(runs)})" if runs else "")
         groups.setdefault("; ".join(cells) or "Llama's sites", []).append(family)
     reasons: dict[str, list[str]] = {}
-    for architecture, why in _REFUSED.items():
+    for architecture, why in REFUSED.items():
         reasons.setdefault(why, []).append(f"`{architecture}`")
     return "\n".join(
         [
-            f"{len(_FAMILIES)} families supported, each compared with TransformerLens in CI, grouped by their sites "
+            f"{len(FAMILIES)} families supported, each compared with TransformerLens in CI, grouped by their sites "
             "beside Llama's; each as its name and architecture (vLLM's class where it is another; a multimodal "
             "checkpoint's text model and where it sits). Llama's sites (those of each layer named without "
             "`blocks.{i}.`):",
@@ -1340,7 +1326,7 @@ def families_markdown() -> str:
             "",
             " ".join(f"[{number}] {why}." for why, number in notes.items()),
             "",
-            f"{len(_REFUSED)} architectures refused, each for the reason measured here:",
+            f"{len(REFUSED)} architectures refused, each for the reason measured here:",
             "",
             "| why | architectures |",
             "|---|---|",
@@ -1761,7 +1747,7 @@ def _capture_into(args: argparse.Namespace) -> int:
 
 
 def _user_ids(dataset: CaptureDataset) -> set[str]:
-    return {_VLLM_SUFFIX.sub("", request_id) for request_id in dataset}
+    return set(map(user_request_id, dataset))
 
 
 def _finished_dataset(model: str, directory: str, prompts: Callable[[set[str]], Any]) -> CaptureDataset | None:
@@ -1813,7 +1799,7 @@ def _compare(args: argparse.Namespace) -> int:
             worst[name] = (max(worst[name][0], float(difference.max())), max(worst[name][1], relative))
         logger.info("compared request %d/%d", index, len(dataset))
     print(
-        f"{dataset.directory} ({_dtype_name(dataset.dtype)}, vLLM {dataset.versions['vllm']}) vs TransformerLens "
+        f"{dataset.directory} ({_torch_dtype_name(dataset.dtype)}, vLLM {dataset.versions['vllm']}) vs TransformerLens "
         f"fp32, {len(dataset)} requests; tolerance {args.tolerance:g} (relative L2)"
     )
     print(f"{'hook':28} {'max abs err':>12} {'rel L2 err':>11}")
@@ -1870,7 +1856,7 @@ def main(argv: list[str] | None = None) -> int:
     hooks.add_argument(
         "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list of layers (None: every layer)"
     )
-    hooks.add_argument("--dtype", default="float32", choices=_FLOAT_DTYPES, help="the engine's and the rows'")
+    hooks.add_argument("--dtype", default="float32", choices=CAPTURE_DTYPES, help="the engine's and the rows'")
     hooks.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="tokens per forward, and the capture buffers' rows"
     )

@@ -25,7 +25,7 @@ import tl_vllm_hooks as tlh
 import tl_vllm_hooks_tools as tools
 
 PROMPT = [(7 * i + 3) % 512 for i in range(40)]
-FAMILIES = tuple(tlh._FAMILIES)  # every family a record describes
+FAMILIES = tuple(tlh.FAMILIES)  # every family a record describes
 
 
 def transformer_lens_rows(bridge, names, edits):
