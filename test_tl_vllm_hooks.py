@@ -184,9 +184,11 @@ class Model:
     4.3's bridge on a copy of it (booted on first use; the bridge rewires the module
     it is given)."""
 
-    def __init__(self, family: str, path: Path):
+    def __init__(self, family: str, path: Path, hf_model=None):
+        """hf_model: the transformers model saved at path (default: the family's tiny model, built there)."""
         self.family, self.path = family, path
-        self.hf = tlh.tiny_model(str(path), family)
+        self.hf = tlh.tiny_model(str(path), family) if hf_model is None else hf_model
+        self.routing = {"choices": 0, "followed": 0, "gap": 0.0}  # (see reference's routes)
         # An engine in this process running vLLM's Transformers backend decorates
         # transformers' model classes for torch.compile; these instances (and the
         # bridge's copy) predate it and run transformers' own forward.
@@ -240,13 +242,21 @@ class Model:
             return tuple(site for site in CLASSIC_SITES if site in TRANSFORMERS_TAPS.get(self.family, {}))
         return tuple(site for site in self.sites if site in CLASSIC_SITES)
 
-    def reference(self, token_ids, names, edits=None, **inputs):
+    def reference(self, token_ids, names, edits=None, routes=None, **inputs):
         """{hook_name: [len(token_ids), *row shape]} from TransformerLens's run_with_hooks,
         each edit applied at its hook and carried downstream as TransformerLens carries it;
-        inputs: the forward's other inputs (a multimodal checkpoint's pixel_values)."""
+        inputs: the forward's other inputs (a multimodal checkpoint's pixel_values).
+
+        routes: {layer: (indices [len(token_ids), top_k], weights [len(token_ids), experts])}, a
+        bf16 engine's routing (scripts/gpu_families.py). Where TransformerLens chooses other
+        experts, or the same in another order, it follows the engine's, weights included;
+        ``routing`` counts those tokens and keeps the widest router-logit gap between the experts
+        swapped, rank by rank, which must be a near-tie (bf16 rounding), never a disagreement."""
         bridge = self.bridge
         edits = edits or {}
         captured = {}
+        following = [hook for layer, (indices, weights) in (routes or {}).items()
+                     for hook in self._follow(layer, indices, weights)]
 
         def make_hook(name):
             def hook(tensor, hook):
@@ -261,8 +271,40 @@ class Model:
 
         hooked = list(dict.fromkeys([*names, *edits]))  # an edited hook runs whether or not its rows are asked for
         with torch.no_grad():
-            bridge.run_with_hooks(torch.tensor([token_ids]), fwd_hooks=[(n, make_hook(n)) for n in hooked], **inputs)
+            bridge.run_with_hooks(torch.tensor([token_ids]), fwd_hooks=following + [(n, make_hook(n)) for n in hooked],
+                                  **inputs)
         return {name: captured[name] for name in names}
+
+    def _follow(self, layer: int, indices: torch.Tensor, weights: torch.Tensor) -> list:
+        """run_with_hooks' hooks that make layer's router follow the engine's choice (see reference). The bridge's
+        router fires its logits, then its weights scattered over the experts (whose top k it routes by, once edited),
+        then its indices."""
+        seen = {}
+
+        def logits(tensor, hook):
+            seen["logits"] = tensor.reshape(-1, tensor.shape[-1])
+
+        def follow_weights(tensor, hook):
+            rows = tensor.reshape(-1, tensor.shape[-1])
+            mine = rows.topk(indices.shape[-1], dim=-1).indices[: len(indices)]
+            where = seen["where"] = (mine != indices.to(mine.device)).any(-1)
+            self.routing["choices"] += len(where)
+            self.routing["followed"] += int(where.sum())
+            for row in where.nonzero().flatten().tolist():
+                gap = (seen["logits"][row, mine[row]] - seen["logits"][row, indices[row]]).abs().max()
+                self.routing["gap"] = max(self.routing["gap"], float(gap))
+            rows = rows.clone()
+            rows[: len(where)][where] = weights[where].to(rows.dtype)
+            return rows.view_as(tensor)
+
+        def follow_indices(tensor, hook):
+            rows = tensor.reshape(-1, tensor.shape[-1]).clone()
+            rows[: len(seen["where"])][seen["where"]] = indices[seen["where"]].to(rows.dtype)
+            return rows.view_as(tensor)
+
+        return [(f"blocks.{layer}.mlp.gate.hook_out", logits),
+                (f"blocks.{layer}.mlp.hook_expert_weights", follow_weights),
+                (f"blocks.{layer}.mlp.hook_expert_indices", follow_indices)]
 
 
 def torchvision_imports() -> bool:
