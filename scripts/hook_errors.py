@@ -14,35 +14,19 @@ transformer-lens (the test extra).
 """
 
 import argparse
-import copy
 import json
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
-import tl_vllm_hooks as tlh
-import tl_vllm_hooks_tools as tools
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import tl_vllm_hooks as tlh  # noqa: E402
+from test_tl_vllm_hooks import PROMPT, Model  # noqa: E402  (the tests' prompt and TransformerLens reference)
 
-PROMPT = [(7 * i + 3) % 512 for i in range(40)]
 FAMILIES = tuple(tlh.FAMILIES)  # every family a record describes
-
-
-def transformer_lens_rows(bridge, names, edits):
-    """{hook: [len(PROMPT), *row shape]} from run_with_hooks, with `edits` ({hook: tensor added})."""
-    captured = {}
-
-    def make_hook(name):
-        def hook(tensor, hook):
-            rows = tensor[0] + edits[name] if name in edits else tensor[0]
-            captured[name] = rows.clone()
-            return rows[None]
-
-        return hook
-
-    with torch.no_grad():
-        bridge.run_with_hooks(torch.tensor([PROMPT]), fwd_hooks=[(n, make_hook(n)) for n in names])
-    return captured
 
 
 def vllm_rows(family_dir, specs, batching, all_edits):
@@ -83,20 +67,17 @@ def placed(hf_config, site):
 
 
 def family_errors(family, directory):
-    from transformer_lens.model_bridge import TransformerBridge
-
-    hf_model = tlh.tiny_model(directory, family)
+    model = Model(family, Path(directory))
+    hf_model = model.hf
     sites = [site for site in tlh.SITES if placed(hf_model.config, site)]
     specs = tlh.capture_specs(hf_model.config, sites=sites)
-    bridge = TransformerBridge.boot_transformers(directory, hf_model=copy.deepcopy(hf_model), dtype=torch.float32,
-                                                 device="cpu")
     edits = {name: torch.linspace(-0.5, 0.5, int(torch.Size(shape).numel())).reshape(shape)
              for name, shape in tlh.capture_specs(hf_model.config, sites=sites, layers=[1]).items()}
     site_of = {tlh.SITES[site].format(i=i): site for site in sites for i in range(hf_model.config.num_hidden_layers)}
     worst = {}
     for batching in (False, True):
         for case, rows in vllm_rows(directory, specs, batching, edits):
-            expected = transformer_lens_rows(bridge, list(specs), {n: e["value"] for n, e in case.items()})
+            expected = model.reference(PROMPT, list(specs), case)
             for name in specs:
                 error = float((rows[name].double() - expected[name].double()).norm() / expected[name].double().norm())
                 worst[site_of[name]] = max(worst.get(site_of[name], 0.0), error)
