@@ -2257,16 +2257,14 @@ def _input_hooks(site: _Hook) -> None:
         hidden, residual = site.inputs_of(args, kwargs)
         row_scale, row_bias = site.edit_of(site.as_rows(hidden))
         edited = site.as_rows(hidden) * row_scale + row_bias
-        if residual is None:
-            site.steer(edited, edited)
-            site.keep(edited)
-            return _with_arguments(args, kwargs, site.tap.inputs, [site.with_rows(hidden, edited)])
-        edited_residual = site.as_rows(residual) * row_scale
-        site.steer(edited + edited_residual, edited)
-        site.keep(edited + edited_residual)
-        return _with_arguments(
-            args, kwargs, site.tap.inputs, [edited.view_as(hidden), edited_residual.view_as(residual)]
-        )
+        values, total = [site.with_rows(hidden, edited)], edited
+        if residual is not None:  # (a pair's rows are whole: with_rows is a view)
+            edited_residual = site.as_rows(residual) * row_scale
+            values.append(edited_residual.view_as(residual))
+            total = edited + edited_residual
+        site.steer(total, edited)
+        site.keep(total)
+        return _with_arguments(args, kwargs, site.tap.inputs, values)
 
     site.add(pre_hook=pre_hook)
 
@@ -2639,7 +2637,6 @@ class _RunningRequest:
     prompt_token_ids: list[int] | None  # None for prompt embeddings
 
 
-@dataclasses.dataclass
 @dataclasses.dataclass(frozen=True, eq=False)  # (compared by identity: positions is an array)
 class _RowChunk:
     """A request's rows of one step: rows [start:end] of that step's host rows by hook, sliced only when read."""
