@@ -2939,16 +2939,14 @@ class _Batched(_HookState):
         if first_position < expected:
             # Preempted and recomputed from first_position: drop what it kept past that point, so no row appears
             # twice.
-            record = self.records.get(request_id)
-            chunks, record_chunks = [], record.chunks if record is not None else []
-            for held in record_chunks:
+            record, chunks = self.records.get(request_id, _RequestRows({})), []
+            for held in record.chunks:
                 keep = int(np.searchsorted(held.positions, first_position))
                 if keep:
                     chunks.append(dataclasses.replace(held, end=held.start + keep, positions=held.positions[:keep]))
                 else:
                     self.shared.drop(held.file)
-            if record is not None:
-                record.chunks = chunks
+            record.chunks = chunks
         elif first_position > expected:
             request = self.running.get(request_id)
             if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
@@ -2999,14 +2997,8 @@ class _Batched(_HookState):
                 for chunk in record.chunks:
                     step_rows = chunk.step_rows
                     if id(step_rows) not in firsts:  # the element offset of each source's rows of that step in file
-                        base = chunk.file.pages.data_ptr()
-                        firsts[id(step_rows)] = np.array(
-                            [
-                                (step_rows[name].data_ptr() - base) // buffer.element_size()
-                                for name, buffer, _ in sources
-                            ],
-                            dtype=np.int64,
-                        )
+                        base, views = chunk.file.pages.data_ptr(), [step_rows[name] for name, *_ in sources]
+                        firsts[id(step_rows)] = np.array([(v.data_ptr() - base) // v.element_size() for v in views])
                     first = firsts[id(step_rows)] + chunk.start * widths
                     pieces.append([files.setdefault(chunk.file, len(files)), chunk.end - chunk.start, *first.tolist()])
             else:
