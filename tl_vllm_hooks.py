@@ -3165,9 +3165,7 @@ class _SharedRows:
     def _refill(self, nbytes: int) -> _RowFile | None:
         """A file with room for nbytes: an idle one emptied, else a new one (None if /dev/shm cannot hold it) sized
         to a power of two, so that steps of about this size fill it again; idle files too small for it are removed."""
-        self.filling = None
-        self._take_back()
-        for file in (idle := [f for f in self.files.values() if self._idle(f)]):
+        for file in (idle := self._idle_files()):
             if file.pages.numel() >= nbytes:
                 file.used = 0
                 return file
@@ -3197,9 +3195,6 @@ class _SharedRows:
         files = self.files.values()
         return {"files": len(files), "bytes": sum(f.pages.numel() for f in files), "created": self.created}
 
-    def _idle(self, file: _RowFile) -> bool:
-        return not file.held and not file.lent and file is not self.filling
-
     def hold(self, file: _RowFile | None) -> None:
         if file is not None:
             file.held += 1
@@ -3216,18 +3211,19 @@ class _SharedRows:
             file.lent.add(token)
         return tokens
 
-    def _take_back(self) -> None:
-        """Every lent file whose driver mapping is gone (its token's file exists, made by the driver) is no longer lent."""
-        for file in list(self.files.values()):
+    def _idle_files(self) -> list[_RowFile]:
+        """The files nothing holds, none being filled from now on, once every lent file whose driver mapping is gone
+        (its token's file exists, made by the driver) is taken back."""
+        self.filling = None
+        for file in self.files.values():
             for token in [token for token in file.lent if os.path.exists(token)]:
                 os.unlink(token)
                 file.lent.discard(token)
+        return [file for file in self.files.values() if not file.held and not file.lent]
 
     def trim(self) -> None:
         """Remove every file nothing holds (kept until then, to be filled again)."""
-        self.filling = None
-        self._take_back()
-        for file in [f for f in self.files.values() if self._idle(f)]:
+        for file in self._idle_files():
             self._remove(file)
 
     def close(self) -> None:
