@@ -2208,12 +2208,10 @@ def _output_hooks(site: _Hook) -> None:
     multiplier = float(getattr(site.state.hf_config, tap.multiplier)) if tap.multiplier else None
 
     def hook(_module, _inputs, output):
-        rows = site.as_rows(output[0] if isinstance(output, tuple) else output)
+        whole = output[0] if isinstance(output, tuple) else output
+        rows, (start, stop) = site.as_rows(whole), site.columns_of(whole)
         row_scale, row_bias = site.edit_of(rows)
-        added = output[1] if tap.bias_apart else None
-        if added is not None:
-            start, stop = site.columns_of(output[0])
-            added = added[start:stop]
+        added = output[1][start:stop] if tap.bias_apart and output[1] is not None else None
         if multiplier is not None:  # the layer adds output * multiplier: the product carries the edit
             rows.mul_(row_scale).add_(row_bias / multiplier)
             site.steer(rows * multiplier, rows, 1 / multiplier)
@@ -2227,8 +2225,6 @@ def _output_hooks(site: _Hook) -> None:
             site.steer(rows, rows)
             site.keep(rows)
         if tap.part == "kv":  # V is K here (vLLM loads k_proj into both): what the edit made of K, V is too
-            whole = output[0] if isinstance(output, tuple) else output
-            start, stop = site.columns_of(whole)
             whole.view(-1, whole.shape[-1])[:, stop : stop + stop - start].copy_(rows)
         return output
 
