@@ -1029,7 +1029,9 @@ def _disabled() -> bool:
 # by _RequestOptions alone.
 # ---------------------------------------------------------------------------
 
-_EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
+# op -> its (scale, bias), out = out * scale + bias: each a number, or "value" where the edit's value goes (the ops that
+# take one)
+_EDIT_OPS = {"suppress": (0, 0), "scale": ("value", 0), "add": (1, "value"), "set": (0, "value")}
 _REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
 _CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
 _NO_LAST_POSITION = np.iinfo(np.int64).max
@@ -1041,30 +1043,22 @@ def _parse_edit(edit: Any, name: str, config: CaptureConfig) -> tuple[tuple[torc
     if name.endswith(SAE_FEATURES):
         return _parse_feature_edit(edit, name, config)
     _check_edit_keys(edit, name, {"op", "value", "positions"})
-    op, row_shape = edit["op"], config.row_shape(name)
+    row_shape = config.row_shape(name)
     width = math.prod(row_shape)
     shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
     valid = f"a finite number, or finite numbers of shape {' or '.join(map(str, map(list, shapes)))}"
-    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, shapes, valid))
+    keeps, adds = _scale_and_bias(edit, name, shapes, valid)
     scale_row = torch.zeros(width, dtype=torch.float64).add_(keeps)
     bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
     return (scale_row, bias_row), _edit_positions(edit, name)
 
 
-_EDIT_FORM = {  # op -> (scale, bias) of its value
-    "suppress": lambda _value: (0, 0),
-    "scale": lambda value: (value, 0),
-    "add": lambda value: (1, value),
-    "set": lambda value: (0, value),
-}
-
-
-def _edit_value(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> torch.Tensor:
-    """An edit's value, float64 [the first shape's elements] (zeros for an op that takes none): one number for every
-    element, or finite numbers of one of ``shapes``; ValueError saying ``valid`` otherwise."""
-    width = math.prod(shapes[0])
-    if not _EDIT_OPS[edit["op"]]:
-        return torch.zeros(width, dtype=torch.float64)
+def _scale_and_bias(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> tuple:
+    """An edit's (scale, bias) as its op says (see _EDIT_OPS), its value float64 [the first shape's elements]: one
+    number for every element, or finite numbers of one of ``shapes``; ValueError saying ``valid`` otherwise."""
+    form, width = _EDIT_OPS[edit["op"]], math.prod(shapes[0])
+    if "value" not in form:
+        return form
     raw = edit["value"]
     try:
         if _holds_bool(raw):
@@ -1079,7 +1073,7 @@ def _edit_value(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], 
     value = vector.reshape(width)
     if not torch.isfinite(value).all():
         raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
-    return value
+    return tuple(value if part == "value" else part for part in form)
 
 
 def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
@@ -1092,8 +1086,9 @@ def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
     op = edit["op"]
     if op not in _EDIT_OPS:
         raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
-    if _EDIT_OPS[op] != ("value" in edit):
-        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if _EDIT_OPS[op] else 'takes no'} 'value'")
+    takes_value = "value" in _EDIT_OPS[op]
+    if takes_value != ("value" in edit):
+        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if takes_value else 'takes no'} 'value'")
 
 
 def _edit_positions(edit: dict[str, Any], name: str) -> list[int] | None:
@@ -2477,14 +2472,14 @@ def _parse_feature_edit(
     rows: the features (int64), and each one's new activation as old * scale + bias (float64), each
     [_FEATURE_EDITS], padded with feature 0 left as it is."""
     _check_edit_keys(edit, name, {"op", "features", "value", "positions"})
-    d_sae, op, features = config.sae(name.removesuffix(SAE_FEATURES)).d_sae, edit["op"], edit.get("features")
+    d_sae, features = config.sae(name.removesuffix(SAE_FEATURES)).d_sae, edit.get("features")
     if not _lists_features(features, 1, _FEATURE_EDITS, d_sae):
         raise ValueError(
             f"edits[{name!r}]: 'features' must list 1 to {_FEATURE_EDITS} distinct feature indices in [0, {d_sae}) "
             f"(d_sae), got {features!r:.200}"
         )
     valid = f"a finite number or a list of {len(features)}, one per feature"
-    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, [(len(features),)], valid))
+    keeps, adds = _scale_and_bias(edit, name, [(len(features),)], valid)
     rows = _identity_rows(name, _FEATURE_EDITS)
     rows[0][: len(features)] = torch.tensor(features)
     rows[1][: len(features)], rows[2][: len(features)] = keeps, adds
