@@ -2777,14 +2777,13 @@ class _Batched(_HookState):
 
     def schedule(self, step: _Step) -> None:
         """Read the step's new requests' options and every request's first position."""
-        finished, new, first_positions = step.finished, step.new, step.first_positions
         if self.sink is not None:
-            self.sink.write(finished)
-        for request_id in finished:
+            self.sink.write(step.finished)
+        for request_id in step.finished:
             self.running.pop(request_id, None)
             self.request_table.remove(request_id)
             self.slots.pop(request_id, None)
-        for request_id, prompt_len, prompt_token_ids, extra_args, first_position in new:
+        for request_id, prompt_len, prompt_token_ids, extra_args, first_position in step.new:
             options, problem = _worker_options(extra_args, self)
             if problem is not None:
                 self.incomplete[request_id] = problem
@@ -2792,8 +2791,8 @@ class _Batched(_HookState):
             self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.slot_tables))
             if options.keeps_any(0, _NO_LAST_POSITION, prompt_len):
                 self.records.setdefault(request_id, self._record(options))  # read_batched knows it from now on
-            first_positions[request_id] = first_position
-        self.first_positions = first_positions
+            step.first_positions[request_id] = first_position
+        self.first_positions = step.first_positions
         self.capture_flags.zero_()  # this step's forward writes its rows
 
     def prepared(self) -> None:
