@@ -1029,7 +1029,9 @@ def _disabled() -> bool:
 # by _RequestOptions alone.
 # ---------------------------------------------------------------------------
 
-_EDIT_OPS = {"suppress": False, "scale": True, "add": True, "set": True}  # op -> takes a value
+# op -> its (scale, bias), out = out * scale + bias: each a number, or "value" where the edit's value goes (the ops that
+# take one)
+_EDIT_OPS = {"suppress": (0, 0), "scale": ("value", 0), "add": (1, "value"), "set": (0, "value")}
 _REQUEST_KEY = "tl_vllm_hooks"  # in SamplingParams.extra_args, see request_args
 _CAPTURE_MODES = ("all", "prompt", "last_prompt_token", "none")
 _NO_LAST_POSITION = np.iinfo(np.int64).max
@@ -1041,30 +1043,22 @@ def _parse_edit(edit: Any, name: str, config: CaptureConfig) -> tuple[tuple[torc
     if name.endswith(SAE_FEATURES):
         return _parse_feature_edit(edit, name, config)
     _check_edit_keys(edit, name, {"op", "value", "positions"})
-    op, row_shape = edit["op"], config.row_shape(name)
+    row_shape = config.row_shape(name)
     width = math.prod(row_shape)
     shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
     valid = f"a finite number, or finite numbers of shape {' or '.join(map(str, map(list, shapes)))}"
-    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, shapes, valid))
+    keeps, adds = _scale_and_bias(edit, name, shapes, valid)
     scale_row = torch.zeros(width, dtype=torch.float64).add_(keeps)
     bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
     return (scale_row, bias_row), _edit_positions(edit, name)
 
 
-_EDIT_FORM = {  # op -> (scale, bias) of its value
-    "suppress": lambda _value: (0, 0),
-    "scale": lambda value: (value, 0),
-    "add": lambda value: (1, value),
-    "set": lambda value: (0, value),
-}
-
-
-def _edit_value(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> torch.Tensor:
-    """An edit's value, float64 [the first shape's elements] (zeros for an op that takes none): one number for every
-    element, or finite numbers of one of ``shapes``; ValueError saying ``valid`` otherwise."""
-    width = math.prod(shapes[0])
-    if not _EDIT_OPS[edit["op"]]:
-        return torch.zeros(width, dtype=torch.float64)
+def _scale_and_bias(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> tuple:
+    """An edit's (scale, bias) as its op says (see _EDIT_OPS), its value float64 [the first shape's elements]: one
+    number for every element, or finite numbers of one of ``shapes``; ValueError saying ``valid`` otherwise."""
+    form, width = _EDIT_OPS[edit["op"]], math.prod(shapes[0])
+    if "value" not in form:
+        return form
     raw = edit["value"]
     try:
         if _holds_bool(raw):
@@ -1079,7 +1073,7 @@ def _edit_value(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], 
     value = vector.reshape(width)
     if not torch.isfinite(value).all():
         raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
-    return value
+    return tuple(value if part == "value" else part for part in form)
 
 
 def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
@@ -1092,8 +1086,9 @@ def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
     op = edit["op"]
     if op not in _EDIT_OPS:
         raise ValueError(f"edits[{name!r}]: op {op!r} is not one of {sorted(_EDIT_OPS)}")
-    if _EDIT_OPS[op] != ("value" in edit):
-        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if _EDIT_OPS[op] else 'takes no'} 'value'")
+    takes_value = "value" in _EDIT_OPS[op]
+    if takes_value != ("value" in edit):
+        raise ValueError(f"edits[{name!r}]: op {op!r} {'needs a' if takes_value else 'takes no'} 'value'")
 
 
 def _edit_positions(edit: dict[str, Any], name: str) -> list[int] | None:
@@ -2208,12 +2203,10 @@ def _output_hooks(site: _Hook) -> None:
     multiplier = float(getattr(site.state.hf_config, tap.multiplier)) if tap.multiplier else None
 
     def hook(_module, _inputs, output):
-        rows = site.as_rows(output[0] if isinstance(output, tuple) else output)
+        whole = output[0] if isinstance(output, tuple) else output
+        rows, (start, stop) = site.as_rows(whole), site.columns_of(whole)
         row_scale, row_bias = site.edit_of(rows)
-        added = output[1] if tap.bias_apart else None
-        if added is not None:
-            start, stop = site.columns_of(output[0])
-            added = added[start:stop]
+        added = output[1][start:stop] if tap.bias_apart and output[1] is not None else None
         if multiplier is not None:  # the layer adds output * multiplier: the product carries the edit
             rows.mul_(row_scale).add_(row_bias / multiplier)
             site.steer(rows * multiplier, rows, 1 / multiplier)
@@ -2227,8 +2220,6 @@ def _output_hooks(site: _Hook) -> None:
             site.steer(rows, rows)
             site.keep(rows)
         if tap.part == "kv":  # V is K here (vLLM loads k_proj into both): what the edit made of K, V is too
-            whole = output[0] if isinstance(output, tuple) else output
-            start, stop = site.columns_of(whole)
             whole.view(-1, whole.shape[-1])[:, stop : stop + stop - start].copy_(rows)
         return output
 
@@ -2257,16 +2248,14 @@ def _input_hooks(site: _Hook) -> None:
         hidden, residual = site.inputs_of(args, kwargs)
         row_scale, row_bias = site.edit_of(site.as_rows(hidden))
         edited = site.as_rows(hidden) * row_scale + row_bias
-        if residual is None:
-            site.steer(edited, edited)
-            site.keep(edited)
-            return _with_arguments(args, kwargs, site.tap.inputs, [site.with_rows(hidden, edited)])
-        edited_residual = site.as_rows(residual) * row_scale
-        site.steer(edited + edited_residual, edited)
-        site.keep(edited + edited_residual)
-        return _with_arguments(
-            args, kwargs, site.tap.inputs, [edited.view_as(hidden), edited_residual.view_as(residual)]
-        )
+        values, total = [site.with_rows(hidden, edited)], edited
+        if residual is not None:  # (a pair's rows are whole: with_rows is a view)
+            edited_residual = site.as_rows(residual) * row_scale
+            values.append(edited_residual.view_as(residual))
+            total = edited + edited_residual
+        site.steer(total, edited)
+        site.keep(total)
+        return _with_arguments(args, kwargs, site.tap.inputs, values)
 
     site.add(pre_hook=pre_hook)
 
@@ -2483,14 +2472,14 @@ def _parse_feature_edit(
     rows: the features (int64), and each one's new activation as old * scale + bias (float64), each
     [_FEATURE_EDITS], padded with feature 0 left as it is."""
     _check_edit_keys(edit, name, {"op", "features", "value", "positions"})
-    d_sae, op, features = config.sae(name.removesuffix(SAE_FEATURES)).d_sae, edit["op"], edit.get("features")
+    d_sae, features = config.sae(name.removesuffix(SAE_FEATURES)).d_sae, edit.get("features")
     if not _lists_features(features, 1, _FEATURE_EDITS, d_sae):
         raise ValueError(
             f"edits[{name!r}]: 'features' must list 1 to {_FEATURE_EDITS} distinct feature indices in [0, {d_sae}) "
             f"(d_sae), got {features!r:.200}"
         )
     valid = f"a finite number or a list of {len(features)}, one per feature"
-    keeps, adds = _EDIT_FORM[op](_edit_value(edit, name, [(len(features),)], valid))
+    keeps, adds = _scale_and_bias(edit, name, [(len(features),)], valid)
     rows = _identity_rows(name, _FEATURE_EDITS)
     rows[0][: len(features)] = torch.tensor(features)
     rows[1][: len(features)], rows[2][: len(features)] = keeps, adds
@@ -2639,7 +2628,6 @@ class _RunningRequest:
     prompt_token_ids: list[int] | None  # None for prompt embeddings
 
 
-@dataclasses.dataclass
 @dataclasses.dataclass(frozen=True, eq=False)  # (compared by identity: positions is an array)
 class _RowChunk:
     """A request's rows of one step: rows [start:end] of that step's host rows by hook, sliced only when read."""
@@ -2789,14 +2777,13 @@ class _Batched(_HookState):
 
     def schedule(self, step: _Step) -> None:
         """Read the step's new requests' options and every request's first position."""
-        finished, new, first_positions = step.finished, step.new, step.first_positions
         if self.sink is not None:
-            self.sink.write(finished)
-        for request_id in finished:
+            self.sink.write(step.finished)
+        for request_id in step.finished:
             self.running.pop(request_id, None)
             self.request_table.remove(request_id)
             self.slots.pop(request_id, None)
-        for request_id, prompt_len, prompt_token_ids, extra_args, first_position in new:
+        for request_id, prompt_len, prompt_token_ids, extra_args, first_position in step.new:
             options, problem = _worker_options(extra_args, self)
             if problem is not None:
                 self.incomplete[request_id] = problem
@@ -2804,8 +2791,8 @@ class _Batched(_HookState):
             self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.slot_tables))
             if options.keeps_any(0, _NO_LAST_POSITION, prompt_len):
                 self.records.setdefault(request_id, self._record(options))  # read_batched knows it from now on
-            first_positions[request_id] = first_position
-        self.first_positions = first_positions
+            step.first_positions[request_id] = first_position
+        self.first_positions = step.first_positions
         self.capture_flags.zero_()  # this step's forward writes its rows
 
     def prepared(self) -> None:
@@ -2942,16 +2929,14 @@ class _Batched(_HookState):
         if first_position < expected:
             # Preempted and recomputed from first_position: drop what it kept past that point, so no row appears
             # twice.
-            record = self.records.get(request_id)
-            chunks, record_chunks = [], record.chunks if record is not None else []
-            for held in record_chunks:
+            record, chunks = self.records.get(request_id, _RequestRows({})), []
+            for held in record.chunks:
                 keep = int(np.searchsorted(held.positions, first_position))
                 if keep:
                     chunks.append(dataclasses.replace(held, end=held.start + keep, positions=held.positions[:keep]))
                 else:
                     self.shared.drop(held.file)
-            if record is not None:
-                record.chunks = chunks
+            record.chunks = chunks
         elif first_position > expected:
             request = self.running.get(request_id)
             if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
@@ -3002,14 +2987,8 @@ class _Batched(_HookState):
                 for chunk in record.chunks:
                     step_rows = chunk.step_rows
                     if id(step_rows) not in firsts:  # the element offset of each source's rows of that step in file
-                        base = chunk.file.pages.data_ptr()
-                        firsts[id(step_rows)] = np.array(
-                            [
-                                (step_rows[name].data_ptr() - base) // buffer.element_size()
-                                for name, buffer, _ in sources
-                            ],
-                            dtype=np.int64,
-                        )
+                        base, views = chunk.file.pages.data_ptr(), [step_rows[name] for name, *_ in sources]
+                        firsts[id(step_rows)] = np.array([(v.data_ptr() - base) // v.element_size() for v in views])
                     first = firsts[id(step_rows)] + chunk.start * widths
                     pieces.append([files.setdefault(chunk.file, len(files)), chunk.end - chunk.start, *first.tolist()])
             else:
@@ -3176,9 +3155,7 @@ class _SharedRows:
     def _refill(self, nbytes: int) -> _RowFile | None:
         """A file with room for nbytes: an idle one emptied, else a new one (None if /dev/shm cannot hold it) sized
         to a power of two, so that steps of about this size fill it again; idle files too small for it are removed."""
-        self.filling = None
-        self._take_back()
-        for file in (idle := [f for f in self.files.values() if self._idle(f)]):
+        for file in (idle := self._idle_files()):
             if file.pages.numel() >= nbytes:
                 file.used = 0
                 return file
@@ -3208,9 +3185,6 @@ class _SharedRows:
         files = self.files.values()
         return {"files": len(files), "bytes": sum(f.pages.numel() for f in files), "created": self.created}
 
-    def _idle(self, file: _RowFile) -> bool:
-        return not file.held and not file.lent and file is not self.filling
-
     def hold(self, file: _RowFile | None) -> None:
         if file is not None:
             file.held += 1
@@ -3227,18 +3201,19 @@ class _SharedRows:
             file.lent.add(token)
         return tokens
 
-    def _take_back(self) -> None:
-        """Every lent file whose driver mapping is gone (its token's file exists, made by the driver) is no longer lent."""
-        for file in list(self.files.values()):
+    def _idle_files(self) -> list[_RowFile]:
+        """The files nothing holds, none being filled from now on, once every lent file whose driver mapping is gone
+        (its token's file exists, made by the driver) is taken back."""
+        self.filling = None
+        for file in self.files.values():
             for token in [token for token in file.lent if os.path.exists(token)]:
                 os.unlink(token)
                 file.lent.discard(token)
+        return [file for file in self.files.values() if not file.held and not file.lent]
 
     def trim(self) -> None:
         """Remove every file nothing holds (kept until then, to be filled again)."""
-        self.filling = None
-        self._take_back()
-        for file in [f for f in self.files.values() if self._idle(f)]:
+        for file in self._idle_files():
             self._remove(file)
 
     def close(self) -> None:
