@@ -1552,6 +1552,32 @@ def test_transformers_taps_read_what_transformer_lens_reads(models, family):
         assert_matches(transformers_reference.reference(PROMPT, names, edits), expected, f"{family} {hook} {edit}")
 
 
+@NO_ENGINE
+def test_both_references_follow_an_engines_other_routing_and_report_it(models):
+    """Where an engine routes a token otherwise (here: token 5's two experts at layer 1 swapped, as a bf16 engine
+    might at a near-tie), both references take its indices in its order, count the token, and keep the router-logit
+    gap between the swapped experts, which assert_routing_ties holds to ROUTER_TIE (a swap of experts whose logits are
+    far apart fails it). The other tokens' rows, and the swapped token's MLP output (the same experts, the same
+    weights), stay as they were."""
+    model = models["mixtral"]
+    indices, weights, out = "blocks.1.mlp.hook_expert_indices", "blocks.1.mlp.hook_expert_weights", "blocks.1.hook_mlp_out"
+    for reference in (TransformersReference("mixtral", model.hf), Model("mixtral", model.path, hf_model=model.hf)):
+        plain = reference.reference(PROMPT, [indices, weights, out])
+        engine = plain[indices].long().clone()
+        engine[5] = engine[5].flip(0)
+        if isinstance(reference, Model):
+            followed = reference.reference(PROMPT, [indices, out], routes={1: (engine, plain[weights])})
+        else:
+            followed = reference.reference(PROMPT, [indices, out], routes={indices: engine})
+        assert torch.equal(followed[indices].long(), engine), type(reference).__name__
+        assert torch.allclose(followed[out], plain[out], rtol=1e-5, atol=1e-6), type(reference).__name__
+        routing = reference.routing
+        assert (routing["choices"], routing["followed"]) == (len(PROMPT), 1), routing
+        assert routing["gap"] > ROUTER_TIE, f"token 5's two experts are a near-tie here: choose another token {routing}"
+        with pytest.raises(AssertionError, match="wider than a near-tie"):
+            assert_routing_ties(reference, "swapped")
+
+
 # --- command line and examples -----------------------------------------------------------
 
 
