@@ -288,11 +288,7 @@ class Model:
             rows = tensor.reshape(-1, tensor.shape[-1])
             mine = rows.topk(indices.shape[-1], dim=-1).indices[: len(indices)]
             where = seen["where"] = (mine != indices.to(mine.device)).any(-1)
-            self.routing["choices"] += len(where)
-            self.routing["followed"] += int(where.sum())
-            for row in where.nonzero().flatten().tolist():
-                gap = (seen["logits"][row, mine[row]] - seen["logits"][row, indices[row]]).abs().max()
-                self.routing["gap"] = max(self.routing["gap"], float(gap))
+            record_followed(self.routing, seen["logits"][: len(where)], mine, indices.to(mine.device), where, len(where))
             rows = rows.clone()
             rows[: len(where)][where] = weights[where].to(rows.dtype)
             return rows.view_as(tensor)
@@ -389,7 +385,6 @@ _DECODER = {
     "final_norm_scale": ("model.norm", "scale"),
     "final_norm": ("model.norm", "normalized"),
 }
-_NORMS = ("ln1_scale", "ln1", "ln2_scale", "ln2", "final_norm_scale", "final_norm")
 TRANSFORMERS_TAPS = {
     "llama": _DECODER,
     "gemma2": {
@@ -410,6 +405,17 @@ TRANSFORMERS_TAPS = {
         "mlp_post": ("model.layers.{i}.mlp", "output"),
     },
 }
+
+
+def record_followed(routing: dict, logits, own, engine, differs, choices: int) -> None:
+    """Both references' account of following an engine's routing: choices seen, tokens followed (differs, bool
+    [tokens]), and the widest router-logit gap between their own experts and the engine's, rank by rank (own and
+    engine: int [tokens, top_k]; logits [tokens, experts])."""
+    routing["choices"] += choices
+    routing["followed"] += int(differs.sum())
+    if differs.any():
+        gap = logits[differs].gather(1, own[differs]) - logits[differs].gather(1, engine[differs])
+        routing["gap"] = max(routing["gap"], float(gap.abs().max()))
 
 
 def transformers_sites(family: str) -> tuple[str, ...]:
@@ -436,7 +442,7 @@ class TransformersReference:
         edits, routes = edits or {}, routes or {}
         modules = dict(self.hf.named_modules())
 
-        def head_dim(path):  # the attention module's (Gemma 4's differs by layer)
+        def head_dim(path):  # the attention module's, the nearest module up the path that has one
             return getattr(modules[path], "head_dim", None) or head_dim(path.rpartition(".")[0])
 
         order = {site: n for n, site in enumerate(tlh.SITES)}
@@ -507,12 +513,9 @@ class TransformersReference:
             if engine_indices is not None:
                 known = (engine_indices >= 0).all(-1)
                 differs = known & (engine_indices != indices).any(-1)
-                self.routing["choices"] += int(known.sum())
-                self.routing["followed"] += int(differs.sum())
+                record_followed(self.routing, logits, indices, engine_indices.to(indices.dtype), differs, int(known.sum()))
                 if differs.any():
                     chosen = engine_indices[differs].to(indices.dtype)
-                    gap = (logits[differs].gather(1, indices[differs]) - logits[differs].gather(1, chosen)).abs()
-                    self.routing["gap"] = max(self.routing["gap"], float(gap.max()))
                     probabilities = logits[differs].float().softmax(-1).gather(1, chosen)
                     indices, weights = indices.clone(), weights.clone()
                     indices[differs], weights[differs] = chosen, (probabilities / probabilities.sum(-1, keepdim=True)).to(weights.dtype)
