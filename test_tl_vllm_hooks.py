@@ -117,9 +117,13 @@ def site_of(hook_name: str) -> str | None:
     return next((site for pattern, site in SITE_OF.items() if pattern.match(hook_name)), None)
 
 
-# The router's choice: vLLM's fused mixture of experts routes inside its kernel, so
-# these are read, never edited (the module refuses edits of them).
-READ_ONLY = ("mlp.hook_expert_weights", "mlp.hook_expert_indices")
+# Attention scores and patterns, [n_heads, queries, keys], rebuilt when read from the query and key vLLM's attention
+# receives (whose kernels never hold them); their keys a query does not see are the dtype's minimum.
+ATTENTION = ("attn.hook_attn_scores", "attn.hook_pattern")
+# Read, never edited (the module refuses edits of them): the router's choice (vLLM's fused mixture of experts routes
+# inside its kernel), and the attention matrices (its kernels never read them).
+READ_ONLY = ("mlp.hook_expert_weights", "mlp.hook_expert_indices", *ATTENTION)
+UNSEEN = -1e30  # below: a key the query does not see
 # Families whose rows differ from TransformerLens's by more than TOLERANCE from some hook on, hooks
 # or not, each bound from the spread measured here (every hook before keeps TOLERANCE):
 # - BLOOM: vLLM's MLP uses the exact GELU, transformers' the tanh approximation: 2-4e-4 relative
@@ -132,6 +136,9 @@ LOOSER_FROM = {
     "apertus": (5e-3, "blocks.0.mlp.hook_post"),
     "gemma4": (3e-5, "blocks.0.attn.hook_z"),
 }
+# Past that hook, a query-key dot product can be further off than its inputs where it cancels: BLOOM's layer-1
+# scores measured 1.4e-3 (rows up to 2.7e-3) from inputs ~3e-4 off; Apertus's ATTENTION_LOOSER measured likewise.
+ATTENTION_LOOSER = {"bloom": 1e-2, "apertus": 5e-2}
 
 
 def family_tolerance(family: str):
@@ -140,7 +147,13 @@ def family_tolerance(family: str):
         return TOLERANCE
     looser, first = LOOSER_FROM[family]
     order = {name: n for n, name in enumerate(tlh.SITES.values())}
-    return lambda name: looser if forward_position(name, order) >= forward_position(first, order) else TOLERANCE
+
+    def tolerance(name):
+        if forward_position(name, order) < forward_position(first, order):
+            return TOLERANCE
+        return ATTENTION_LOOSER.get(family, looser) if name.endswith(ATTENTION) else looser
+
+    return tolerance
 
 
 # vLLM computes Llama 4's NoPE-layer attention temperature only with a context past 32k
@@ -226,6 +239,10 @@ class Model:
                 if site is not None and site not in refused:
                     rows = tensor if tensor.shape[0] == 8 else tensor[0]  # (a router's and OPT's ln2 drop the batch)
                     found[name] = tuple(rows.shape[1:])
+                    if name.endswith(ATTENTION):  # kept as each token's query and key heads, [heads + kv heads, d_head]
+                        layer = name.split(".")[1]
+                        keys = cache[f"blocks.{layer}.attn.hook_k"].shape[-2]
+                        found[name] = (tensor.shape[1] + keys, cache[f"blocks.{layer}.attn.hook_z"].shape[-1])
             order = {name: n for n, name in enumerate(tlh.SITES.values())}
             self._expected = dict(sorted(found.items(), key=lambda item: forward_position(item[0], order)))
         return self._expected
@@ -359,6 +376,8 @@ def models(tmp_path_factory):
 #   as [pos, heads, head_dim];
 # - "rotary": the query or key (the site says which) after apply_rotary_pos_emb in that attention module;
 # - "router": a mixture of experts' router (see TransformersReference);
+# - "attention": the input and output of the softmax in that attention module's eager attention, [1, heads, query,
+#   key] (the scores, masked entries at the dtype's minimum, and the pattern);
 # - "scale" / "normalized": a norm's sqrt(mean(x²) + eps) ([pos, 1]) and its input divided by it, before the weight
 #   (plus 1 for Gemma's) and bias (TransformerLens's convention); an edit of the scale reaches the normalized rows, an
 #   edit of either the norm's output.
@@ -371,6 +390,7 @@ _DECODER = {
     "ln1": ("model.layers.{i}.input_layernorm", "normalized"),
     **{f"attn_{part}": (f"model.layers.{{i}}.self_attn.{part}_proj", "output_heads") for part in "qkv"},
     **{f"attn_rot_{part}": ("model.layers.{i}.self_attn", "rotary") for part in "qk"},
+    **dict.fromkeys(("attn_scores", "pattern"), ("model.layers.{i}.self_attn", "attention")),
     "attn_z": ("model.layers.{i}.self_attn.o_proj", "input_heads"),
     "attn_out": ("model.layers.{i}.self_attn", "output"),
     "resid_mid": ("model.layers.{i}.post_attention_layernorm", "input"),
@@ -493,14 +513,20 @@ class TransformersReference:
                 handles.append(module.register_forward_hook(self._router_hook(sites, captured, routes.get(indices_name))))
             elif kind == "rotary":
                 handles.append(self._rotary(module, sites, take, head_dim(path)))
+            elif kind == "attention":
+                handles.append(self._attention(module, sites, captured))
             else:
                 handles.append(module.register_forward_hook(self._norm_hook(sites, take)))
+        implementation = self.hf.config._attn_implementation
+        if any(kind == "attention" for _path, kind in by_place):
+            self.hf.set_attn_implementation("eager")  # (which holds the attention matrices)
         try:
             with torch.no_grad():
                 self.hf(torch.tensor([token_ids]))
         finally:
             for handle in reversed(handles):  # (the rotary patches nest)
                 handle.remove()
+            self.hf.set_attn_implementation(implementation)
         return {name: captured[name] for name in names}
 
     def _router_hook(self, sites, captured, engine_indices):
@@ -547,6 +573,31 @@ class TransformersReference:
             return (normalized * weight + (0.0 if bias is None else bias.float())).to(output.dtype)
 
         return hook
+
+    @staticmethod
+    def _attention(attention, sites, captured):
+        """Reads the scores and pattern at the softmax of the attention module's eager attention, for the forward of
+        this module only; returns a handle that undoes it."""
+        softmax, inside = torch.nn.functional.softmax, []
+
+        def observed(scores, *args, **kwargs):
+            pattern = softmax(scores, *args, **kwargs)
+            if inside:
+                for site, name in sites.items():
+                    captured[name] = (scores if site == "attn_scores" else pattern)[0].clone()
+            return pattern
+
+        torch.nn.functional.softmax = observed
+        entered = attention.register_forward_pre_hook(lambda _module, _args: inside.append(True))
+        left = attention.register_forward_hook(lambda _module, _args, _output: inside.clear())
+
+        class Handle:
+            def remove(self):
+                torch.nn.functional.softmax = softmax
+                entered.remove()
+                left.remove()
+
+        return Handle()
 
     @staticmethod
     def _rotary(attention, sites, take, head_dim):
@@ -659,10 +710,15 @@ def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TO
     assert set(actual) == set(expected), f"{context}: hooks {sorted(actual)} != {sorted(expected)}"
     errors, checked = {}, {}
     limit = tolerance if callable(tolerance) else lambda _name: tolerance  # (see family_tolerance)
+    actual, expected = dict(actual), dict(expected)
     for name in expected:
         assert actual[name].shape == expected[name].shape, (
             f"{context} {name}: shape {tuple(actual[name].shape)} != {tuple(expected[name].shape)}"
         )
+        if name.endswith(ATTENTION):  # a row per query; the keys it does not see compared as such, not by value
+            unseen = expected[name] < UNSEEN
+            assert torch.equal(actual[name] < UNSEEN, unseen), f"{context} {name}: other keys unseen"
+            actual[name], expected[name] = (t.masked_fill(unseen, 0).transpose(0, 1) for t in (actual[name], expected[name]))
         errors[name] = relative_error(actual[name], expected[name])
         checked[name] = errors[name]
         if isinstance(limit(name), PerRow) and len(expected[name]):
@@ -1002,19 +1058,27 @@ def test_capture_specs_take_one_site_one_layer_and_layers_from_the_end():
 
 
 @NO_ENGINE
-@pytest.mark.parametrize("site", ["pattern", "attn_scores"])
-def test_capture_specs_say_why_vllm_has_no_attention_pattern(site):
-    """The same explanation as configure's for the hook names (one owner)."""
+def test_attention_patterns_keep_each_query_and_key_and_refuse_what_they_cannot_rebuild(tmp_path):
+    """attn.hook_attn_scores and hook_pattern keep each token's query and key heads ([n_heads + n_kv_heads, d_head]);
+    they are read-only, need a request's rows from its first position, and are never written to a sink."""
     from transformers import LlamaConfig
 
-    llama = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96)
+    llama = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=96)
     llama.architectures = ["LlamaForCausalLM"]
-    with pytest.raises(ValueError) as by_name:
-        tlh.configure({f"blocks.0.attn.hook_{site}": (4, 40)}, 64)
-    explanation = str(by_name.value).partition(": ")[2].partition(": ")[2]
-    assert "never hold the [query, key] matrix" in explanation
-    with pytest.raises(ValueError, match=re.escape(explanation)):
-        tlh.capture_specs(llama, sites=("resid_post", site))
+    specs = tlh.capture_specs(llama, sites=("attn_scores", "pattern"), layers=-1)
+    assert specs == {"blocks.1.attn.hook_attn_scores": (6, 16), "blocks.1.attn.hook_pattern": (6, 16)}
+    config = tlh.configure(specs, 64, enable_batching=True)
+    for name in specs:
+        with pytest.raises(ValueError, match=re.escape(f"{name!r} is read-only: vLLM's attention kernels never hold")):
+            tlh.request_args(config, "all", {name: {"op": "suppress"}})
+    assert tlh.request_args(config, "prompt")
+    for capture in ("last_prompt_token", [3, 4]):
+        with pytest.raises(ValueError, match="rebuilt from the query and key of every position from the first: "
+                                             "capture 'all', 'prompt' or 'none'"):
+            tlh.request_args(config, capture)
+    with pytest.raises(ValueError, match="sink_dir: blocks.1.attn.hook_attn_scores is rebuilt when read_batched"):
+        tlh.configure(specs, 64, enable_batching=True, sink_dir=str(tmp_path))
 
 
 @NO_ENGINE
@@ -1100,9 +1164,6 @@ def test_capture_specs_refuse_what_the_architecture_lacks():
     assert tlh.capture_specs(mixtral, sites=("mlp_pre", "mlp_post"), layers=[1]) == {
         "blocks.1.mlp.hook_pre": (64,), "blocks.1.mlp.hook_post": (64,)
     }, "a mixture of experts: the block's input and output"
-    for name in ("blocks.0.attn.hook_pattern", "blocks.3.attn.hook_attn_scores"):
-        with pytest.raises(ValueError, match="never hold the \\[query, key\\] matrix"):
-            tlh.configure({name: (2, 40)}, 64)
 
 
 BATCHED_CONFIG = tlh.CaptureConfig(
@@ -1995,10 +2056,13 @@ def kept_rows(capture, prompt_len: int, num_rows: int) -> list[int]:
 
 
 def take_rows(tensors: dict, rows: list[int]) -> dict:
-    """{name: tensor[rows]}, the index made a tensor once: a list index is parsed again
-    for every tensor, which cost seconds over a family's hooks and requests."""
+    """{name: tensor[rows]} (an attention matrix's queries and keys at those positions), the index made a tensor
+    once: a list index is parsed again for every tensor, which cost seconds over a family's hooks and requests."""
     index = torch.tensor(rows, dtype=torch.long)
-    return {name: tensor[index] for name, tensor in tensors.items()}
+    return {
+        name: tensor[:, index][:, :, index] if name.endswith(ATTENTION) else tensor[index]
+        for name, tensor in tensors.items()
+    }
 
 
 def check_per_request(
@@ -2273,6 +2337,29 @@ def check_sink_requests(llm, model, requests, max_tokens=3, tolerance=TOLERANCE)
             stored = {name: archive.get_tensor(key) for name, key in manifest_entry["tensors"].items()}
         assert_matches(stored, expected, f"{output.request_id} {capture} (safetensors)", tolerance)
     return outputs, dataset
+
+
+class TestAttentionPatterns:
+    """attn.hook_attn_scores and hook_pattern read through vLLM's separate processes (the default layout): a 300-token
+    prompt kept as "prompt" (chunked prefill over three forwards), a request editing the keys (the pattern follows
+    the edited keys), and one with decode steps, each against its own TransformerLens run."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, models):
+        sites = ("attn_rot_k", "attn_scores", "pattern", "resid_post")
+        with engine(models["llama"], sites=sites, in_process=False, eager=True, batching=True) as llm:
+            yield llm
+
+    def test_each_requests_attention_matches_its_own_transformer_lens_run(self, llm, models):
+        keys = {"blocks.1.attn.hook_rot_k": {"op": "scale", "value": 3.0, "positions": [2, 5]}}
+        requests = [(BATCH[1], "prompt", None), (BATCH[2], "all", keys), (BATCH[0], None, None)]
+        _outputs, worst = check_per_request(llm, models["llama"], requests, max_tokens=4)
+        print(f"\nworst relative error {worst:.2e}")
+
+    def test_a_request_keeping_some_positions_is_refused_before_it_runs(self, llm):
+        with pytest.raises(ValueError, match="capture 'all', 'prompt' or 'none'"):
+            tlh.request_args(llm.config, "last_prompt_token")
+        assert "blocks.0.attn.hook_pattern" in tlh.status(llm)["hooks"]
 
 
 class TestSink:

@@ -101,6 +101,7 @@ SITES = {
     "ln1": "blocks.{i}.ln1.hook_normalized",
     "attn_q": "blocks.{i}.attn.hook_q", "attn_k": "blocks.{i}.attn.hook_k", "attn_v": "blocks.{i}.attn.hook_v",
     "attn_rot_q": "blocks.{i}.attn.hook_rot_q", "attn_rot_k": "blocks.{i}.attn.hook_rot_k",
+    "attn_scores": "blocks.{i}.attn.hook_attn_scores", "pattern": "blocks.{i}.attn.hook_pattern",
     "attn_z": "blocks.{i}.attn.hook_z", "attn_out": "blocks.{i}.hook_attn_out",
     "resid_mid": "blocks.{i}.hook_resid_mid", "ln2_scale": "blocks.{i}.ln2.hook_scale",
     "ln2": "blocks.{i}.ln2.hook_normalized",
@@ -112,26 +113,26 @@ SITES = {
     "final_norm_scale": "ln_final.hook_scale", "final_norm": "ln_final.hook_normalized",
 }
 # fmt: on
-"""site -> TransformerLens hook name, in forward order; ``{i}`` is the layer. Rows are
-``[d_model]`` but ``[n_heads, d_head]`` at attn_q, attn_rot_q and attn_z (per head, the
-output projection's input), ``[n_kv_heads, d_head]`` at attn_k, attn_v and attn_rot_k (q
-and k before rotary, then after it), ``[d_mlp]`` at mlp_pre, mlp_pre_linear and mlp_post on
-dense MLPs (the activation's input, its gate on gated ones; a gated MLP's linear (up)
-projection; the down projection's input); on mixture-of-experts layers mlp_pre and mlp_post
-are the block's input and output, and the router's choice is expert_weights ``[n_experts]``
-(each expert's weight, 0 if not chosen) and expert_indices ``[top_k]`` (highest weight
-first, in the capture dtype; both read-only). ln1, ln2 and final_norm are a norm's input
-normalized, before weight and bias, and their ``*_scale`` the divisor, ``[1]``:
-sqrt(mean(x**2) + eps) of the (mean-centred, for LayerNorm) input; mlp_in is the MLP's own
-input (its norm's output, weight and bias applied)."""
+"""site -> TransformerLens hook name, in forward order; ``{i}`` is the layer. Rows are ``[d_model]`` but ``[n_heads,
+d_head]`` at attn_q, attn_rot_q and attn_z (per head, the output projection's input), ``[n_kv_heads, d_head]`` at
+attn_k, attn_v and attn_rot_k (q and k before rotary, then after it); attn_scores and pattern keep per token the
+query and key vLLM's attention receives, ``[n_heads + n_kv_heads, d_head]``, from which reads rebuild
+TransformerLens's ``[n_heads, queries, keys]`` (see _attention_rows; read-only); ``[d_mlp]`` at mlp_pre,
+mlp_pre_linear and mlp_post on dense MLPs (the activation's input, its gate on gated ones; a gated MLP's linear (up)
+projection; the down projection's input); on mixture-of-experts layers mlp_pre and mlp_post are the block's input
+and output, and the router's choice is expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen) and
+expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both read-only). ln1, ln2 and final_norm are
+a norm's input normalized, before weight and bias, and their ``*_scale`` the divisor, ``[1]``: sqrt(mean(x**2) +
+eps) of the (mean-centred, for LayerNorm) input; mlp_in is the MLP's own input (its norm's output, weight and bias
+applied)."""
 
-_READ_ONLY_SITES = ("expert_weights", "expert_indices")  # vLLM's fused MoE routes inside its kernel
+_READ_ONLY_SITES = {  # site -> why an edit of it is refused
+    **dict.fromkeys(("expert_weights", "expert_indices"), "vLLM's fused mixture of experts routes inside its kernel, "
+                    "from the router's logits; edit the block's input (mlp.hook_pre) or output (hook_mlp_out) instead"),
+    **dict.fromkeys(("attn_scores", "pattern"), "vLLM's attention kernels never hold the [query, key] matrix, which is "
+                    "rebuilt when read; edit the query or key (attn.hook_rot_q, hook_rot_k, hook_q, hook_k) instead"),
+}
 _NORM_SITES = ("ln1_scale", "ln1", "ln2_scale", "ln2", "final_norm_scale", "final_norm")
-# Why TransformerLens's attn.hook_pattern and hook_attn_scores have no site, wherever they are asked for.
-_NO_ATTENTION_MATRIX = (
-    "vLLM's attention kernels compute softmax(q k^T) blockwise and never hold the [query, key] matrix, so there is no "
-    "tensor to read; capture attn.hook_rot_q and attn.hook_rot_k (or hook_q, hook_k) and form it from them"
-)
 
 _HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
@@ -155,6 +156,7 @@ _NORM_INPUT = "norm_input"  # the sum of a fused add-and-norm's inputs; the edit
 _NORM_SCALE = "norm_scale"  # a norm's divisor; an edit reaches its output as input / edited * weight + bias
 _NORMALIZED = "normalized"  # a norm's input (or sum of two) normalized; an edit reaches it as edited * weight + bias
 _ROUTER = "router"  # a mixture of experts' choice per token, from its router's logits (read-only)
+_QUERY_KEY = "query_key"  # the query and key vLLM's attention receives, side by side (read-only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,9 +314,14 @@ _BACKEND_ROTARY = "vLLM's Transformers backend applies rotary inside transformer
 # vLLM's Transformers backend: transformers' module tree with vLLM's linear layers, norms and attention.
 _BACKEND = _Family(
     "", "", vllm_class="TransformersForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT, rotary=False,
-    refused=dict.fromkeys(("attn_rot_q", "attn_rot_k"), _BACKEND_ROTARY),
+    refused={**dict.fromkeys(("attn_rot_q", "attn_rot_k"), _BACKEND_ROTARY), **dict.fromkeys(
+        ("attn_scores", "pattern"), "vLLM's Transformers backend calls its attention's forward directly, where no "
+        "hook runs, so the query and key it attends with are not read")},
 )  # fmt: skip
 _H_LAYER = "transformer.h.{i}"
+# Where TransformerLens 4.3's adapter keeps transformers' own attention, which hands it the softmax's output alone.
+_SCORES_ARE_PATTERN = {"attn_scores": "TransformerLens 4.3's adapter fires hook_attn_scores with the softmax's output "
+                                      "(what hook_pattern holds), not the scores"}
 
 # fmt: off
 FAMILIES = {family.name: family for family in (
@@ -362,7 +369,7 @@ FAMILIES = {family.name: family for family in (
             embed="model.decoder.embed_tokens", pos_embed="model.decoder.embed_positions",
             final_norm="model.decoder.final_layer_norm", norm="layer", layer_inputs=_HIDDEN_INPUT,
             o_proj=".out_proj", rotary=False, ln1=".self_attn_layer_norm", ln2=".final_layer_norm", mlp="",
-            mlp_up=".fc1", mlp_down=".fc2", settings=dict(do_layer_norm_before=True),
+            mlp_up=".fc1", mlp_down=".fc2", settings=dict(do_layer_norm_before=True), refused=_SCORES_ARE_PATTERN,
             taps=dict(mlp_in=_Tap("model.decoder.layers.{i}.fc1", _INPUT, _LINEAR_INPUT),
                       mlp_out=_Tap("model.decoder.layers.{i}.fc2", _OUTPUT))),
     # BLOOM (residual from before each norm) normalizes its embedding once before layer 0: that is hook_embed. ALiBi.
@@ -433,11 +440,14 @@ FAMILIES = {family.name: family for family in (
             refused={**dict.fromkeys(_NORM_SITES, "TransformerLens 4.3's Gemma 4 adapter runs no hook_normalized or "
                                      "hook_scale (its norms are bare components)"),
                      **dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens 4.3's Gemma 4 adapter keeps "
-                                     "transformers' attention, with no hook_rot_q or hook_rot_k")}),
+                                     "transformers' attention, with no hook_rot_q or hook_rot_k"),
+                     **dict.fromkeys(("attn_scores", "pattern"), "its last layers attend with earlier layers' keys, "
+                                     "which vLLM's attention is handed as None")}),
     # Llama 4: dense and MoE layers under feed_forward, NoPE layers, chunked attention; no rotary hooks or expert
     # hooks in TransformerLens.
     _Family("llama4", "Llama4ForCausalLM", mlp=".feed_forward", d_mlp="intermediate_size_mlp", rotary=False,
-            qk_halves=True, moe=_MoE(".feed_forward", router="", layers="interleave_moe_layer_step")),
+            qk_halves=True, moe=_MoE(".feed_forward", router="", layers="interleave_moe_layer_step"),
+            refused=_SCORES_ARE_PATTERN),
     # Apertus: ungated xIELU MLP, whose parameters vLLM keeps in bf16 (its rows from mlp.hook_post on differ from
     # transformers' by about 1e-3 in fp32).
     _Family("apertus", "ApertusForCausalLM", ln1=".attention_layernorm", ln2=".feedforward_layernorm",
@@ -457,8 +467,8 @@ FAMILIES = {family.name: family for family in (
                         post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm")),
     # HunYuan: q and k normalized after rotary, inside transformers' attention, on [heads, tokens, d_head].
     dataclasses.replace(_BACKEND, name="hunyuan_dense", architecture="HunYuanDenseV1ForCausalLM",
-                        refused=dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens's hook_rot_q/k are the "
-                                              "inputs of its q/k norms, which take [heads, tokens, d_head]")),
+                        refused={**_BACKEND.refused, **dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens's "
+                                 "hook_rot_q/k are the inputs of its q/k norms, which take [heads, tokens, d_head]")}),
     # GPTBigCode: GPT-2's layout under the backend, with multi-query attention.
     dataclasses.replace(_BACKEND, name="gpt_bigcode", architecture="GPTBigCodeForCausalLM", layer="model.h.{i}",
                         embed="model.wte", pos_embed="model.wpe", final_norm="model.ln_f", norm="layer",
@@ -646,6 +656,8 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         **{f"attn_{part}": _Tap(attention + f.qkv, _OUTPUT, part=part, bias_apart=f.bias_apart) for part in "qkv"},
         "attn_rot_q": _Tap(attention + ".attn", _INPUT, _QUERY) if f.rotary else None,
         "attn_rot_k": _Tap(attention + ".attn", _INPUT, _KEY) if f.rotary else None,
+        "attn_scores": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY),
+        "pattern": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY),
         "attn_z": _Tap(attention + f.o_proj, _INPUT, _LINEAR_INPUT),
         "attn_out": _Tap(at + f.post_norms[0], _OUTPUT) if f.post_norms
         else _Tap(attention, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
@@ -704,6 +716,7 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
         shapes.update(expert_weights=(_num_experts(config),), expert_indices=(config.num_experts_per_tok,))
     q, kv, mlp = (n_heads, d_head), (n_kv_heads or n_heads, d_head), (d_mlp,)
     shapes.update(attn_q=q, attn_rot_q=q, attn_z=q, attn_k=kv, attn_v=kv, attn_rot_k=kv)
+    shapes.update(attn_scores=(q[0] + kv[0], d_head), pattern=(q[0] + kv[0], d_head))
     shapes.update(mlp_pre=mlp, mlp_pre_linear=mlp, mlp_post=mlp, ln1_scale=(1,), ln2_scale=(1,), final_norm_scale=(1,))
     return shapes
 
@@ -744,8 +757,6 @@ def _sites_and_layers(sites: Any, layers: Any, num_layers: int) -> tuple[list[st
     TransformerLens; a str is one site and an int one layer. ValueError naming what is neither, and what is valid."""
     listed = _listed(sites, str)
     unknown = [sites] if listed is None else [s for s in listed if not isinstance(s, str) or s not in SITES]
-    if any(site in ("pattern", "attn_scores") for site in unknown):
-        raise ValueError(f"capture_specs: sites {unknown}: {_NO_ATTENTION_MATRIX}")
     if unknown:
         raise ValueError(f"capture_specs: unknown sites {unknown}; one site or a list of them, valid: {list(SITES)}")
     chosen = list(range(num_layers)) if layers is None else _listed(layers, int)
@@ -875,6 +886,11 @@ class CaptureConfig:
                 raise ValueError(f"sink_dir: expected a directory path (str) or None, got {self.sink_dir!r}")
             if not self.enable_batching:
                 raise ValueError("sink_dir: the sink writes per-request rows: configure(..., enable_batching=True)")
+            if _attention_hooks(self):
+                raise ValueError(
+                    f"sink_dir: {_attention_hooks(self)[0]} is rebuilt when read_batched reads it, not written by a "
+                    "sink; capture attn.hook_rot_q and hook_rot_k (or hook_q and hook_k) into it instead"
+                )
             object.__setattr__(self, "sink_dir", os.path.abspath(self.sink_dir))
         seconds = self.shard_seconds
         if seconds is not None and (
@@ -976,8 +992,6 @@ def _checked_spec(name: Any, spec: Any) -> tuple[int, ...] | tuple[str, int]:
             f"(n_heads, d_head)); the architecture table places it, so it takes no module path; got {spec!r}. Write "
             "specs with capture_specs(hf_config)"
         )
-    if re.fullmatch(r"blocks\.\d+\.attn\.(hook_pattern|hook_attn_scores)", name):
-        raise ValueError(f"capture_specs: {name!r}: {_NO_ATTENTION_MATRIX}")
     if parse_hook_name(name) is None:
         close = difflib.get_close_matches(name, [t.format(i=0) for t in SITES.values()], n=3)
         raise ValueError(
@@ -1135,6 +1149,11 @@ def _engine_wide_tables(edit: dict[str, Any], name: str, config: CaptureConfig) 
     return tables
 
 
+def _attention_hooks(config: CaptureConfig) -> list[str]:
+    """The config's hooks whose reads rebuild attention (attn_scores, pattern) from each position's query and key."""
+    return [n for n in config.capture_specs if (parse_hook_name(n) or ("",))[0] in ("attn_scores", "pattern")]
+
+
 def _check_hook_name(name: Any, config: CaptureConfig) -> None:
     editable = [*config.capture_specs, *(hook + SAE_FEATURES for hook in config.saes)]
     if name not in editable:
@@ -1144,11 +1163,9 @@ def _check_hook_name(name: Any, config: CaptureConfig) -> None:
             + (f"; close matches: {close}" if close else "")
             + f"; configured: {sorted(editable)}"
         )
-    if (parse_hook_name(name) or ("",))[0] in _READ_ONLY_SITES:
-        raise ValueError(
-            f"edits: {name!r} is read-only: vLLM's fused mixture of experts routes inside its kernel, from "
-            "the router's logits; edit the block's input (mlp.hook_pre) or output (hook_mlp_out) instead"
-        )
+    site = (parse_hook_name(name) or ("",))[0]
+    if site in _READ_ONLY_SITES:
+        raise ValueError(f"edits: {name!r} is read-only: {_READ_ONLY_SITES[site]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1226,6 +1243,12 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
         capture = np.unique(np.asarray(capture, dtype=np.int64))
     elif capture not in _CAPTURE_MODES:
         raise ValueError(f"capture: expected one of {list(_CAPTURE_MODES)} or a list of positions, got {capture!r}")
+    attention = _attention_hooks(config)
+    if attention and not (isinstance(capture, str) and capture in ("all", "prompt", "none")):
+        raise ValueError(
+            f"capture: {capture!r}: this engine reads {attention[0]}, rebuilt from the query and key of every position "
+            "from the first: capture 'all', 'prompt' or 'none'"
+        )
     edits = options.get("edits") or {}
     if not isinstance(edits, dict):
         raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
@@ -1646,6 +1669,11 @@ def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int, ranks
     rank, ranks, _stage = ranks
     if ranks == 1:
         return None
+    if tap.kind == _QUERY_KEY:
+        raise ValueError(
+            f"{tap.module}: attention patterns are rebuilt from every head's query and key, which tensor parallelism "
+            "splits across ranks; read them with tensor_parallel_size=1"
+        )
     if tap.kind == _OUTPUT and any(
         type(linear).__name__ == "RowParallelLinear" and not linear.reduce_results
         for linear in (module, *module.children())
@@ -1670,6 +1698,26 @@ def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int, ranks
             "with a tensor_parallel_size that divides the number of key-value heads"
         )
     return rank * share, share
+
+
+def _attention_facts(attention: torch.nn.Module) -> dict[str, Any]:
+    """What rebuilding the scores and pattern of vLLM's Attention module from the query and key it receives takes (see
+    _attention_rows), as the module and its backend's implementation hold them: heads, kv_heads and head_size; scale;
+    softcap (0: none); window, the keys a query sees, itself included (0: all); chunk, chunked attention's size (0:
+    none); sinks, a logit per head (or None); alibi, a slope per head (or None)."""
+    impl = attention.impl
+    sinks, slopes = getattr(impl, "sinks", None), getattr(impl, "alibi_slopes", None)
+    return {
+        "heads": attention.num_heads,
+        "kv_heads": attention.num_kv_heads,
+        "head_size": attention.head_size,
+        "scale": float(impl.scale),
+        "softcap": float(getattr(impl, "logits_soft_cap", None) or 0),
+        "window": int(attention.sliding_window or 0),
+        "chunk": int(getattr(attention, "attention_chunk_size", None) or 0),
+        "sinks": None if sinks is None else torch.as_tensor(sinks).float().tolist(),
+        "alibi": None if slopes is None else torch.as_tensor(slopes).float().tolist(),
+    }
 
 
 def _qkv_columns(module: torch.nn.Module, part: str) -> tuple[int, int] | None:
@@ -1783,6 +1831,12 @@ class _HookState:
         rank alone, each rank's part of a split one."""
         shards = self.shards()
         return [source for source in self.sources if self.ranks.tensor_rank == 0 or source.name in shards]
+
+    def attention(self) -> dict[str, dict[str, Any]]:
+        """{name: _attention_facts} of each hook this rank hands over whose reads rebuild attention (attn_scores,
+        pattern) from its rows."""
+        sent = {name for name, *_ in self.sent_sources}
+        return {name: hook.attention for name, hook in self.placed.items() if name in sent and hook.attention}
 
     def shards(self) -> dict[str, int]:
         """Where this rank's part of each hook split by tensor parallelism starts in a row's first dimension."""
@@ -1928,8 +1982,9 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
             d_head = row_shape[-1]
             order = torch.arange(columns).view(-1, d_head // 2, 2).transpose(1, 2).reshape(-1)
             order = torch.argsort(order)
+        attention = _attention_facts(module) if tap.kind == _QUERY_KEY else None
         placed[name] = _Hook(
-            name, module, tap, row_shape, (start, start + columns), _qkv_columns(module, tap.part), order=order
+            name, module, tap, row_shape, (start, start + columns), _qkv_columns(module, tap.part), order, attention
         )
         output_width = _output_width(module) if tap.kind == _OUTPUT and not tap.part else None
         if output_width is not None and output_width != columns:
@@ -2038,6 +2093,7 @@ class _Hook(_EditTables):
     columns: tuple[int, int]
     part_columns: tuple[int, int] | None = None  # a part's columns in the module's tensor
     order: torch.Tensor | None = None  # vLLM's column of each of TransformerLens's, where they differ (int64)
+    attention: dict[str, Any] | None = None  # for attn_scores and pattern: see _attention_facts
     transcoder: _SAE | None = None  # the transcoder that writes this hook, once bound
 
     @property
@@ -2312,10 +2368,28 @@ def _norm_hooks(site: _Hook) -> None:
     site.add(hook, pre_hook)
 
 
+def _query_key_hooks(site: _Hook) -> None:
+    """The query and key vLLM's attention receives, each token's side by side: [rows, (n_heads + n_kv_heads) *
+    d_head], from which a read rebuilds attn_scores and pattern (see _attention_rows)."""
+
+    def pre_hook(_module, args, kwargs):
+        query, key = site.inputs_of(args, kwargs)
+        rows = torch.cat([query.reshape(query.shape[0], -1), key.reshape(key.shape[0], -1)], dim=-1)
+        if rows.shape[-1] != site.width:
+            raise ValueError(
+                f"{site.name}: {site.tap.module} receives a query and key of {rows.shape[-1]} columns together, but "
+                f"the hook was configured with {site.width}"
+            )
+        site.keep(rows)
+
+    site.add(pre_hook=pre_hook)
+
+
 # fmt: off
 _HOOK_BUILDERS = {  # tap kind -> the builder of its hooks
     _OUTPUT: _output_hooks, _OUTPUT_PAIR: _output_pair_hooks, _INPUT: _input_hooks, _INPUT_PAIR: _input_hooks,
     _NORM_INPUT: _norm_hooks, _NORM_SCALE: _norm_hooks, _NORMALIZED: _norm_hooks, _ROUTER: _router_hooks,
+    _QUERY_KEY: _query_key_hooks,
 }
 # fmt: on
 
@@ -2556,7 +2630,8 @@ class _OnePrompt(_HookState):
                 f"ran), so {num_rows} would include rows it never wrote; read at most {self.forward_rows}"
             )
         rows = {name: buffer[:num_rows].view(num_rows, *shape) for name, buffer, shape in self.sources}
-        return {"shards": self.shards(), "rows": {name: encode_tensor(r) for name, r in rows.items()}}
+        encoded = {name: encode_tensor(r) for name, r in rows.items()}
+        return {"shards": self.shards(), "attention": self.attention(), "rows": encoded}
 
 
 class _RequestTable:
@@ -2959,7 +3034,7 @@ class _Batched(_HookState):
         see _map_row_file and _rows_in), one message per request, as a read of many requests of one row each costs
         per message; else ``"encoded"``, {name: encoded rows}; and ``"columns"``, where it keeps fewer features.
         Of the sent_sources."""
-        reply = {"shards": self.shards(), "hooks": [], "files": [], "rows": {}}
+        reply = {"shards": self.shards(), "attention": self.attention(), "hooks": [], "files": [], "rows": {}}
         if self.config.sink_dir is not None:
             raise RuntimeError(
                 f"read_batched: this engine writes captured rows to its sink_dir {self.config.sink_dir}: "
@@ -3428,6 +3503,43 @@ def join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -
     }
 
 
+def _attention_rows(name: str, rows: torch.Tensor, facts: dict[str, Any]) -> torch.Tensor:
+    """TransformerLens's attn.hook_attn_scores or hook_pattern (as ``name`` ends), [n_heads, n, n] in rows' dtype,
+    rebuilt from rows [n, n_heads + n_kv_heads, d_head], each token's query and key as vLLM's attention received
+    them, at positions 0..n-1; facts: _attention_facts. Scores are q k^T * scale, softcapped, plus ALiBi's slope
+    times the key's position, with the keys a query does not see (later ones, past its window, outside its chunk)
+    at the lowest number of rows' dtype; the pattern is their softmax over the keys (and a sink's logit, whose share
+    is then dropped). Computed in float32 (float64 rows in float64) on the CPU: n_heads * n * n * d_head
+    multiply-adds and 2 * n_heads * n * n * 4 bytes."""
+    heads, n = facts["heads"], rows.shape[0]
+    query, key = rows.to(torch.promote_types(rows.dtype, torch.float32)).split([heads, facts["kv_heads"]], dim=1)
+    key = key.repeat_interleave(heads // facts["kv_heads"], dim=1)
+    scores = torch.matmul(query.transpose(0, 1), key.permute(1, 2, 0)) * facts["scale"]
+    if facts["softcap"]:
+        scores = torch.tanh(scores / facts["softcap"]) * facts["softcap"]
+    positions = torch.arange(n)
+    if facts["alibi"] is not None:
+        scores = scores + torch.tensor(facts["alibi"], dtype=scores.dtype)[:, None, None] * positions
+    query_at, key_at = positions[:, None], positions[None, :]
+    seen = key_at <= query_at
+    if facts["window"]:
+        seen &= query_at - key_at < facts["window"]
+    if facts["chunk"]:
+        seen &= query_at // facts["chunk"] == key_at // facts["chunk"]
+    scores = scores.masked_fill(~seen, torch.finfo(rows.dtype).min)
+    if name.endswith(".hook_attn_scores"):
+        return scores.to(rows.dtype)
+    if facts["sinks"] is None:
+        return scores.softmax(-1).to(rows.dtype)
+    sinks = torch.tensor(facts["sinks"], dtype=scores.dtype)[:, None, None].expand(heads, n, 1)
+    return torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1].to(rows.dtype)
+
+
+def _with_attention(rows: dict[str, torch.Tensor], attention: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """rows, with those of each hook in ``attention`` (see _HookState.attention) rebuilt (see _attention_rows)."""
+    return {name: _attention_rows(name, r, attention[name]) if name in attention else r for name, r in rows.items()}
+
+
 @_driver_helper
 def open_capture(engine: Any) -> None:
     """Arm the one-prompt hooks: the next forward's rows are kept until the next open."""
@@ -3440,7 +3552,8 @@ def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
     rows as SITES says, whole under tensor parallelism. num_rows: the prompt's tokens; the
     prompt must fit one forward (``<= max_num_batched_tokens``)."""
     replies = yield "read_captures", (num_rows,)
-    return join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
+    rows = join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
+    return _with_attention(rows, {name: facts for reply in replies for name, facts in reply["attention"].items()})
 
 
 def _edits_to_wire(edits: Any) -> dict[str, Any]:
@@ -3531,7 +3644,10 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
             )
         layouts, files = _row_layouts(reply["hooks"]), [_map_row_file(token) for token in reply["files"]]
         mapped = {dtype: [file.view(dtype) for file in files] for dtype in {layout[3] for layout in layouts}}
-        rows = {request_id: _rows_in(mapped, layouts, message) for request_id, message in reply["rows"].items()}
+        rows = {
+            request_id: _with_attention(_rows_in(mapped, layouts, message), reply["attention"])
+            for request_id, message in reply["rows"].items()
+        }
         per_rank.append((reply["shards"], rows))
     if len(per_rank) == 1:  # nothing to join
         return per_rank[0][1]
