@@ -1177,6 +1177,9 @@ class _RequestOptions:
     digest: of the edits ("" without): the request's prefix-cache salt.
     chosen: ``{features name}.chosen`` -> (its features, int64 [sae_chosen_features], None): read densely.
     columns: source name (see _HookState.sources) -> the first columns of it the request keeps, where fewer.
+    from_start: the engine reads attention (attn_scores, pattern), whose keys are every position up to each query:
+        the request keeps its rows from position 0 to the last it asks for, and a read hands over those it asked for
+        (see asked).
     """
 
     capture: str | np.ndarray = "all"
@@ -1184,6 +1187,7 @@ class _RequestOptions:
     digest: str = ""
     chosen: dict[str, tuple[tuple[torch.Tensor], None]] = dataclasses.field(default_factory=dict)
     columns: dict[str, int] = dataclasses.field(default_factory=dict)
+    from_start: bool = False
 
     @property
     def slot_tables(self) -> dict[str, tuple[tuple[torch.Tensor, ...], np.ndarray | None]]:
@@ -1191,28 +1195,39 @@ class _RequestOptions:
         return {**self.edits, **self.chosen}
 
     # What the request keeps, decided here alone: kept_range for a step's array operations, keeps for a list of
-    # positions (which kept_range marks with first -1), keeps_any for a span.
+    # positions (which kept_range marks with first -1), keeps_any for a span; asked for what a read hands over.
     def kept_range(self, prompt_len: int) -> tuple[int, int]:
         """(first, last) position kept; first is -1 for a list of positions."""
-        if isinstance(self.capture, np.ndarray):
-            return (-1, _NO_LAST_POSITION)
         last = prompt_len - 1
-        ranges = {"all": (0, _NO_LAST_POSITION), "prompt": (0, last), "last_prompt_token": (last, last)}
-        return ranges.get(self.capture, (0, -1))
+        if isinstance(self.capture, np.ndarray):
+            first, last = (-1, _NO_LAST_POSITION) if not self.from_start else (0, int(self.capture[-1]))
+        else:
+            ranges = {"all": (0, _NO_LAST_POSITION), "prompt": (0, last), "last_prompt_token": (last, last)}
+            first, last = ranges.get(self.capture, (0, -1))
+        return (0 if self.from_start and first <= last else first), last
 
     def keeps(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
         """Whether the row of each of these positions is kept (bool, positions' shape)."""
-        if isinstance(self.capture, np.ndarray):
+        if isinstance(self.capture, np.ndarray) and not self.from_start:
             return np.isin(positions, self.capture)
         first, last = self.kept_range(prompt_len)
         return (positions >= first) & (positions <= last)
 
     def keeps_any(self, start: int, stop: int, prompt_len: int) -> bool:
         """Whether the row of some position in [start, stop) is kept."""
-        if isinstance(self.capture, np.ndarray):
+        if isinstance(self.capture, np.ndarray) and not self.from_start:
             return bool(((self.capture >= start) & (self.capture < stop)).any())
         first, last = self.kept_range(prompt_len)
         return first <= last and first < stop and last >= start
+
+    def asked(self, positions: np.ndarray, prompt_len: int) -> list[int] | None:
+        """Of the rows kept, at these positions, the indices of those the capture asks for where it keeps more
+        (from_start), else None (all)."""
+        if isinstance(self.capture, np.ndarray) and self.from_start:
+            return np.flatnonzero(np.isin(positions, self.capture)).tolist()
+        if self.from_start and self.capture == "last_prompt_token":
+            return np.flatnonzero(positions == prompt_len - 1).tolist()
+        return None
 
 
 _KEEP_ALL, _KEEP_NONE = _RequestOptions("all"), _RequestOptions("none")
@@ -1243,12 +1258,6 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
         capture = np.unique(np.asarray(capture, dtype=np.int64))
     elif capture not in _CAPTURE_MODES:
         raise ValueError(f"capture: expected one of {list(_CAPTURE_MODES)} or a list of positions, got {capture!r}")
-    attention = _attention_hooks(config)
-    if attention and not (isinstance(capture, str) and capture in ("all", "prompt", "none")):
-        raise ValueError(
-            f"capture: {capture!r}: this engine reads {attention[0]}, rebuilt from the query and key of every position "
-            "from the first: capture 'all', 'prompt' or 'none'"
-        )
     edits = options.get("edits") or {}
     if not isinstance(edits, dict):
         raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
@@ -1284,7 +1293,7 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
         if listed:
             row = torch.tensor([*listed, *[0] * (most - len(listed))], dtype=torch.int64)  # padded with feature 0
             parsed_chosen[name + ".chosen"] = ((row,), None)
-    return _RequestOptions(capture, parsed, digest, parsed_chosen, columns)
+    return _RequestOptions(capture, parsed, digest, parsed_chosen, columns, bool(_attention_hooks(config)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -2719,7 +2728,12 @@ class _RequestRows:
     """What one request kept so far: a chunk per step that kept rows."""
 
     columns: dict[str, int]  # the request's (see _RequestOptions)
+    request: _RunningRequest | None = None  # None for one running since before the hooks' first step
     chunks: list[_RowChunk] = dataclasses.field(default_factory=list)
+
+    def asked(self) -> list[int] | None:
+        """The indices of the rows a read hands over, where the request kept more (see _RequestOptions.asked)."""
+        return None if self.request is None else self.request.options.asked(self.positions, self.request.prompt_len)
 
     def rows(self, name: str) -> list[torch.Tensor]:
         return [chunk.step_rows[name][chunk.start : chunk.end] for chunk in self.chunks]
@@ -2865,7 +2879,7 @@ class _Batched(_HookState):
             self.running[request_id] = _RunningRequest(options, prompt_len, prompt_token_ids)
             self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.slot_tables))
             if options.keeps_any(0, _NO_LAST_POSITION, prompt_len):
-                self.records.setdefault(request_id, self._record(options))  # read_batched knows it from now on
+                self.records.setdefault(request_id, self._record(self.running[request_id]))  # read_batched knows it now
             step.first_positions[request_id] = first_position
         self.first_positions = step.first_positions
         self.capture_flags.zero_()  # this step's forward writes its rows
@@ -3017,15 +3031,15 @@ class _Batched(_HookState):
             if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
                 self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
         if chunk.end > chunk.start:  # (reset_batched may have dropped its record meanwhile)
-            request = self.running.get(request_id)
-            options = request.options if request else _default_options(self.prefix_caching)
-            record = self.records.setdefault(request_id, self._record(options))
+            record = self.records.setdefault(request_id, self._record(self.running.get(request_id)))
             record.chunks.append(chunk)
             self.shared.hold(chunk.file)
 
-    def _record(self, options: _RequestOptions) -> _RequestRows:
+    def _record(self, request: _RunningRequest | None) -> _RequestRows:
         """A new record of a request's rows: of its SAEs' chosen features, none unless it chose some."""
-        return _RequestRows({**{name: 0 for name, *_ in self.sources if name.endswith(".chosen")}, **options.columns})
+        options = request.options if request else _default_options(self.prefix_caching)
+        chosen = {name: 0 for name, *_ in self.sources if name.endswith(".chosen")}
+        return _RequestRows({**chosen, **options.columns}, request)
 
     def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
         """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "files", "rows": {user id:
@@ -3057,6 +3071,8 @@ class _Batched(_HookState):
             while len(self.read_ids) > 2 * _READ_KEPT:
                 self.read_ids.popitem(last=False)
             message = reply["rows"][user_id] = {"columns": record.columns} if record.columns else {}
+            if record.asked() is not None:
+                message["asked"] = record.asked()
             if same_host and None not in record.files:
                 pieces = message["pieces"] = []
                 for chunk in record.chunks:
@@ -3503,24 +3519,26 @@ def join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -
     }
 
 
-def _attention_rows(name: str, rows: torch.Tensor, facts: dict[str, Any]) -> torch.Tensor:
-    """TransformerLens's attn.hook_attn_scores or hook_pattern (as ``name`` ends), [n_heads, n, n] in rows' dtype,
-    rebuilt from rows [n, n_heads + n_kv_heads, d_head], each token's query and key as vLLM's attention received
-    them, at positions 0..n-1; facts: _attention_facts. Scores are q k^T * scale, softcapped, plus ALiBi's slope
-    times the key's position, with the keys a query does not see (later ones, past its window, outside its chunk)
-    at the lowest number of rows' dtype; the pattern is their softmax over the keys (and a sink's logit, whose share
-    is then dropped). Computed in float32 (float64 rows in float64) on the CPU: n_heads * n * n * d_head
-    multiply-adds and 2 * n_heads * n * n * 4 bytes."""
-    heads, n = facts["heads"], rows.shape[0]
+def _attention_rows(name: str, rows: torch.Tensor, facts: dict[str, Any], queries: list[int] | None) -> torch.Tensor:
+    """TransformerLens's attn.hook_attn_scores or hook_pattern (as ``name`` ends), [n_heads, queries, keys] in rows'
+    dtype, rebuilt from rows [n, n_heads + n_kv_heads, d_head], each token's query and key as vLLM's attention
+    received them, at positions 0..n-1: for the rows ``queries`` (None: all), over the keys up to the last of them;
+    facts: _attention_facts. Scores are q k^T * scale, softcapped, plus ALiBi's slope times the key's position, with
+    the keys a query does not see (later ones, past its window, outside its chunk) at the lowest number of rows'
+    dtype; the pattern is their softmax over the keys (and a sink's logit, whose share is then dropped). Computed in
+    float32 (float64 rows in float64) on the CPU: n_heads * queries * keys * d_head multiply-adds and 2 * n_heads *
+    queries * keys * 4 bytes."""
+    heads, positions = facts["heads"], torch.arange(rows.shape[0])
+    query_at = positions if queries is None else torch.tensor(queries, dtype=torch.int64)
+    key_at = positions[: int(query_at[-1]) + 1 if len(query_at) else 0]
     query, key = rows.to(torch.promote_types(rows.dtype, torch.float32)).split([heads, facts["kv_heads"]], dim=1)
-    key = key.repeat_interleave(heads // facts["kv_heads"], dim=1)
+    query, key = query[query_at], key[key_at].repeat_interleave(heads // facts["kv_heads"], dim=1)
     scores = torch.matmul(query.transpose(0, 1), key.permute(1, 2, 0)) * facts["scale"]
     if facts["softcap"]:
         scores = torch.tanh(scores / facts["softcap"]) * facts["softcap"]
-    positions = torch.arange(n)
     if facts["alibi"] is not None:
-        scores = scores + torch.tensor(facts["alibi"], dtype=scores.dtype)[:, None, None] * positions
-    query_at, key_at = positions[:, None], positions[None, :]
+        scores = scores + torch.tensor(facts["alibi"], dtype=scores.dtype)[:, None, None] * key_at
+    query_at, key_at = query_at[:, None], key_at[None, :]
     seen = key_at <= query_at
     if facts["window"]:
         seen &= query_at - key_at < facts["window"]
@@ -3531,13 +3549,20 @@ def _attention_rows(name: str, rows: torch.Tensor, facts: dict[str, Any]) -> tor
         return scores.to(rows.dtype)
     if facts["sinks"] is None:
         return scores.softmax(-1).to(rows.dtype)
-    sinks = torch.tensor(facts["sinks"], dtype=scores.dtype)[:, None, None].expand(heads, n, 1)
+    sinks = torch.tensor(facts["sinks"], dtype=scores.dtype)[:, None, None].expand(heads, len(query_at), 1)
     return torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1].to(rows.dtype)
 
 
-def _with_attention(rows: dict[str, torch.Tensor], attention: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """rows, with those of each hook in ``attention`` (see _HookState.attention) rebuilt (see _attention_rows)."""
-    return {name: _attention_rows(name, r, attention[name]) if name in attention else r for name, r in rows.items()}
+def _with_attention(
+    rows: dict[str, torch.Tensor], attention: dict[str, dict[str, Any]], asked: list[int] | None = None
+) -> dict[str, torch.Tensor]:
+    """rows, with those of each hook in ``attention`` (see _HookState.attention) rebuilt (see _attention_rows); where
+    a request kept more rows than it asked for (``asked``, the indices of those it did), those alone: an attention
+    matrix's queries."""
+    return {
+        name: _attention_rows(name, r, attention[name], asked) if name in attention else r if asked is None else r[asked]
+        for name, r in rows.items()
+    }
 
 
 @_driver_helper
@@ -3553,7 +3578,8 @@ def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
     prompt must fit one forward (``<= max_num_batched_tokens``)."""
     replies = yield "read_captures", (num_rows,)
     rows = join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
-    return _with_attention(rows, {name: facts for reply in replies for name, facts in reply["attention"].items()})
+    attention = {name: facts for reply in replies for name, facts in reply["attention"].items()}
+    return _with_attention(rows, attention)
 
 
 def _edits_to_wire(edits: Any) -> dict[str, Any]:
@@ -3645,7 +3671,7 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
         layouts, files = _row_layouts(reply["hooks"]), [_map_row_file(token) for token in reply["files"]]
         mapped = {dtype: [file.view(dtype) for file in files] for dtype in {layout[3] for layout in layouts}}
         rows = {
-            request_id: _with_attention(_rows_in(mapped, layouts, message), reply["attention"])
+            request_id: _with_attention(_rows_in(mapped, layouts, message), reply["attention"], message.get("asked"))
             for request_id, message in reply["rows"].items()
         }
         per_rank.append((reply["shards"], rows))
