@@ -2369,6 +2369,18 @@ class TestAttentionPatterns:
         _outputs, worst = check_per_request(llm, models["llama"], requests, max_tokens=4)
         print(f"\nworst relative error {worst:.2e}")
 
+    def test_a_request_whose_attention_could_outgrow_a_read_is_refused_before_it_runs(self, llm, monkeypatch):
+        """Six hooks' float32 scores and patterns, bounded by [n_heads + n_kv_heads (3), n, n] each: 13 MiB for the
+        300-token prompt and 3 generated tokens, 0.02 MiB for 9 and 3, 600 bytes for the first kept up to position
+        4."""
+        monkeypatch.setattr(tlh, "ATTENTION_READ_BYTES", 1 << 20)
+        with pytest.raises(ValueError, match=r"\(6 hooks, 303 positions\) could take 13 MiB, past the 1 MiB"):
+            generate(llm, [BATCH[1]], max_tokens=4)
+        few = tlh.request_args(llm.config, [4])
+        outputs = generate(llm, [BATCH[1], BATCH[0]], max_tokens=4, extra_args=[few, None])
+        rows = tlh.read_batched(llm, [output.request_id for output in outputs])
+        assert [rows[o.request_id]["blocks.2.attn.hook_pattern"].shape for o in outputs] == [(2, 1, 5), (2, 12, 12)]
+
 
 
 class TestSink:

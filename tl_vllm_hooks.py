@@ -55,7 +55,7 @@ __version__ = "0.3.0"
 
 # fmt: off
 __all__ = [
-    "CAPTURE_DTYPES", "FAMILIES", "REFUSED", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION",
+    "ATTENTION_READ_BYTES", "CAPTURE_DTYPES", "FAMILIES", "REFUSED", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION",
     "CaptureConfig", "CaptureDataset", "SAESpec", "WorkerExtension", "capture_specs", "configure", "decode_tensor",
     "encode_tensor", "flush_sink", "join_ranks", "model_sites", "open_capture", "parse_hook_name", "read_batched",
     "read_captures", "read_fire_counts", "register", "remove_hooks", "request_args", "reset_batched", "reset_edits",
@@ -1296,6 +1296,35 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
     return _RequestOptions(capture, parsed, digest, parsed_chosen, columns, bool(_attention_hooks(config)))
 
 
+ATTENTION_READ_BYTES = 8 << 30
+"""The most a read of one request's attention matrices may build on the driver (bytes): a request that could need
+more is refused before it runs. Set it in the process that sends the requests."""
+
+
+def _refuse_large_attention(request: Any, options: _RequestOptions | None, config: CaptureConfig | None) -> None:
+    """ValueError, before the request runs, where reading its attention matrices (see _attention_rows: scores and
+    pattern, float32 [n_heads, queries, keys], for each attn_scores and pattern hook) could take more than
+    ATTENTION_READ_BYTES: over its prompt and max_tokens, the positions it keeps, and one forward's rows for the
+    one-prompt flavour."""
+    hooks = _attention_hooks(config) if config is not None else []
+    if not hooks:
+        return
+    prompt_len = _prompt_len(request)
+    rows = prompt_len + (request.sampling_params.max_tokens or 1) - 1
+    if options is not None:
+        rows = min(rows, options.kept_range(prompt_len)[1] + 1)
+    if not config.enable_batching:
+        rows = min(rows, config.max_num_batched_tokens)
+    need = sum(2 * 4 * config.row_shape(name)[0] * rows * rows for name in hooks)
+    if need > ATTENTION_READ_BYTES:
+        raise ValueError(
+            f"{request.request_id}: reading its attention matrices ({len(hooks)} hooks, {rows} positions) could take "
+            f"{need / 2**20:,.0f} MiB, past the {ATTENTION_READ_BYTES / 2**20:,.0f} MiB a read builds at most on the "
+            "driver (tl_vllm_hooks.ATTENTION_READ_BYTES): keep fewer positions (request_args(capture=...)), read "
+            "fewer layers, or send a shorter request"
+        )
+
+
 @functools.lru_cache(maxsize=256)
 def _parse_options_text(text: str, payload: str | None) -> _RequestOptions:
     """request_args' JSON text, parsed once however many requests share it."""
@@ -1446,10 +1475,12 @@ def register() -> None:
             _install(self, config)
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
-        options = _request_options(getattr(params, "extra_args", None), _engine_payload(self.vllm_config))
+        payload = _engine_payload(self.vllm_config)
+        options = _request_options(getattr(params, "extra_args", None), payload)
         request = take_inputs(self, request_id, prompt, params, *args, **kwargs)
         if options is not None:
             _keep_apart_in_prefix_cache(request, options)
+        _refuse_large_attention(request, options, _config_from_json(payload))
         return request
 
     _patch(Worker, "load_model", load_model)
