@@ -86,6 +86,7 @@ CASES = {
     "tl-b": "TransformerLens 4.3's own plugin, compiled: resid_post, every layer (its one-prompt capture)",
     "tl-e": "TransformerLens 4.3's own plugin, batched (eager): resid_post, every row of every request",
     "f1": "(f) at the middle layer only (the SAE cases' dense rows)",
+    "p1": "(f1) as attn.hook_pattern, every head: each token's query and key kept, the patterns rebuilt when read",
     "sae16": "batched, compiled: a 16,384-feature SAE at the middle layer's resid_post, top 64 of every prompt token",
     "sae65": "(sae16) with 65,536 features",
     "h4": "harvest: batched, compiled, resid_post of every prompt token at 4 layers, rows read (use --harvest)",
@@ -95,10 +96,10 @@ CASES = {
 }
 _SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",),
           "f": ("resid_post",), "g": ("resid_post",), "s": ("resid_post",), "f1": ("resid_post",),
-          "h4": ("resid_post",), "h16": ("resid_post",), "h4s": ("resid_post",), "h16s": ("resid_post",)}
-_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt", "f1": "prompt", "sae16": "prompt",
+          "p1": ("pattern",), "h4": ("resid_post",), "h16": ("resid_post",), "h4s": ("resid_post",), "h16s": ("resid_post",)}
+_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt", "f1": "prompt", "p1": "prompt", "sae16": "prompt",
             "sae65": "prompt", "h4": "prompt", "h16": "prompt", "h4s": "prompt", "h16s": "prompt"}  # request_args' capture
-_LAYER_COUNT = {"f1": 1, "h4": 4, "h16": 16, "h4s": 4, "h16s": 16}  # case -> layers hooked (the others: every one)
+_LAYER_COUNT = {"f1": 1, "p1": 1, "h4": 4, "h16": 16, "h4s": 4, "h16s": 16}  # case -> layers hooked (the others: every one)
 _SINK = ("s", "h4s", "h16s")  # cases that write their rows to a sink directory
 _SAES = {"sae16": 16384, "sae65": 65536}  # case -> features of its SAE (random, standard), features only, no rows
 _SAE_TOP_K = 64

@@ -3657,7 +3657,9 @@ def request_args(
     config: the engine's config (what ``configure`` returned).
     capture: the request's rows ``read_batched`` (or the sink) gets: ``"all"`` (prompt and generated tokens, as
         without options), ``"prompt"``, ``"last_prompt_token"``, ``"none"``, or a list of token positions. Rows not
-        kept never leave the device.
+        kept never leave the device. On an engine reading attention (attn_scores, pattern), whose keys are every
+        position up to each query, rows are kept from position 0 to the last asked for, and a read hands over those
+        asked for (an attention matrix's queries), at most ATTENTION_READ_BYTES of attention matrices.
     edits: as in ``set_edits``, at any positions, for this request's rows only; a hook (or its features) edited
         here ignores the engine-wide edit on it for this request.
     top_k: ``{features name: k}``: keep only each row's k top features of that SAE (k <= sae_top_k, the default).
