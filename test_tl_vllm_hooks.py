@@ -125,10 +125,11 @@ ATTENTION = ("attn.hook_attn_scores", "attn.hook_pattern")
 # inside its kernel), and the attention matrices (its kernels never read them).
 READ_ONLY = ("mlp.hook_expert_weights", "mlp.hook_expert_indices", *ATTENTION)
 UNSEEN = -1e30  # below: a key the query does not see
-# A query-key dot product's relative error is not bounded by its inputs' (it cancels): under a row bound (PerRow, the
-# bf16 checks) attention scores are held to this many times it, and the pattern, their softmax, to the bound itself
-# (a wrong scale, softcap or mask moves a pattern row by ~1). Measured on vLLM 0.32's CPU in bf16: see BF16_TOLERANCE.
-SCORES_LOOSER = 3
+# A query-key dot product's relative error is not bounded by its inputs' where it cancels (query 0 sees one key: in
+# bf16, Mixtral's score there, near 0, came 32 % off). Under a row bound (PerRow, the bf16 checks) each row of
+# attention scores is measured against the larger of its norm and the request's mean row norm; a wrong scale, softcap
+# or mask moves rows by about their typical norm.
+
 # Families whose rows differ from TransformerLens's by more than TOLERANCE from some hook on, hooks
 # or not, each bound from the spread measured here (every hook before keeps TOLERANCE):
 # - BLOOM: vLLM's MLP uses the exact GELU, transformers' the tanh approximation: 2-4e-4 relative
@@ -701,10 +702,11 @@ class PerRow(float):
     worst_row = 0.0
 
 
-def row_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    """relative_error of each row ([rows], float64)."""
+def row_errors(actual: torch.Tensor, expected: torch.Tensor, typical: bool = False) -> torch.Tensor:
+    """relative_error of each row ([rows], float64); typical: relative to the larger of its norm and the mean row's."""
     a, e = actual.double().reshape(len(actual), -1), expected.double().reshape(len(expected), -1)
     scale = e.norm(dim=1)
+    scale = scale.clamp_min(float(scale.mean())) if typical else scale
     difference = (a - e).norm(dim=1)
     return torch.where(scale > 0, difference / scale.clamp_min(1e-300), difference)
 
@@ -714,12 +716,7 @@ def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TO
     PerRow tolerance: every hook with a row beyond it)."""
     assert set(actual) == set(expected), f"{context}: hooks {sorted(actual)} != {sorted(expected)}"
     errors, checked = {}, {}
-    given = tolerance if callable(tolerance) else lambda _name: tolerance  # (see family_tolerance)
-
-    def limit(name):  # attention scores held SCORES_LOOSER times a row bound
-        return PerRow(given(name) * SCORES_LOOSER) if isinstance(given(name), PerRow) and name.endswith(ATTENTION[0]) \
-            else given(name)
-
+    limit = tolerance if callable(tolerance) else lambda _name: tolerance  # (see family_tolerance)
     actual, expected = dict(actual), dict(expected)
     for name in expected:
         assert actual[name].shape == expected[name].shape, (
@@ -732,7 +729,7 @@ def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TO
         errors[name] = relative_error(actual[name], expected[name])
         checked[name] = errors[name]
         if isinstance(limit(name), PerRow) and len(expected[name]):
-            checked[name] = float(row_errors(actual[name], expected[name]).max())
+            checked[name] = float(row_errors(actual[name], expected[name], name.endswith(ATTENTION[0])).max())
             PerRow.worst_row = max(PerRow.worst_row, checked[name])
     failed = [name for name, error in checked.items() if error > limit(name)]
     assert not failed, f"{context}: relative error past tolerance in " + " | ".join(
@@ -3374,8 +3371,9 @@ class TestLoading:
 # - on an H200 (2026-12-03, the ten classic sites of Llama and Gemma 2): worst whole hook 1.9e-2, worst row 2.4e-2;
 # - on vLLM 0.32's CPU in bf16, these classes run with the CUDA skip lifted (2026-12-04, every site of Llama, Gemma 2
 #   and Mixtral, SAE features, edits included): worst whole hook 2.1e-2, worst row 8.4e-2 (Mixtral's layer-2
-#   mlp.hook_post under an edit at layer 1, at cosine 0.997; Llama's worst 4.5e-2). Every site on the H200 is yet to
-#   be measured.
+#   mlp.hook_post under an edit at layer 1, at cosine 0.997; Llama's worst 4.5e-2); attention (2026-12-05, eager, the
+#   batched checks of Llama, Gemma 2 and Mixtral): scores worst row 3.9e-2 (against the typical row, see UNSEEN),
+#   whole 2.2e-2; patterns worst row 8.2e-2 (Mixtral), whole 2.1e-2. Every site on the H200 is yet to be measured.
 # A semantic error (a row off by one, a missing residual, an edit missed or applied twice) is ~1 in the row it hits.
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16_TOLERANCE = PerRow(1e-1)
