@@ -1492,9 +1492,11 @@ def check_every_site_edit_per_request(llm, model: Model, reference=None, toleran
 # TestFamilies' engines run eager in this process (a CPU compile costs ~70 s an engine),
 # except: torch.compiled (inductor) for Qwen3, whose graph carries every tap kind the new
 # sites brought beside Llama's (which TestOnePrompt and TestBatched compile): heads of a
-# fused qkv projection, Attention's inputs, ln2 after hook_resid_mid on one norm; and in
-# vLLM's separate processes, the default layout, for OLMo 2 (vLLM's Transformers backend).
-COMPILED_FAMILIES = ("qwen3",)
+# fused qkv projection, Attention's inputs, ln2 after hook_resid_mid on one norm, the attention
+# matrices' query and key; and SmolLM3, on vLLM's Transformers backend, whose Attention forward the
+# hooks wrap (vLLM calls it past module hooks); and in vLLM's separate processes, the default
+# layout, for OLMo 2 (vLLM's Transformers backend).
+COMPILED_FAMILIES = ("qwen3", "smollm3")
 SEPARATE_FAMILIES = ("olmo2",)
 
 
@@ -1605,6 +1607,27 @@ def test_each_family_places_exactly_the_hooks_transformer_lens_runs(models, fami
         if name.endswith(READ_ONLY):
             with pytest.raises(ValueError, match="read-only"):
                 tlh.request_args(tlh.configure(specs, 64, enable_batching=True), "all", {name: {"op": "suppress"}})
+
+
+@NO_ENGINE
+@pytest.mark.parametrize("family", FAMILIES + PLACED_HERE)
+def test_attention_scores_are_refused_exactly_where_transformer_lens_gives_the_pattern_there(models, family):
+    """Some of TransformerLens 4.3's adapters fire blocks.L.attn.hook_attn_scores with the softmax's output (what
+    hook_pattern holds): those records refuse it, saying so, and every other family's bridge gives scores there."""
+    with torch.no_grad():
+        _logits, cache = models[family].bridge.run_with_cache(torch.tensor([PROMPT[:8]]))
+    names = [name for name in cache.keys() if name.endswith(ATTENTION[0])]
+    assert names, f"{family}: the bridge runs no hook_attn_scores"
+    pattern_there = all(torch.equal(cache[name], cache[name.replace(*ATTENTION)]) for name in names)
+    refused = tlh.FAMILIES[family].refused
+    says_pattern = refused.get("attn_scores", "").startswith("TransformerLens 4.3's adapter fires hook_attn_scores with")
+    if "attn_scores" in refused and not says_pattern:  # refused for another reason, with hook_pattern (Gemma 4)
+        assert refused["pattern"] == refused["attn_scores"]
+        return
+    assert pattern_there == says_pattern, (
+        f"{family}: the bridge's hook_attn_scores {'is' if pattern_there else 'is not'} its hook_pattern; refused: "
+        f"{refused.get('attn_scores')!r}"
+    )
 
 
 @NO_ENGINE

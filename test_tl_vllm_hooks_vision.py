@@ -84,6 +84,16 @@ def test_each_multimodal_checkpoint_places_exactly_the_hooks_transformer_lens_ru
     base.test_each_family_places_exactly_the_hooks_transformer_lens_runs(models, family)
 
 
+@base.NO_ENGINE
+@pytest.mark.parametrize("family", MULTIMODAL)
+def test_each_multimodal_checkpoint_refuses_attention_scores_exactly_where_transformer_lens_gives_the_pattern(
+    models, family
+):
+    """test_attention_scores_are_refused_exactly_where_transformer_lens_gives_the_pattern_there, for every multimodal
+    record."""
+    base.test_attention_scores_are_refused_exactly_where_transformer_lens_gives_the_pattern_there(models, family)
+
+
 IMAGE_TEXT = "t5 t6 {} t7 t8"
 
 

@@ -45,6 +45,7 @@ import socket
 import sys
 import warnings
 import weakref
+import types
 import typing
 from typing import Any
 
@@ -175,6 +176,8 @@ class _Tap:
         residual_multiplier): the product is TransformerLens's tensor and carries the edit. bias_apart: the module
         returns (output, bias) for its caller to add (skip_bias_add, Falcon's): the sum carries the edit.
     moe: for _ROUTER, the block whose routing it reads.
+    direct: vLLM calls the module's forward itself, past module hooks (its Transformers backend's attention): the
+        hooks wrap that forward (see _wrap_forward).
     """
 
     module: str
@@ -185,6 +188,7 @@ class _Tap:
     multiplier: str = ""
     bias_apart: bool = False
     moe: _MoE | None = None
+    direct: bool = False
 
 
 _LAYER_PAIR = (("hidden_states", 1), ("residual", 2))  # vLLM's fused-residual decoder layers
@@ -266,6 +270,7 @@ class _Family:
         layers use the keys as values: no hook_v, and an edit of hook_k reaches V (Gemma 4's attention_k_eq_v).
     taps: taps replacing those the fields give. refused: {site: why it is not placed} for sites TransformerLens runs
         on the family. settings: {config attribute: the value the record describes}; other values are refused.
+    direct_attention: vLLM calls its Attention modules' forward itself (see _Tap.direct).
     text_classes: for a multimodal checkpoint, the vLLM classes of its text model that the record describes, which
         sits under ``text_prefix`` in vLLM's tree and takes the shapes of ``config.get_text_config()``.
     """
@@ -308,15 +313,13 @@ class _Family:
     k_as_v: str = ""
     text_prefix: str = ""
     text_classes: tuple[str, ...] = ()
+    direct_attention: bool = False
 
 
-_BACKEND_ROTARY = "vLLM's Transformers backend applies rotary inside transformers' attention, on no module"
-# vLLM's Transformers backend: transformers' module tree with vLLM's linear layers, norms and attention.
+# vLLM's Transformers backend: transformers' module tree with vLLM's linear layers, norms and attention, whose forward
+# it calls itself.
 _BACKEND = _Family(
-    "", "", vllm_class="TransformersForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT, rotary=False,
-    refused={**dict.fromkeys(("attn_rot_q", "attn_rot_k"), _BACKEND_ROTARY), **dict.fromkeys(
-        ("attn_scores", "pattern"), "vLLM's Transformers backend calls its attention's forward directly, where no "
-        "hook runs, so the query and key it attends with are not read")},
+    "", "", vllm_class="TransformersForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT, direct_attention=True,
 )  # fmt: skip
 _H_LAYER = "transformer.h.{i}"
 # Where TransformerLens 4.3's adapter keeps transformers' own attention, which hands it the softmax's output alone.
@@ -362,7 +365,8 @@ FAMILIES = {family.name: family for family in (
     # GPT-J's block takes (position_ids, hidden_states).
     _Family("gptj", "GPTJForCausalLM", residual="stream", layer=_H_LAYER, embed="transformer.wte",
             final_norm="transformer.ln_f", norm="layer", attention=".attn", o_proj=".out_proj", rotary=False,
-            ln1=".ln_1", ln2="", parallel=True, mlp_up=".fc_in", mlp_down=".fc_out", mlp_inputs=_HIDDEN_INPUT),
+            ln1=".ln_1", ln2="", parallel=True, mlp_up=".fc_in", mlp_down=".fc_out", mlp_inputs=_HIDDEN_INPUT,
+            refused=_SCORES_ARE_PATTERN),
     # OPT (norms before each branch, do_layer_norm_before): its layer holds the MLP's two linear layers itself, so
     # the first's input is mlp.hook_in and the second's output hook_mlp_out.
     _Family("opt", "OPTForCausalLM", residual="stream", layer="model.decoder.layers.{i}",
@@ -387,9 +391,9 @@ FAMILIES = {family.name: family for family in (
     # OLMo's LayerNorm has no weight and no bias (transformers' own module, which vLLM keeps).
     dataclasses.replace(
         _BACKEND, name="olmo", architecture="OlmoForCausalLM", norm="layer", norm_inputs=_HIDDEN_INPUT,
-        refused={**_BACKEND.refused, **dict.fromkeys(
+        refused=dict.fromkeys(
             ("ln1_scale", "ln1", "ln2_scale", "ln2", "final_norm_scale", "final_norm"),
-            "TransformerLens 4.3's bridge fails on a hook at OLMo's weightless norms (\"has no attribute 'weight'\")")},
+            "TransformerLens 4.3's bridge fails on a hook at OLMo's weightless norms (\"has no attribute 'weight'\")"),
     ),
     dataclasses.replace(_BACKEND, name="olmo2", architecture="Olmo2ForCausalLM", ln1="", ln2="",
                         post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm")),
@@ -400,12 +404,11 @@ FAMILIES = {family.name: family for family in (
                         mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT),
     # GPT-NeoX: its fused query_key_value interleaves q, k and v per head, which no part here describes.
     dataclasses.replace(
-        _BACKEND, name="gpt_neox", architecture="GPTNeoXForCausalLM", embed="model.embed_in",
+        _BACKEND, name="gpt_neox", architecture="GPTNeoXForCausalLM", embed="model.embed_in", rotary=False,
         final_norm="model.final_layer_norm", norm="layer", attention=".attention", o_proj=".dense", parallel=True,
         mlp_up=".dense_h_to_4h", mlp_down=".dense_4h_to_h", mlp_inputs=_HIDDEN_INPUT,
         settings=dict(use_parallel_residual=True),
-        refused={**_BACKEND.refused, **dict.fromkeys(
-            ("attn_q", "attn_k", "attn_v"), "its fused query_key_value interleaves q, k and v per head")}),
+        refused=dict.fromkeys(("attn_q", "attn_k", "attn_v"), "its fused query_key_value interleaves q, k and v per head")),
     _Family("ministral3", "Ministral3ForCausalLM", vllm_class="MistralForCausalLM"),  # rot_q: Llama 4's query scale
     # GLM-4-0414: Gemma 2's sandwich norms with plain weights.
     _Family("glm4", "Glm4ForCausalLM", post_norms=(".post_self_attn_layernorm", ".post_mlp_layernorm")),
@@ -419,7 +422,7 @@ FAMILIES = {family.name: family for family in (
     # AFMoE: a norm before and after each branch; no rotary or expert hooks in TransformerLens.
     _Family("afmoe", "AfmoeForCausalLM", rotary=False, ln2=".pre_mlp_layernorm",
             post_norms=(".post_attention_layernorm", ".post_mlp_layernorm"),
-            moe=_MoE(router="", layers="num_dense_layers")),
+            moe=_MoE(router="", layers="num_dense_layers"), refused=_SCORES_ARE_PATTERN),
     _Family("granitemoe", "GraniteMoeForCausalLM", residual="stream", embed_at_layer0=True,
             multiplier="residual_multiplier", moe=_MoE(".block_sparse_moe", renormalize="always")),
     dataclasses.replace(_BACKEND, name="glm", architecture="GlmForCausalLM", mlp_inputs=_HIDDEN_INPUT),
@@ -458,8 +461,8 @@ FAMILIES = {family.name: family for family in (
             norm_inputs=_HIDDEN_INPUT, ln2="", parallel=True),
     # PhiMoE (a stream layout returning (stream, residual)): LayerNorms, sparsemixer routing.
     _Family("phimoe", "PhiMoEForCausalLM", hf_class="PhimoeForCausalLM", residual="stream", norm="layer",
-            norm_inputs=_TORCH_NORM_INPUT, rotary=False, moe=_MoE(".block_sparse_moe", scoring="sparsemixer",
-                                                                  renormalize="")),
+            norm_inputs=_TORCH_NORM_INPUT, rotary=False, refused=_SCORES_ARE_PATTERN,
+            moe=_MoE(".block_sparse_moe", scoring="sparsemixer", renormalize="")),
     dataclasses.replace(_BACKEND, name="arcee", architecture="ArceeForCausalLM", mlp_up=".up_proj"),
     dataclasses.replace(_BACKEND, name="jais2", architecture="Jais2ForCausalLM", norm="layer", mlp_up=".up_proj"),
     dataclasses.replace(_BACKEND, name="seed_oss", architecture="SeedOssForCausalLM"),
@@ -467,10 +470,11 @@ FAMILIES = {family.name: family for family in (
                         post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm")),
     # HunYuan: q and k normalized after rotary, inside transformers' attention, on [heads, tokens, d_head].
     dataclasses.replace(_BACKEND, name="hunyuan_dense", architecture="HunYuanDenseV1ForCausalLM",
-                        refused={**_BACKEND.refused, **dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens's "
-                                 "hook_rot_q/k are the inputs of its q/k norms, which take [heads, tokens, d_head]")}),
+                        refused=dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens's hook_rot_q/k are the "
+                                              "inputs of its q/k norms, which take [heads, tokens, d_head]")),
     # GPTBigCode: GPT-2's layout under the backend, with multi-query attention.
     dataclasses.replace(_BACKEND, name="gpt_bigcode", architecture="GPTBigCodeForCausalLM", layer="model.h.{i}",
+                        rotary=False,
                         embed="model.wte", pos_embed="model.wpe", final_norm="model.ln_f", norm="layer",
                         attention=".attn", qkv=".c_attn", o_proj=".c_proj", ln1=".ln_1", ln2=".ln_2",
                         mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT,
@@ -496,13 +500,14 @@ FAMILIES.update({family.name: family for family in (
     _text_model_under_lm("mistral", "mistral3", "Mistral3ForConditionalGeneration", ("MistralForCausalLM",)),
     _text_model_under_lm("llama4", "llama4_mm", "Llama4ForConditionalGeneration", ("Llama4ForCausalLM",)),
     _text_model_under_lm("llama", "llava", "LlavaForConditionalGeneration", _LLAVA_TEXT),
-    # Qwen-VL: TransformerLens 4.3's adapters run no rotary hooks (M-RoPE, applied inside transformers' attention).
+    # Qwen-VL: TransformerLens 4.3's adapters run no rotary hooks (M-RoPE, applied inside transformers' attention), and
+    # keep transformers' attention.
     _text_model_under_lm("qwen2", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", ("Qwen2ForCausalLM",),
-                         rotary=False),
+                         rotary=False, refused=_SCORES_ARE_PATTERN),
     _text_model_under_lm("qwen3", "qwen3_vl", "Qwen3VLForConditionalGeneration", ("Qwen3LLMForCausalLM",),
-                         rotary=False),
+                         rotary=False, refused=_SCORES_ARE_PATTERN),
     _text_model_under_lm("qwen3_moe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
-                         ("Qwen3MoeLLMForCausalLM",), rotary=False),
+                         ("Qwen3MoeLLMForCausalLM",), rotary=False, refused=_SCORES_ARE_PATTERN),
     _text_model_under_lm("llama", "llava_next", "LlavaNextForConditionalGeneration", _LLAVA_TEXT),
     _text_model_under_lm("qwen2", "llava_onevision", "LlavaOnevisionForConditionalGeneration", ("Qwen2ForCausalLM",)),
     # Audio towers beside a text model (no torchvision needed).
@@ -529,8 +534,8 @@ FAMILIES.update({family.name: family for family in (
             residual="stream", embed_at_layer0=True, ln2=".pre_feedforward_layernorm",
             post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), norm="rms_offset",
             norm_inputs=_HIDDEN_INPUT, rotary=False, text_prefix="", text_classes=("MuseGlimmerForCausalLM",),
-            refused=dict.fromkeys(_NORM_SITES, "TransformerLens 4.3's MuseGlimmer adapter runs no hook_normalized or "
-                                  "hook_scale (its norms are bare components)")),
+            refused={**_SCORES_ARE_PATTERN, **dict.fromkeys(_NORM_SITES, "TransformerLens 4.3's MuseGlimmer adapter runs "
+                                                            "no hook_normalized or hook_scale (its norms are bare components)")}),
 )})
 # fmt: on
 """name -> the family's record (a frozen _Family: ``architecture``, ``vllm_class``, module paths, ``refused`` sites
@@ -654,10 +659,10 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         "ln1_scale": norm(at + f.ln1, _NORM_SCALE) if f.ln1 else None,
         "ln1": norm(at + f.ln1) if f.ln1 else None,
         **{f"attn_{part}": _Tap(attention + f.qkv, _OUTPUT, part=part, bias_apart=f.bias_apart) for part in "qkv"},
-        "attn_rot_q": _Tap(attention + ".attn", _INPUT, _QUERY) if f.rotary else None,
-        "attn_rot_k": _Tap(attention + ".attn", _INPUT, _KEY) if f.rotary else None,
-        "attn_scores": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY),
-        "pattern": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY),
+        "attn_rot_q": _Tap(attention + ".attn", _INPUT, _QUERY, direct=f.direct_attention) if f.rotary else None,
+        "attn_rot_k": _Tap(attention + ".attn", _INPUT, _KEY, direct=f.direct_attention) if f.rotary else None,
+        "attn_scores": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY, direct=f.direct_attention),
+        "pattern": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY, direct=f.direct_attention),
         "attn_z": _Tap(attention + f.o_proj, _INPUT, _LINEAR_INPUT),
         "attn_out": _Tap(at + f.post_norms[0], _OUTPUT) if f.post_norms
         else _Tap(attention, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
@@ -1700,6 +1705,32 @@ def _engine_facts(worker: Any) -> _EngineFacts:
     )  # fmt: skip
 
 
+def _wrap_forward(module: torch.nn.Module, pre_hook: Any, hook: Any) -> Any:
+    """Run these hooks, as torch runs a module's (pre_hook(module, args, kwargs) may return new (args, kwargs),
+    hook(module, args, output) a new output), around ``module.forward`` itself, where vLLM calls it directly (its
+    Transformers backend's attention), in the order they are added. Returns a handle whose remove() puts back the
+    module's forward."""
+    hooks = getattr(module, "_tl_forward_hooks", None)
+    if hooks is None:
+        hooks, forward = {"pre": [], "post": []}, module.forward
+
+        def forward_with_hooks(*args, **kwargs):
+            for run in hooks["pre"]:
+                args, kwargs = run(module, args, kwargs) or (args, kwargs)
+            output = forward(*args, **kwargs)
+            for run in hooks["post"]:
+                replaced = run(module, args, output)
+                output = output if replaced is None else replaced
+            return output
+
+        _patch(module, "forward", forward_with_hooks)
+        _patch(module, "_tl_forward_hooks", hooks)
+    for kind, run in (("pre", pre_hook), ("post", hook)):
+        if run is not None:
+            hooks[kind].append(torch.no_grad()(run))
+    return types.SimpleNamespace(remove=lambda: _restore([module]))
+
+
 def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int, ranks: _Ranks) -> tuple[int, int] | None:
     """(first column, columns) of a row of ``width`` this rank holds, or None for all of it:
     under tensor parallelism heads of q, k, v and z and the MLP's hidden units are split."""
@@ -2230,6 +2261,9 @@ class _Hook(_EditTables):
 
     def add(self, hook=None, pre_hook=None) -> None:
         handles, module = self.state.handles, self.module
+        if self.tap.direct:
+            handles.append(_wrap_forward(module, pre_hook, hook))
+            return
         if pre_hook is not None:
             handles.append(module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True))
         if hook is not None:
