@@ -3136,8 +3136,9 @@ class _Batched(_HookState):
             while len(self.read_ids) > 2 * _READ_KEPT:
                 self.read_ids.popitem(last=False)
             message = reply["rows"][user_id] = {"columns": record.columns} if record.columns else {}
-            if record.asked() is not None:
-                message["asked"] = record.asked()
+            asked = record.asked()
+            if asked is not None:
+                message["asked"] = asked
             if same_host and None not in record.files:
                 pieces = message["pieces"] = []
                 for chunk in record.chunks:
