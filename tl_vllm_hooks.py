@@ -43,9 +43,9 @@ import os
 import re
 import socket
 import sys
+import types
 import warnings
 import weakref
-import types
 import typing
 from typing import Any
 
@@ -56,12 +56,12 @@ __version__ = "0.3.0"
 
 # fmt: off
 __all__ = [
-    "ATTENTION_READ_BYTES", "CAPTURE_DTYPES", "FAMILIES", "REFUSED", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION",
-    "CaptureConfig", "CaptureDataset", "SAESpec", "WorkerExtension", "capture_specs", "configure", "decode_tensor",
-    "encode_tensor", "flush_sink", "join_ranks", "model_sites", "open_capture", "parse_hook_name", "read_batched",
-    "read_captures", "read_fire_counts", "register", "remove_hooks", "request_args", "reset_batched", "reset_edits",
-    "reset_fire_counts", "segment_by_request", "serve", "set_edits", "status", "tiny_model", "unregister",
-    "user_request_id",
+    "ATTENTION_READ_BYTES", "CAPTURE_DTYPES", "FAMILIES", "REFUSED", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS",
+    "SITES", "WORKER_EXTENSION", "CaptureConfig", "CaptureDataset", "SAESpec", "WorkerExtension", "capture_specs",
+    "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "model_sites", "open_capture",
+    "parse_hook_name", "read_batched", "read_captures", "read_fire_counts", "register", "remove_hooks", "request_args",
+    "reset_batched", "reset_edits", "reset_fire_counts", "segment_by_request", "serve", "set_edits", "status",
+    "tiny_model", "unregister", "user_request_id",
 ]
 # fmt: on
 
@@ -408,7 +408,8 @@ FAMILIES = {family.name: family for family in (
         final_norm="model.final_layer_norm", norm="layer", attention=".attention", o_proj=".dense", parallel=True,
         mlp_up=".dense_h_to_4h", mlp_down=".dense_4h_to_h", mlp_inputs=_HIDDEN_INPUT,
         settings=dict(use_parallel_residual=True),
-        refused=dict.fromkeys(("attn_q", "attn_k", "attn_v"), "its fused query_key_value interleaves q, k and v per head")),
+        refused=dict.fromkeys(("attn_q", "attn_k", "attn_v"),
+                              "its fused query_key_value interleaves q, k and v per head")),
     _Family("ministral3", "Ministral3ForCausalLM", vllm_class="MistralForCausalLM"),  # rot_q: Llama 4's query scale
     # GLM-4-0414: Gemma 2's sandwich norms with plain weights.
     _Family("glm4", "Glm4ForCausalLM", post_norms=(".post_self_attn_layernorm", ".post_mlp_layernorm")),
@@ -534,8 +535,9 @@ FAMILIES.update({family.name: family for family in (
             residual="stream", embed_at_layer0=True, ln2=".pre_feedforward_layernorm",
             post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), norm="rms_offset",
             norm_inputs=_HIDDEN_INPUT, rotary=False, text_prefix="", text_classes=("MuseGlimmerForCausalLM",),
-            refused={**_SCORES_ARE_PATTERN, **dict.fromkeys(_NORM_SITES, "TransformerLens 4.3's MuseGlimmer adapter runs "
-                                                            "no hook_normalized or hook_scale (its norms are bare components)")}),
+            refused={**_SCORES_ARE_PATTERN, **dict.fromkeys(
+                _NORM_SITES, "TransformerLens 4.3's MuseGlimmer adapter runs no hook_normalized or hook_scale (its "
+                "norms are bare components)")}),
 )})
 # fmt: on
 """name -> the family's record (a frozen _Family: ``architecture``, ``vllm_class``, module paths, ``refused`` sites
@@ -891,9 +893,9 @@ class CaptureConfig:
                 raise ValueError(f"sink_dir: expected a directory path (str) or None, got {self.sink_dir!r}")
             if not self.enable_batching:
                 raise ValueError("sink_dir: the sink writes per-request rows: configure(..., enable_batching=True)")
-            if _attention_hooks(self):
+            if self.attention_hooks:
                 raise ValueError(
-                    f"sink_dir: {_attention_hooks(self)[0]} is rebuilt when read_batched reads it, not written by a "
+                    f"sink_dir: {self.attention_hooks[0]} is rebuilt when read_batched reads it, not written by a "
                     "sink; capture attn.hook_rot_q and hook_rot_k (or hook_q and hook_k) into it instead"
                 )
             object.__setattr__(self, "sink_dir", os.path.abspath(self.sink_dir))
@@ -917,6 +919,12 @@ class CaptureConfig:
         features, top = name + SAE_FEATURES, (self.sae_top_k,)
         chosen = {features + ".chosen": (self.sae_chosen_features,)} if self.sae_chosen_features else {}
         return {features + ".indices": top, features + ".values": top, **chosen}
+
+    @functools.cached_property
+    def attention_hooks(self) -> list[str]:
+        """The hooks whose reads rebuild attention (attn_scores, pattern) from each position's query and key; worked
+        out once per config, as every request taken is checked against it."""
+        return [n for n in self.capture_specs if (parse_hook_name(n) or ("",))[0] in ("attn_scores", "pattern")]
 
     def width(self, name: str) -> int:
         """Elements in one row of hook ``name``."""
@@ -1154,11 +1162,6 @@ def _engine_wide_tables(edit: dict[str, Any], name: str, config: CaptureConfig) 
     return tables
 
 
-def _attention_hooks(config: CaptureConfig) -> list[str]:
-    """The config's hooks whose reads rebuild attention (attn_scores, pattern) from each position's query and key."""
-    return [n for n in config.capture_specs if (parse_hook_name(n) or ("",))[0] in ("attn_scores", "pattern")]
-
-
 def _check_hook_name(name: Any, config: CaptureConfig) -> None:
     editable = [*config.capture_specs, *(hook + SAE_FEATURES for hook in config.saes)]
     if name not in editable:
@@ -1298,7 +1301,7 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
         if listed:
             row = torch.tensor([*listed, *[0] * (most - len(listed))], dtype=torch.int64)  # padded with feature 0
             parsed_chosen[name + ".chosen"] = ((row,), None)
-    return _RequestOptions(capture, parsed, digest, parsed_chosen, columns, bool(_attention_hooks(config)))
+    return _RequestOptions(capture, parsed, digest, parsed_chosen, columns, bool(config.attention_hooks))
 
 
 ATTENTION_READ_BYTES = 8 << 30
@@ -1311,7 +1314,7 @@ def _refuse_large_attention(request: Any, options: _RequestOptions | None, confi
     pattern, float32 [n_heads, queries, keys], for each attn_scores and pattern hook) could take more than
     ATTENTION_READ_BYTES: over its prompt and max_tokens, the positions it keeps, and one forward's rows for the
     one-prompt flavour."""
-    hooks = _attention_hooks(config) if config is not None else []
+    hooks = config.attention_hooks if config is not None else []
     if not hooks:
         return
     prompt_len = _prompt_len(request)
@@ -3625,10 +3628,12 @@ def _with_attention(
     """rows, with those of each hook in ``attention`` (see _HookState.attention) rebuilt (see _attention_rows); where
     a request kept more rows than it asked for (``asked``, the indices of those it did), those alone: an attention
     matrix's queries."""
-    return {
-        name: _attention_rows(name, r, attention[name], asked) if name in attention else r if asked is None else r[asked]
-        for name, r in rows.items()
-    }
+    def handed_over(name: str, r: torch.Tensor) -> torch.Tensor:
+        if name in attention:
+            return _attention_rows(name, r, attention[name], asked)
+        return r if asked is None else r[asked]
+
+    return {name: handed_over(name, r) for name, r in rows.items()}
 
 
 @_driver_helper
