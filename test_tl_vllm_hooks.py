@@ -142,9 +142,10 @@ LOOSER_FROM = {
     "apertus": (5e-3, "blocks.0.mlp.hook_post"),
     "gemma4": (3e-5, "blocks.0.attn.hook_z"),
 }
-# Past that hook, a query-key dot product can be further off than its inputs where it cancels: BLOOM's layer-1
-# scores measured 1.4e-3 (rows up to 2.7e-3) from inputs ~3e-4 off; Apertus's ATTENTION_LOOSER measured likewise.
-ATTENTION_LOOSER = {"bloom": 1e-2, "apertus": 5e-2}
+# Past that hook, a query-key dot product can be further off than its inputs where it cancels: BLOOM's attention
+# scores measured 1.4e-3 over a request (TestFamilies' checks, 2026-12-05; its patterns 2.7e-4) from inputs ~3e-4 off.
+# (Apertus's, 2.0e-3 and 6.0e-4, keep its 5e-3.)
+ATTENTION_LOOSER = {"bloom": 5e-3}
 
 
 def family_tolerance(family: str):
