@@ -56,12 +56,12 @@ __version__ = "0.3.0"
 
 # fmt: off
 __all__ = [
-    "ATTENTION_READ_BYTES", "CAPTURE_DTYPES", "FAMILIES", "REFUSED", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS",
-    "SITES", "WORKER_EXTENSION", "CaptureConfig", "CaptureDataset", "SAESpec", "WorkerExtension", "capture_specs",
-    "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "model_sites", "open_capture",
-    "parse_hook_name", "read_batched", "read_captures", "read_fire_counts", "register", "remove_hooks", "request_args",
-    "reset_batched", "reset_edits", "reset_fire_counts", "segment_by_request", "serve", "set_edits", "status",
-    "tiny_model", "unregister", "user_request_id",
+    "ATTENTION_READ_BYTES", "CAPTURE_DTYPES", "CaptureConfig", "CaptureDataset", "FAMILIES", "REFUSED", "SAESpec",
+    "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION", "WorkerExtension", "capture_specs",
+    "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "logit_lens", "model_sites",
+    "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts", "register", "remove_hooks",
+    "request_args", "reset_batched", "reset_edits", "reset_fire_counts", "segment_by_request", "serve", "set_edits",
+    "status", "tiny_model", "unembed", "unregister", "user_request_id",
 ]
 # fmt: on
 
@@ -271,6 +271,8 @@ class _Family:
     taps: taps replacing those the fields give. refused: {site: why it is not placed} for sites TransformerLens runs
         on the family. settings: {config attribute: the value the record describes}; other values are refused.
     direct_attention: vLLM calls its Attention modules' forward itself (see _Tap.direct).
+    lm_head_bias: the output layer has a bias that vLLM's compute_logits leaves out (PhiMoE's: vLLM samples without
+        it), which unembed adds, as TransformerLens's hook_unembed does.
     text_classes: for a multimodal checkpoint, the vLLM classes of its text model that the record describes, which
         sits under ``text_prefix`` in vLLM's tree and takes the shapes of ``config.get_text_config()``.
     """
@@ -314,6 +316,7 @@ class _Family:
     text_prefix: str = ""
     text_classes: tuple[str, ...] = ()
     direct_attention: bool = False
+    lm_head_bias: bool = False
 
 
 # vLLM's Transformers backend: transformers' module tree with vLLM's linear layers, norms and attention, whose forward
@@ -462,7 +465,7 @@ FAMILIES = {family.name: family for family in (
             norm_inputs=_HIDDEN_INPUT, ln2="", parallel=True),
     # PhiMoE (a stream layout returning (stream, residual)): LayerNorms, sparsemixer routing.
     _Family("phimoe", "PhiMoEForCausalLM", hf_class="PhimoeForCausalLM", residual="stream", norm="layer",
-            norm_inputs=_TORCH_NORM_INPUT, rotary=False, refused=_SCORES_ARE_PATTERN,
+            norm_inputs=_TORCH_NORM_INPUT, rotary=False, refused=_SCORES_ARE_PATTERN, lm_head_bias=True,
             moe=_MoE(".block_sparse_moe", scoring="sparsemixer", renormalize="")),
     dataclasses.replace(_BACKEND, name="arcee", architecture="ArceeForCausalLM", mlp_up=".up_proj"),
     dataclasses.replace(_BACKEND, name="jais2", architecture="Jais2ForCausalLM", norm="layer", mlp_up=".up_proj"),
@@ -1672,6 +1675,29 @@ def _has_unfinished_requests(engine: Any) -> bool:
     return getattr(engine, "llm_engine", engine).output_processor.has_unfinished_requests()
 
 
+def _model_widths(engine: Any) -> tuple[int, int]:
+    """(d_model, d_vocab) of an LLM's or an AsyncLLM's model, as vLLM reads them from its config."""
+    model_config = getattr(engine, "llm_engine", engine).vllm_config.model_config
+    return model_config.get_hidden_size(), model_config.get_vocab_size()
+
+
+def _readout(
+    model: torch.nn.Module, final_norm: torch.nn.Module, rows: torch.Tensor, apply_ln: bool, bias: bool
+) -> torch.Tensor | None:
+    """The model's logits for rows [n, d_model] of the residual stream, as vLLM's own readout computes them: the final
+    norm's forward (past its module hooks: this module's own on it neither keep these rows nor edit them; Cohere's
+    returns (rows, residual)) where ``apply_ln``, then ``compute_logits`` (the unembedding, joined across
+    tensor-parallel ranks, and the family's final softcap or scale), or where ``bias`` (_Family.lm_head_bias) its
+    logits processor given the output layer's bias; [n, d_vocab] in the model's dtype, or None on a rank the join
+    leaves without them."""
+    if apply_ln:
+        rows = final_norm.forward(rows)
+        rows = rows[0] if isinstance(rows, tuple) else rows
+    if bias:
+        return model.logits_processor(model.lm_head, rows, model.lm_head.bias)
+    return model.compute_logits(rows)
+
+
 def _parallel_ranks() -> _Ranks:
     from vllm.distributed import parallel_state
 
@@ -1857,6 +1883,7 @@ class _HookState:
         saes = [name + SAE_FEATURES for name in placed if name in config.saes]
         self.lanes = [*placed, *saes, *(name + ".chosen" for name in saes if config.sae_chosen_features)]
         self.hf_config = engine.hf_config.get_text_config()  # the routers' and multipliers'
+        self.model, self.checkpoint_config = engine.model, engine.hf_config  # unembed's
         self.payload = config.to_json()  # what request options are checked against
         self.prefix_caching, self.max_num_seqs, self.ranks = engine.prefix_caching, engine.max_num_seqs, engine.ranks
         self.device, self.edit_dtype = engine.device, engine.dtype
@@ -1945,6 +1972,33 @@ class _HookState:
 
     def read_fire_counts(self) -> dict[str, int]:
         return dict(zip(self.hook_names, self.fire_counts.tolist()))
+
+    @functools.cached_property
+    def readout(self) -> tuple[torch.nn.Module | None, bool]:
+        """(the module of the family's final norm, or None on a pipeline rank without the readout; whether the output
+        layer's bias is added, see _Family.lm_head_bias), for unembed."""
+        family = _family(self.checkpoint_config)
+        modules = dict(self.model.named_modules())
+        final_norm = _resolve_module(self.model, modules, _text_prefix(family, modules) + family.final_norm)
+        return final_norm, family.lm_head_bias
+
+    def unembed(self, rows: dict[str, Any], apply_ln: bool, top_k: int) -> dict[str, Any] | None:
+        """Logits of residual-stream rows (encoded [n, d_model]) through the model's final norm (where apply_ln) and
+        unembedding (see _readout): ``{"logits": float32 [n, d_vocab]}``, or with top_k ``{"values": float32,
+        "indices": int64}``, each [n, top_k], highest first; None on a rank without them."""
+        final_norm, bias = self.readout
+        if final_norm is None:
+            return None
+        with torch.inference_mode():
+            hidden = decode_tensor(rows).to(self.device, self.edit_dtype)
+            logits = _readout(self.model, final_norm, hidden, apply_ln, bias)
+            if logits is None:
+                return None
+            logits = logits.float()
+            if not top_k:
+                return {"logits": encode_tensor(logits)}
+            best = logits.topk(top_k, dim=-1)
+            return {"values": encode_tensor(best.values), "indices": encode_tensor(best.indices)}
 
     def reset_fire_counts(self) -> None:
         self.fire_counts.zero_()
@@ -3456,7 +3510,7 @@ _USER_ERRORS = (ValueError, KeyError, RuntimeError)
 # fmt: off
 _WORKER_CALLS = (  # _HookState's methods the driver helpers call, each by its helper's name
     "status", "set_edits", "open_capture", "read_captures", "read_fire_counts", "reset_fire_counts", "read_batched",
-    "flush_sink", "reset_batched",
+    "flush_sink", "reset_batched", "unembed",
 )
 # fmt: on
 
@@ -3514,14 +3568,14 @@ def _driver_helper(steps: Any) -> Any:
     returns (on an AsyncLLM, an awaitable of it); a worker's error is raised with its own type."""
 
     @functools.wraps(steps)
-    def helper(engine: Any, *args: Any) -> Any:
+    def helper(engine: Any, *args: Any, **options: Any) -> Any:
         extension = _worker_extension_of(engine)
         if extension != WORKER_EXTENSION:
             raise RuntimeError(
                 f"tl_vllm_hooks: the engine's worker_extension_cls is {extension!r}; build it with "
                 "LLM(model, **config.llm_kwargs)"
             )
-        running = steps(engine, *args)
+        running = steps(engine, *args, **options)
 
         def advance(replies: list[dict[str, Any]] | None) -> tuple[str, tuple]:
             for reply in replies or ():
@@ -3651,6 +3705,69 @@ def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
     rows = join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
     attention = {name: facts for reply in replies for name, facts in reply["attention"].items()}
     return _with_attention(rows, attention)
+
+
+_UNEMBED_CALL_BYTES = 64 << 20  # the most logits one worker call of unembed hands back
+_RESIDUAL_SITES = ("resid_pre", "resid_mid", "resid_post")  # the rows logit_lens reads
+
+
+def _unembedded(engine: Any, rows: torch.Tensor, top_k: Any, apply_ln: Any, caller: str) -> Any:
+    """unembed's steps (see _driver_helper): rows checked against the model (ValueError naming the problem before
+    any worker runs), then sent to the workers in calls of at most _UNEMBED_CALL_BYTES of logits."""
+    d_model, d_vocab = _model_widths(engine)
+    if not isinstance(rows, torch.Tensor) or not rows.is_floating_point() or rows.dim() == 0:
+        raise ValueError(f"{caller}: rows must be a float tensor [..., d_model], got {rows!r:.100}")
+    if rows.shape[-1] != d_model:
+        raise ValueError(f"{caller}: rows of {rows.shape[-1]}, but this model's residual stream is {d_model} wide")
+    if not torch.isfinite(rows).all():
+        raise ValueError(f"{caller}: rows hold NaN or infinite values")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= d_vocab:
+        raise ValueError(f"{caller}: top_k must be an int from 0 (whole rows) to d_vocab ({d_vocab}), got {top_k!r}")
+    if not isinstance(apply_ln, bool):
+        raise ValueError(f"{caller}: apply_ln must be True or False, got {apply_ln!r}")
+    flat = rows.detach().reshape(-1, d_model)
+    per_call = max(1, _UNEMBED_CALL_BYTES // (4 * (2 * top_k or d_vocab)))
+    parts = []
+    for start in range(0, len(flat), per_call):
+        replies = yield "unembed", (encode_tensor(flat[start : start + per_call]), apply_ln, top_k)
+        parts.append({key: decode_tensor(m) for key, m in next(r for r in replies if r is not None).items()})
+    shape = (*rows.shape[:-1], top_k or d_vocab)
+    if not top_k:
+        return torch.cat([part["logits"] for part in parts]).reshape(shape) if parts else torch.empty(shape)
+    values = torch.cat([part["values"] for part in parts]) if parts else torch.empty(shape)
+    indices = torch.cat([part["indices"] for part in parts]) if parts else torch.empty(shape, dtype=torch.int64)
+    return torch.return_types.topk((values.reshape(shape), indices.reshape(shape)))
+
+
+@_driver_helper
+def unembed(engine: Any, rows: torch.Tensor, top_k: int = 0, apply_ln: bool = True) -> Any:
+    """The model's logits for rows of its residual stream, ``[..., d_model]`` (any float dtype; cast to the model's):
+    each row through the final norm, with statistics of its own (``apply_ln``; pass False for rows already
+    normalized, weight included), then the unembedding, as the model's own readout computes them in vLLM's workers
+    (gathered across tensor-parallel ranks, the family's final softcap or scale applied): TransformerLens's
+    ``hook_unembed`` (``unembed.hook_out``) for the last layer's hook_resid_post rows, and its logit lens
+    (``ActivationCache.logit_lens``, ``apply_ln_to_stack(recompute_ln=True)``) for any. Returns float32 ``[...,
+    d_vocab]``, or with ``top_k`` ``torch.return_types.topk`` of values (float32) and indices (int64) ``[..., top_k]``,
+    highest first; only those cross the RPC, in calls of at most 64 MiB."""
+    return (yield from _unembedded(engine, rows, top_k, apply_ln, "unembed"))
+
+
+@_driver_helper
+def logit_lens(engine: Any, rows: dict[str, torch.Tensor], top_k: int = 0) -> dict[str, Any]:
+    """``{hook_name: logits}`` for each residual-stream hook (hook_resid_pre, hook_resid_mid, hook_resid_post) in
+    ``rows`` (one request's, as read_captures or read_batched give them), each as ``unembed`` gives them (final norm
+    applied), in one go: TransformerLens's logit lens at every kept layer and position."""
+    names = [name for name in rows if (parse_hook_name(name) or ("",))[0] in _RESIDUAL_SITES]
+    if not names:
+        raise ValueError(
+            f"logit_lens: rows hold no residual-stream hook ({', '.join(_RESIDUAL_SITES)}), only {list(rows)[:8]}"
+        )
+    if len({rows[name].shape for name in names}) > 1:
+        raise ValueError(f"logit_lens: {names} hold rows of different shapes: pass one request's rows")
+    logits = yield from _unembedded(engine, torch.stack([rows[name] for name in names]), top_k, True, "logit_lens")
+    if top_k:
+        return {name: torch.return_types.topk((logits.values[n], logits.indices[n])) for n, name in enumerate(names)}
+    return dict(zip(names, logits))
 
 
 def _edits_to_wire(edits: Any) -> dict[str, Any]:
