@@ -87,6 +87,7 @@ CASES = {
     "tl-e": "TransformerLens 4.3's own plugin, batched (eager): resid_post, every row of every request",
     "f1": "(f) at the middle layer only (the SAE cases' dense rows)",
     "p1": "(f1) as attn.hook_pattern, every head: each token's query and key kept, the patterns rebuilt when read",
+    "u20": "(f) at the last layer alone, then each prompt token's top 20 logits (unembed in the workers, top_k=20)",
     "sae16": "batched, compiled: a 16,384-feature SAE at the middle layer's resid_post, top 64 of every prompt token",
     "sae65": "(sae16) with 65,536 features",
     "h4": "harvest: batched, compiled, resid_post of every prompt token at 4 layers, rows read (use --harvest)",
@@ -96,18 +97,20 @@ CASES = {
 }
 _SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",),
           "f": ("resid_post",), "g": ("resid_post",), "s": ("resid_post",), "f1": ("resid_post",),
-          "p1": ("pattern",), "h4": ("resid_post",), "h16": ("resid_post",), "h4s": ("resid_post",), "h16s": ("resid_post",)}
-_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt", "f1": "prompt", "p1": "prompt", "sae16": "prompt",
+          "p1": ("pattern",), "u20": ("resid_post",), "h4": ("resid_post",), "h16": ("resid_post",), "h4s": ("resid_post",), "h16s": ("resid_post",)}
+_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt", "f1": "prompt", "p1": "prompt", "u20": "prompt",
+            "sae16": "prompt",
             "sae65": "prompt", "h4": "prompt", "h16": "prompt", "h4s": "prompt", "h16s": "prompt"}  # request_args' capture
 _LAYER_COUNT = {"f1": 1, "p1": 1, "h4": 4, "h16": 16, "h4s": 4, "h16s": 16}  # case -> layers hooked (the others: every one)
 _SINK = ("s", "h4s", "h16s")  # cases that write their rows to a sink directory
+_UNEMBED = {"u20": 20}  # case -> logits kept per token (unembed's top_k) of the last layer's rows
 _SAES = {"sae16": 16384, "sae65": 65536}  # case -> features of its SAE (random, standard), features only, no rows
 _SAE_TOP_K = 64
 _EAGER = ("e", "plain-eager", "tl-e")
 _PLAIN = ("plain", "plain-eager")
 _PEER = ("tl-b", "tl-e")  # TransformerLens's plugin, its four files loaded as the package tl_peer_plugin
 _PEER_FILES = ("plugin.py", "internals.py", "worker_extension.py", "intervention_specs.py")
-_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b", "f1", "sae16", "sae65", *_LAYER_COUNT)  # identity
+_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b", "f1", "u20", "sae16", "sae65", *_LAYER_COUNT)  # identity
 
 # Llama-3.2-1B's shape, and a tiny one whose head_dim (64) vLLM's CPU attention accepts.
 _FULL_MODEL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -128,6 +131,8 @@ _TINY_HARVEST_WORKLOAD = (16, 256, 1, 2048, 3, 1)
 def _case_layers(name: str, num_layers: int) -> list[int] | None:
     """The layers a case hooks: None for every layer; the middle one for one layer; else evenly spaced, first and
     last included."""
+    if name in _UNEMBED:
+        return [num_layers - 1]
     count = _LAYER_COUNT.get(name)
     if count is None or count >= num_layers:
         return None
@@ -353,6 +358,10 @@ class _Engine:
                      f"{read_bytes / busy / 1e9:.2f} GB/s")
         elif name in _BATCHED:
             captured = tl.read_batched(llm, [o.request_id for o in outputs])  # also frees the rows
+            if name in _UNEMBED:  # the rows in hand are the logits
+                rows = torch.cat([tensor for request in captured.values() for tensor in request.values()])
+                best = tl.unembed(llm, rows, top_k=_UNEMBED[name])
+                captured = {"logits": {"values": best.values, "indices": best.indices}}
             read_s = time.perf_counter() - start
             read_bytes, check = _rows_read(captured, read_s)
             del captured
