@@ -1573,6 +1573,47 @@ def check_logit_lens(llm, model: Model, prompt: list[int], tolerance) -> None:
     assert_matches({final: best.values}, {final: logits[0].gather(-1, best.indices)}, f"{model.family} top 5", tolerance)
     print(f"\n{model.family}: logit lens over {len(expected)} entries {worst:.2e}, hook_unembed {worst_unembed:.2e}, "
           f"d_vocab {logits.shape[-1]}")
+    check_shorthand(rows, cache, model, tolerance)
+
+
+SHORTHAND = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "rot_q", "rot_k", "z",
+             "attn", "pattern", "attn_scores", "attn_logits", "pre", "post", "pre_linear", "mlp_pre", "mlp_post",
+             ("normalized", "ln1"), ("scale", "ln2"), ("in", "mlp"), ("expert_indices", "m"))
+
+
+def check_shorthand(rows, cache, model: Model, tolerance) -> None:
+    """A request's ActivationRows against TransformerLens: each shorthand key (every layer, from the end too) names the
+    hook transformer_lens.utils.get_act_name names; accumulated_resid and decompose_resid equal the bridge cache's
+    own on the same prompt."""
+    from transformer_lens.utilities import get_act_name
+
+    n_layers = model.bridge.cfg.n_layers
+    keys = [(short,) for short in ("embed", "pos_embed", "scale", "normalized", "k1", "pre2", "scale1ln2")]
+    keys += [(short, layer) if isinstance(short, str) else (short[0], layer, short[1])
+             for short in SHORTHAND for layer in (*range(n_layers), -1)]
+    resolved = 0
+    for key in keys:
+        positive = key if len(key) < 2 or key[1] is None or key[1] >= 0 else (key[0], key[1] + n_layers, *key[2:])
+        name = get_act_name(*positive)
+        if name in rows:
+            assert rows[key] is rows[name], f"{key} -> {name}"
+            resolved += 1
+        else:
+            with pytest.raises(KeyError, match="not kept"):
+                rows[key]
+    assert resolved >= 3 * n_layers, f"only {resolved} shorthand keys named kept hooks"
+    pairs = [("accumulated_resid", {}), ("accumulated_resid", {"layer": 2})]
+    if "resid_mid" in model.sites:  # (not on a parallel family's)
+        pairs += [("accumulated_resid", {"incl_mid": True}), ("accumulated_resid", {"layer": 1, "mlp_input": True})]
+    if {"embed", "attn_out", "mlp_out"} <= set(model.sites):
+        pairs += [("decompose_resid", {}), ("decompose_resid", {"layer": 2, "mlp_input": True, "mode": "attn"})]
+    for method, options in pairs:
+        ours, labels = getattr(rows, method)(return_labels=True, **options)
+        theirs, their_labels = getattr(cache, method)(return_labels=True, **options)
+        assert labels == their_labels, f"{method}{options}: {labels} != {their_labels}"
+        last = f"blocks.{n_layers - 1}.hook_resid_post"  # (a family's bound past its first layer)
+        assert_matches({last: ours.transpose(0, 1)}, {last: theirs[:, 0].transpose(0, 1)}, f"{method}{options}",
+                       tolerance)
 
 
 @pytest.fixture(scope="class", params=FAMILIES)

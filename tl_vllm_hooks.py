@@ -56,12 +56,12 @@ __version__ = "0.3.0"
 
 # fmt: off
 __all__ = [
-    "ATTENTION_READ_BYTES", "CAPTURE_DTYPES", "CaptureConfig", "CaptureDataset", "FAMILIES", "REFUSED", "SAESpec",
-    "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION", "WorkerExtension", "capture_specs",
-    "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "logit_lens", "model_sites",
-    "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts", "register", "remove_hooks",
-    "request_args", "reset_batched", "reset_edits", "reset_fire_counts", "segment_by_request", "serve", "set_edits",
-    "status", "tiny_model", "unembed", "unregister", "user_request_id",
+    "ATTENTION_READ_BYTES", "ActivationRows", "CAPTURE_DTYPES", "CaptureConfig", "CaptureDataset", "FAMILIES",
+    "REFUSED", "SAESpec", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION", "WorkerExtension",
+    "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "logit_lens",
+    "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts", "register",
+    "remove_hooks", "request_args", "reset_batched", "reset_edits", "reset_fire_counts", "segment_by_request", "serve",
+    "set_edits", "status", "tiny_model", "unembed", "unregister", "user_request_id",
 ]
 # fmt: on
 
@@ -1679,6 +1679,11 @@ def _model_widths(engine: Any) -> tuple[int, int]:
     """(d_model, d_vocab) of an LLM's or an AsyncLLM's model, as vLLM reads them from its config."""
     model_config = getattr(engine, "llm_engine", engine).vllm_config.model_config
     return model_config.get_hidden_size(), model_config.get_vocab_size()
+
+
+def _model_layers(engine: Any) -> int:
+    """The decoder layers of an LLM's or an AsyncLLM's (text) model."""
+    return getattr(engine, "llm_engine", engine).vllm_config.model_config.hf_text_config.num_hidden_layers
 
 
 def _readout(
@@ -3559,7 +3564,8 @@ def __getattr__(name: str) -> Any:
 # Driver helpers: a user's script calls these with its engine, an offline LLM or an AsyncLLM (whose collective_rpc
 # is a coroutine). Each is written once, as a generator that yields (worker method, args) and is sent the workers'
 # results; @_driver_helper runs it at once on an LLM, or returns an awaitable that runs it on an AsyncLLM. Results
-# come back as torch tensors keyed by hook name; join_ranks joins what tensor-parallel ranks send.
+# come back as torch tensors keyed by hook name (ActivationRows, which also take TransformerLens's shorthand keys);
+# join_ranks joins what tensor-parallel ranks send; unembed asks the workers for logits of rows.
 # ---------------------------------------------------------------------------
 
 
@@ -3698,13 +3704,107 @@ def open_capture(engine: Any) -> None:
 
 @_driver_helper
 def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
-    """``{hook_name: [num_rows, *row shape]}`` CPU tensors (config dtype) of the armed forward,
+    """``{hook_name: [num_rows, *row shape]}`` CPU tensors (config dtype) of the armed forward, an ActivationRows,
     rows as SITES says, whole under tensor parallelism. num_rows: the prompt's tokens; the
     prompt must fit one forward (``<= max_num_batched_tokens``)."""
     replies = yield "read_captures", (num_rows,)
     rows = join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
     attention = {name: facts for reply in replies for name, facts in reply["attention"].items()}
-    return _with_attention(rows, attention)
+    return ActivationRows(_with_attention(rows, attention), _model_layers(engine))
+
+
+def _act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
+    """The hook name TransformerLens's ``utils.get_act_name`` gives: ``("pattern", 3)`` -> blocks.3.attn.hook_pattern,
+    ``("normalized", 2, "ln1")`` -> blocks.2.ln1.hook_normalized, ``"k6"`` -> blocks.6.attn.hook_k, a full name as
+    it is; its rules, written out here so that the core imports no TransformerLens."""
+    if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
+        return name
+    match = re.match(r"([a-z]+)(\d+)([a-z]?.*)", name)
+    if match is not None:
+        name, layer, layer_type = match.group(1), int(match.group(2)), match.group(3)
+    name = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
+            "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}.get(name, name)  # fmt: skip
+    if name in ("k", "v", "q", "z", "rot_k", "rot_q", "result", "pattern", "attn_scores"):
+        layer_type = "attn"
+    elif name in ("pre", "post", "mid", "pre_linear"):
+        layer_type = "mlp"
+    else:
+        layer_type = {"a": "attn", "m": "mlp", "b": "", "block": "", "blocks": "", "attention": "attn"}.get(
+            layer_type, layer_type
+        )
+    full = (f"blocks.{layer}." if layer is not None else "") + (f"{layer_type}." if layer_type else "") + f"hook_{name}"
+    return f"ln_final.{full}" if name in ("scale", "normalized") and layer is None else full
+
+
+class ActivationRows(dict):
+    """One request's rows, ``{hook name: tensor}`` as read (read_captures, and each request's of read_batched), also
+    indexed as TransformerLens's ``ActivationCache`` is: ``rows["pattern", 3]``, ``rows["resid_post", -1]`` (layers
+    from the end, of ``n_layers``), ``rows["z", 2]``, ``rows["normalized", 1, "ln2"]``, ``rows["k6"]``, as
+    ``transformer_lens.utils.get_act_name`` spells them. Tensors are ``[rows, ...]``, without TransformerLens's batch
+    dimension. KeyError names the hooks held where one was not kept."""
+
+    def __init__(self, rows: dict[str, torch.Tensor], n_layers: int | None = None):
+        super().__init__(rows)
+        self.n_layers = n_layers
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        if isinstance(key, str) and dict.__contains__(self, key):
+            return dict.__getitem__(self, key)
+        name, layer, layer_type = (*((key,) if isinstance(key, str) else tuple(key)), None, None)[:3]
+        if layer is not None and layer < 0:
+            if self.n_layers is None:
+                raise KeyError(f"{key!r}: a layer from the end needs n_layers, which these rows do not hold")
+            layer += self.n_layers
+        full = _act_name(name, layer, layer_type)
+        if not dict.__contains__(self, full):
+            raise KeyError(f"{key!r} is {full}, which was not kept; held: {list(self)[:12]}")
+        return dict.__getitem__(self, full)
+
+    def accumulated_resid(
+        self, layer: int | None = None, incl_mid: bool = False, mlp_input: bool = False, return_labels: bool = False
+    ) -> Any:
+        """TransformerLens's ``ActivationCache.accumulated_resid`` (without its apply_ln and pos_slice: see
+        ``logit_lens`` and ``unembed``): the residual stream before each layer up to ``layer`` (None or -1: every
+        layer, then the last one's output, ``final_post``), each layer's middle too with ``incl_mid``, ``layer``'s
+        with ``mlp_input``; ``[components, rows, d_model]``, and the labels (``0_pre``, ``0_mid``, ``final_post``)
+        with ``return_labels``."""
+        layer = self.n_layers if layer is None or layer == -1 else layer
+        components, labels = [], []
+        for at in range(layer + 1):
+            if at == self.n_layers:
+                components.append(self["resid_post", at - 1])
+                labels.append("final_post")
+                continue
+            components.append(self["resid_pre", at])
+            labels.append(f"{at}_pre")
+            if (incl_mid and at < layer) or (mlp_input and at == layer):
+                components.append(self["resid_mid", at])
+                labels.append(f"{at}_mid")
+        stack = torch.stack(components)
+        return (stack, labels) if return_labels else stack
+
+    def decompose_resid(
+        self, layer: int | None = None, mlp_input: bool = False, mode: str = "all", incl_embeds: bool = True,
+        return_labels: bool = False,
+    ) -> Any:  # fmt: skip
+        """TransformerLens's ``ActivationCache.decompose_resid`` (without its apply_ln and pos_slice): what writes
+        the residual stream before ``layer`` (None or -1: every layer), the embeddings (hook_embed, hook_pos_embed,
+        where kept) then each layer's attention and MLP outputs (``mode`` "all", "attn" or "mlp"), the layer's own
+        attention output too with ``mlp_input``; ``[components, rows, d_model]``, and labels with
+        ``return_labels``."""
+        if mode not in ("all", "attn", "mlp"):
+            raise ValueError(f"decompose_resid: mode must be 'all', 'attn' or 'mlp', got {mode!r}")
+        layer = self.n_layers if layer is None or layer == -1 else layer
+        names = [(n, label) for n, label in (("hook_embed", "embed"), ("hook_pos_embed", "pos_embed")) if n in self]
+        components = [self[n] for n, _label in names] if incl_embeds else []
+        labels = [label for _n, label in names] if incl_embeds else []
+        for at in range(layer + mlp_input):
+            for part in ("attn_out", "mlp_out"):
+                if mode in ("all", part[:-4]) and (at < layer or part == "attn_out"):
+                    components.append(self[part, at])
+                    labels.append(f"{at}_{part}")
+        stack = torch.stack(components)
+        return (stack, labels) if return_labels else stack
 
 
 _UNEMBED_CALL_BYTES = 64 << 20  # the most logits one worker call of unembed hands back
@@ -3843,7 +3943,7 @@ def request_args(
 
 @_driver_helper
 def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """``{request_id: {hook_name: [rows, *row shape]}}`` CPU tensors (config dtype) of the
+    """``{request_id: {hook_name: [rows, *row shape]}}`` (each an ActivationRows) CPU tensors (config dtype) of the
     requests (``RequestOutput.request_id``), then freed. Rows, in position order, are those
     ``request_args(capture=...)`` kept: by default every token that ran through the model
     for it, its prompt then each generated token but the last; shaped as in read_captures."""
@@ -3865,10 +3965,11 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
             for request_id, message in reply["rows"].items()
         }
         per_rank.append((reply["shards"], rows))
+    n_layers = _model_layers(engine)
     if len(per_rank) == 1:  # nothing to join
-        return per_rank[0][1]
+        return {request_id: ActivationRows(rows, n_layers) for request_id, rows in per_rank[0][1].items()}
     read = {request_id for _shards, rows in per_rank for request_id in rows}
-    return {r: join_ranks([(shards, rows.get(r, {})) for shards, rows in per_rank]) for r in read}
+    return {r: ActivationRows(join_ranks([(s, rows.get(r, {})) for s, rows in per_rank]), n_layers) for r in read}
 
 
 @_driver_helper
