@@ -2546,6 +2546,8 @@ class TestSink:
         dataset = tlh.CaptureDataset(directory)
         assert len(dataset) == len(outputs) - 1  # the "none" request wrote nothing
         assert all(rows.shape == (0, *dataset.hooks[name]) for name, rows in dataset[outputs[7].request_id].items())
+        rows = dataset[outputs[0].request_id]  # TransformerLens's shorthand, layers from the end of the header's
+        assert header["n_layers"] == 3 and rows["resid_post", -1] is rows["blocks.2.hook_resid_post"]
 
     def test_later_requests_go_on_in_new_shards(self, llm, written):
         _outputs, directory = written

@@ -52,6 +52,7 @@ from tl_vllm_hooks import (
     SAE_SITES,
     SAE_WEIGHTS,
     SITES,
+    ActivationRows,
     CaptureConfig,
     SAESpec,
     __version__,
@@ -203,6 +204,7 @@ class RankSink:
                 **sink_header(config),
                 "writer": writer,
                 "model": worker.vllm_config.model_config.model,
+                "n_layers": worker.vllm_config.model_config.hf_text_config.num_hidden_layers,
                 "versions": versions(),
                 "writes": self.hooks,
                 "shards": {name: shards[name] for name in self.hooks if name in shards},
@@ -527,7 +529,7 @@ class CaptureDataset:
     raises KeyError naming their full ids). ``hooks``: ``{hook_name: row shape}``;
     ``dtype``, ``model`` and ``versions`` (vLLM, torch, tl_vllm_hooks) as written.
 
-    ``dataset[request_id]``: ``{hook_name: [rows, *row shape]}`` CPU tensors of the
+    ``dataset[request_id]``: ``{hook_name: [rows, *row shape]}`` (an ActivationRows) CPU tensors of the
     capture dtype (an SAE's features as in read_batched: see SAE_FEATURES), mapped
     copy-on-write from the shard, so only that request's bytes are read (from disk when
     first touched). ``dataset.entry(request_id)``:
@@ -618,7 +620,7 @@ class CaptureDataset:
         entry = self._writers[0][1][self._worker_id(request_id)][1]
         return {key: value for key, value in entry.items() if key != "tensors"}
 
-    def __getitem__(self, request_id: str) -> dict[str, torch.Tensor]:
+    def __getitem__(self, request_id: str) -> ActivationRows:
         worker_id = self._worker_id(request_id)
         per_writer = []
         for header, requests in self._writers:
@@ -639,7 +641,7 @@ class CaptureDataset:
                 start, end = (listed["__data_start__"] + offset for offset in tensor["data_offsets"])
                 rows[name] = torch.from_numpy(mapped[start:end]).view(self._dtype_of(name)).view(tensor["shape"])
             per_writer.append((header["shards"], rows))
-        return join_ranks(per_writer)
+        return ActivationRows(join_ranks(per_writer), self._writers[0][0].get("n_layers"))  # (None: an older dataset)
 
     def _shard_header(self, shard: str) -> dict[str, Any]:
         """The shard's safetensors header, checked against the file and the dataset's dtype."""
