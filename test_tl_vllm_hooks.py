@@ -1047,6 +1047,18 @@ def test_capture_specs_names_follow_transformer_lens():
 
 
 @NO_ENGINE
+def test_rows_without_n_layers_refuse_what_needs_it_by_name():
+    rows = tlh.ActivationRows({f"blocks.{i}.hook_resid_pre": torch.full((2, 4), float(i)) for i in range(2)})
+    assert rows["resid_pre", 1] is rows["blocks.1.hook_resid_pre"]
+    assert rows.accumulated_resid(layer=1).shape == (2, 2, 4)
+    with pytest.raises(KeyError, match="a layer from the end needs n_layers"):
+        rows["resid_pre", -1]
+    for method in (rows.accumulated_resid, rows.decompose_resid):
+        with pytest.raises(ValueError, match="every layer needs n_layers"):
+            method()
+
+
+@NO_ENGINE
 def test_capture_specs_take_one_site_one_layer_and_layers_from_the_end():
     """A str is one site and an int one layer; negative layers count from the end, as in TransformerLens."""
     from transformers import LlamaConfig

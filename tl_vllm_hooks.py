@@ -3760,6 +3760,14 @@ class ActivationRows(dict):
             raise KeyError(f"{key!r} is {full}, which was not kept; held: {list(self)[:12]}")
         return dict.__getitem__(self, full)
 
+    def _last_layer(self, layer: int | None, caller: str) -> int:
+        """``layer``, None and -1 meaning every layer (n_layers)."""
+        if layer is not None and layer != -1:
+            return layer
+        if self.n_layers is None:
+            raise ValueError(f"{caller}: every layer needs n_layers, which these rows do not hold: pass layer")
+        return self.n_layers
+
     def accumulated_resid(
         self, layer: int | None = None, incl_mid: bool = False, mlp_input: bool = False, return_labels: bool = False
     ) -> Any:
@@ -3768,7 +3776,7 @@ class ActivationRows(dict):
         layer, then the last one's output, ``final_post``), each layer's middle too with ``incl_mid``, ``layer``'s
         with ``mlp_input``; ``[components, rows, d_model]``, and the labels (``0_pre``, ``0_mid``, ``final_post``)
         with ``return_labels``."""
-        layer = self.n_layers if layer is None or layer == -1 else layer
+        layer = self._last_layer(layer, "accumulated_resid")
         components, labels = [], []
         for at in range(layer + 1):
             if at == self.n_layers:
@@ -3794,7 +3802,7 @@ class ActivationRows(dict):
         ``return_labels``."""
         if mode not in ("all", "attn", "mlp"):
             raise ValueError(f"decompose_resid: mode must be 'all', 'attn' or 'mlp', got {mode!r}")
-        layer = self.n_layers if layer is None or layer == -1 else layer
+        layer = self._last_layer(layer, "decompose_resid")
         names = [(n, label) for n, label in (("hook_embed", "embed"), ("hook_pos_embed", "pos_embed")) if n in self]
         components = [self[n] for n, _label in names] if incl_embeds else []
         labels = [label for _n, label in names] if incl_embeds else []
