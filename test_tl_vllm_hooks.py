@@ -1595,7 +1595,7 @@ SHORTHAND = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q",
 
 def check_shorthand(rows, cache, model: Model, tolerance) -> None:
     """A request's ActivationRows against TransformerLens: each shorthand key (every layer, from the end too) names the
-    hook transformer_lens.utils.get_act_name names; accumulated_resid and decompose_resid equal the bridge cache's
+    hook transformer_lens.utilities.get_act_name names; accumulated_resid and decompose_resid equal the bridge cache's
     own on the same prompt."""
     from transformer_lens.utilities import get_act_name
 

@@ -3714,9 +3714,10 @@ def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
 
 
 def _act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
-    """The hook name TransformerLens's ``utils.get_act_name`` gives: ``("pattern", 3)`` -> blocks.3.attn.hook_pattern,
-    ``("normalized", 2, "ln1")`` -> blocks.2.ln1.hook_normalized, ``"k6"`` -> blocks.6.attn.hook_k, a full name as
-    it is; its rules, written out here so that the core imports no TransformerLens."""
+    """The hook name TransformerLens 4.3's ``transformer_lens.utilities.get_act_name`` gives: ``("pattern", 3)`` ->
+    blocks.3.attn.hook_pattern, ``("normalized", 2, "ln1")`` -> blocks.2.ln1.hook_normalized, ``"k6"`` ->
+    blocks.6.attn.hook_k, a full name as it is; its rules, written out here so that the core imports no
+    TransformerLens."""
     if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
         return name
     match = re.match(r"([a-z]+)(\d+)([a-z]?.*)", name)
@@ -3740,8 +3741,8 @@ class ActivationRows(dict):
     """One request's rows, ``{hook name: tensor}`` as read (read_captures, and each request's of read_batched), also
     indexed as TransformerLens's ``ActivationCache`` is: ``rows["pattern", 3]``, ``rows["resid_post", -1]`` (layers
     from the end, of ``n_layers``), ``rows["z", 2]``, ``rows["normalized", 1, "ln2"]``, ``rows["k6"]``, as
-    ``transformer_lens.utils.get_act_name`` spells them. Tensors are ``[rows, ...]``, without TransformerLens's batch
-    dimension. KeyError names the hooks held where one was not kept."""
+    ``transformer_lens.utilities.get_act_name`` spells them. Tensors are ``[rows, ...]``, without TransformerLens's
+    batch dimension. KeyError names the hooks held where one was not kept."""
 
     def __init__(self, rows: dict[str, torch.Tensor], n_layers: int | None = None):
         super().__init__(rows)
