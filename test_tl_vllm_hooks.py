@@ -791,6 +791,7 @@ def engine(
     saes=None,
     sae_top_k=64,
     sae_chosen_features=0,
+    attention_heads=None,
     **llm_kwargs,
 ):
     """An LLM with hooks on every layer's `sites` (default: all the family has); shut down
@@ -809,6 +810,7 @@ def engine(
         saes=saes or {},
         sae_top_k=sae_top_k,
         sae_chosen_features=sae_chosen_features,
+        attention_heads=attention_heads or {},
     )
     layout = "0" if in_process else "1"
     with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING=layout, **dict(environment)):
@@ -1100,6 +1102,27 @@ def test_attention_patterns_keep_each_query_and_key_and_refuse_what_they_cannot_
         assert options.kept_range(10) == kept and options.asked(positions[: kept[1] + 1], 10) == asked, capture
     with pytest.raises(ValueError, match="sink_dir: blocks.1.attn.hook_attn_scores is rebuilt when read_batched"):
         tlh.configure(specs, 64, enable_batching=True, sink_dir=str(tmp_path))
+    name = "blocks.1.attn.hook_pattern"
+    for heads, why in [([], "a non-empty list"), ([1, 1], "distinct"), ([-1], ">= 0"), ([True], ">= 0"),
+                       ([0.0], ">= 0"), (2, "a non-empty list")]:
+        with pytest.raises(ValueError, match=re.escape(f"attention_heads[{name!r}]: expected ") + f".*{why}.*got"):
+            tlh.configure(specs, 64, attention_heads={name: heads})
+    with pytest.raises(ValueError, match=re.escape("attention_heads: 'blocks.0.attn.hook_pattern' is not an attn_scores "
+                       f"or pattern hook in capture_specs; those are {list(specs)}")):
+        tlh.configure(specs, 64, attention_heads={"blocks.0.attn.hook_pattern": [0]})
+    with pytest.raises(ValueError, match=r"attention_heads: expected a dict \{attn_scores or pattern hook"):
+        tlh.configure(specs, 64, attention_heads=[0])
+    config = tlh.configure(specs, 64, attention_heads={name: [3, 0]})
+    assert tlh.CaptureConfig.from_json(config.to_json()).attention_heads == {name: (3, 0)}
+    # Chosen heads are those of every head's matrices, in the order chosen: with 2 query heads a key head (GQA),
+    # a sink and an ALiBi slope per head, a sliding window, on 9 positions, queries 2, 5 and 8.
+    facts = {"heads": 4, "kv_heads": 2, "head_size": 16, "scale": 0.25, "softcap": 0.0, "window": 4, "chunk": 0,
+             "sinks": [0.5, -1.0, 2.0, 0.0], "alibi": [0.1, 0.2, 0.3, 0.4]}
+    rows = torch.randn(9, 6, 16, generator=torch.Generator().manual_seed(0))
+    for site in ATTENTION:
+        every = tlh._attention_rows(site, rows, {**facts, "chosen": None}, [2, 5, 8])
+        chosen = tlh._attention_rows(site, rows, {**facts, "chosen": [3, 0]}, [2, 5, 8])
+        assert every.shape == (4, 3, 9) and torch.equal(chosen, every[[3, 0]]), site
     tap = tlh._taps(tlh.FAMILIES["llama"], llama, 1)["pattern"]  # a worker's placement, under tensor parallelism
     with pytest.raises(ValueError, match="splits across ranks; read them with tensor_parallel_size=1"):
         tlh._tensor_parallel_share(torch.nn.Identity(), tap, 96, tlh._Ranks(0, 2, 0))
@@ -2216,6 +2239,12 @@ def take_rows(tensors: dict, rows: list[int]) -> dict:
     }
 
 
+def chosen_heads(config, tensors: dict) -> dict:
+    """tensors, with an attention matrix the config's attention_heads chooses heads of at those heads, in order."""
+    return {name: tensor[list(config.attention_heads[name])] if name in config.attention_heads else tensor
+            for name, tensor in tensors.items()}
+
+
 def check_per_request(
     llm, model, requests, engine_edits=None, max_tokens=3, tolerance=TOLERANCE
 ):
@@ -2249,7 +2278,7 @@ def check_per_request(
         rows = kept_rows(capture or "all", len(prompt), len(sequence))
         routes = engine_routes(model, captured[output.request_id], rows, len(sequence))
         expected = model.reference(sequence, llm.hook_names, {**(engine_edits or {}), **(edits or {})}, **routes)
-        expected = take_rows(expected, rows)
+        expected = chosen_heads(llm.config, take_rows(expected, rows))
         error = assert_matches(captured[output.request_id], expected, f"{output.request_id} {capture}", tolerance)
         worst = max(worst, error)
     return outputs, worst
@@ -2495,12 +2524,15 @@ class TestAttentionPatterns:
     request against its own TransformerLens run: a 300-token prompt kept as "prompt" (chunked prefill over three
     forwards), requests with decode steps, one editing the keys (the pattern follows the edited keys), and requests
     keeping some positions, whose queries are those, over every key up to the last (the 300-token prompt's last
-    token; a generated token; a position never reached)."""
+    token; a generated token; a position never reached). Two hooks rebuild chosen heads: one, and both reordered."""
+
+    HEADS = {"blocks.1.attn.hook_pattern": [1], "blocks.2.attn.hook_attn_scores": [1, 0]}
 
     @pytest.fixture(scope="class")
     def llm(self, models):
         sites = ("attn_rot_k", "attn_scores", "pattern", "resid_post")
-        with engine(models["llama"], sites=sites, in_process=False, eager=True, batching=True) as llm:
+        with engine(models["llama"], sites=sites, in_process=False, eager=True, batching=True,
+                    attention_heads=self.HEADS) as llm:
             yield llm
 
     def test_each_requests_attention_matches_its_own_transformer_lens_run(self, llm, models):
@@ -2511,16 +2543,25 @@ class TestAttentionPatterns:
         print(f"\nworst relative error {worst:.2e}")
 
     def test_a_request_whose_attention_could_outgrow_a_read_is_refused_before_it_runs(self, llm, monkeypatch):
-        """Six hooks' float32 scores and patterns, bounded by [n_heads + n_kv_heads (3), n, n] each: 13 MiB for the
-        300-token prompt and 3 generated tokens, 0.02 MiB for 9 and 3, 600 bytes for the first kept up to position
-        4."""
+        """Six hooks' float32 scores and patterns, bounded by [n_heads + n_kv_heads (3), n, n] each, or by the heads
+        chosen (1 and 2): 11 MiB for the 300-token prompt and 3 generated tokens, 0.02 MiB for 9 and 3, 500 bytes for
+        the first kept up to position 4."""
         monkeypatch.setattr(tlh, "ATTENTION_READ_BYTES", 1 << 20)
-        with pytest.raises(ValueError, match=r"\(6 hooks, 303 positions\) could take 13 MiB, past the 1 MiB"):
+        with pytest.raises(ValueError, match=r"\(6 hooks, 303 positions\) could take 11 MiB, past the 1 MiB"):
             generate(llm, [BATCH[1]], max_tokens=4)
         few = tlh.request_args(llm.config, [4])
         outputs = generate(llm, [BATCH[1], BATCH[0]], max_tokens=4, extra_args=[few, None])
         rows = tlh.read_batched(llm, [output.request_id for output in outputs])
         assert [rows[o.request_id]["blocks.2.attn.hook_pattern"].shape for o in outputs] == [(2, 1, 5), (2, 12, 12)]
+        assert [rows[o.request_id]["blocks.1.attn.hook_pattern"].shape for o in outputs] == [(1, 1, 5), (1, 12, 12)]
+
+
+def test_attention_heads_past_the_models_are_refused_where_the_hooks_are_placed(models):
+    with pytest.raises(Exception, match=re.escape("attention_heads['blocks.1.attn.hook_pattern']: head 2, but ")
+                       + r"model\.layers\.1\.self_attn.* has 2 heads \(0 to 1\)"):
+        with engine(models["llama"], sites=("pattern",), in_process=True, eager=True,
+                    attention_heads={"blocks.1.attn.hook_pattern": [0, 2]}):
+            pass
 
 
 

@@ -851,6 +851,9 @@ class CaptureConfig:
     sae_top_k: features kept per token and SAE, the highest first (a batched request may keep fewer).
     sae_chosen_features: batched flavour: the most features of each SAE a request may choose to read densely,
         ``{features name}.chosen`` (see request_args); 0, none.
+    attention_heads: ``{attn_scores or pattern hook: [head, ...]}``: the heads whose scores or pattern a read of that
+        hook rebuilds, in this order, ``[len(heads), queries, keys]`` (every head of a hook not named). Its rows, and
+        so its cost on the engine, stay every head's query and key; the read's work and memory shrink by heads kept.
     """
 
     capture_specs: dict[str, tuple[int, ...] | tuple[str, int]]
@@ -864,6 +867,7 @@ class CaptureConfig:
     saes: dict[str, str] = dataclasses.field(default_factory=dict)
     sae_top_k: int = 64
     sae_chosen_features: int = 0
+    attention_heads: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         specs, saes = self.capture_specs, self.saes
@@ -902,11 +906,34 @@ class CaptureConfig:
                     "sink; capture attn.hook_rot_q and hook_rot_k (or hook_q and hook_k) into it instead"
                 )
             object.__setattr__(self, "sink_dir", os.path.abspath(self.sink_dir))
+        object.__setattr__(self, "attention_heads", self._checked_attention_heads())
         seconds = self.shard_seconds
         if seconds is not None and (
             not isinstance(seconds, (int, float)) or seconds is True or not 0 < seconds < math.inf
         ):
             raise ValueError(f"shard_seconds: must be a finite number of seconds > 0, or None; got {seconds!r}")
+
+    def _checked_attention_heads(self) -> dict[str, tuple[int, ...]]:
+        """attention_heads, each a tuple (ValueError naming what is wrong); head indices are checked against the
+        model's heads where the hooks are placed."""
+        chosen = self.attention_heads
+        if not isinstance(chosen, dict):
+            raise ValueError(
+                f"attention_heads: expected a dict {{attn_scores or pattern hook: [head, ...]}}, got {chosen!r:.200}"
+            )
+        for name, heads in chosen.items():
+            if name not in self.attention_hooks:
+                raise ValueError(
+                    f"attention_heads: {name!r} is not an attn_scores or pattern hook in capture_specs; those are "
+                    f"{self.attention_hooks}"
+                )
+            listed = isinstance(heads, (list, tuple)) and all(_int_at_least(head, 0) for head in heads)
+            if not listed or not heads or len(set(heads)) != len(heads):
+                raise ValueError(
+                    f"attention_heads[{name!r}]: expected a non-empty list of distinct head indices >= 0, got "
+                    f"{heads!r:.200}"
+                )
+        return {name: tuple(heads) for name, heads in chosen.items()}
 
     def row_shape(self, name: str) -> tuple[int, ...]:
         """The shape of one row of hook ``name``: ``(width,)`` or ``(n_heads, d_head)``."""
@@ -1314,7 +1341,8 @@ more is refused before it runs. Set it in the process that sends the requests.""
 
 def _refuse_large_attention(request: Any, options: _RequestOptions | None, config: CaptureConfig | None) -> None:
     """ValueError, before the request runs, where reading its attention matrices (see _attention_rows: scores and
-    pattern, float32 [n_heads, queries, keys], for each attn_scores and pattern hook) could take more than
+    pattern, float32 [heads, queries, keys], for each attn_scores and pattern hook, with n_heads + n_kv_heads heads
+    where attention_heads chooses none) could take more than
     ATTENTION_READ_BYTES: over its prompt and max_tokens, the positions it keeps, and one forward's rows for the
     one-prompt flavour."""
     hooks = config.attention_hooks if config is not None else []
@@ -1326,7 +1354,8 @@ def _refuse_large_attention(request: Any, options: _RequestOptions | None, confi
         rows = min(rows, options.kept_range(prompt_len)[1] + 1)
     if not config.enable_batching:
         rows = min(rows, config.max_num_batched_tokens)
-    need = sum(2 * 4 * config.row_shape(name)[0] * rows * rows for name in hooks)
+    heads = {name: len(config.attention_heads.get(name, ())) or config.row_shape(name)[0] for name in hooks}
+    need = sum(2 * 4 * heads[name] * rows * rows for name in hooks)
     if need > ATTENTION_READ_BYTES:
         raise ValueError(
             f"{request.request_id}: reading its attention matrices ({len(hooks)} hooks, {rows} positions) could take "
@@ -2116,6 +2145,13 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
             order = torch.arange(columns).view(-1, d_head // 2, 2).transpose(1, 2).reshape(-1)
             order = torch.argsort(order)
         attention = _attention_facts(module) if tap.kind == _QUERY_KEY else None
+        if attention is not None:
+            chosen = attention["chosen"] = list(config.attention_heads.get(name, ())) or None
+            if chosen and max(chosen) >= attention["heads"]:
+                raise ValueError(
+                    f"attention_heads[{name!r}]: head {max(chosen)}, but {path} has {attention['heads']} heads "
+                    f"(0 to {attention['heads'] - 1})"
+                )
         placed[name] = _Hook(
             name, module, tap, row_shape, (start, start + columns), _qkv_columns(module, tap.part), order, attention
         )
@@ -3649,24 +3685,26 @@ def join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -
 
 
 def _attention_rows(name: str, rows: torch.Tensor, facts: dict[str, Any], queries: list[int] | None) -> torch.Tensor:
-    """TransformerLens's attn.hook_attn_scores or hook_pattern (as ``name`` ends), [n_heads, queries, keys] in rows'
+    """TransformerLens's attn.hook_attn_scores or hook_pattern (as ``name`` ends), [heads, queries, keys] in rows'
     dtype, rebuilt from rows [n, n_heads + n_kv_heads, d_head], each token's query and key as vLLM's attention
     received them, at positions 0..n-1: for the rows ``queries`` (None: all), over the keys up to the last of them;
-    facts: _attention_facts. Scores are q k^T * scale, softcapped, plus ALiBi's slope times the key's position, with
-    the keys a query does not see (later ones, past its window, outside its chunk) at the lowest number of rows'
-    dtype; the pattern is their softmax over the keys (and a sink's logit, whose share is then dropped). Computed in
-    float32 (float64 rows in float64) on the CPU: n_heads * queries * keys * d_head multiply-adds and 2 * n_heads *
+    facts: _attention_facts, with "chosen", the heads to rebuild in order (None: all). Scores are q k^T * scale,
+    softcapped, plus ALiBi's slope times the key's position, with the keys a query does not see (later ones, past its
+    window, outside its chunk) at the lowest number of rows' dtype; the pattern is their softmax over the keys (and a sink's logit, whose share is then dropped). Computed in
+    float32 (float64 rows in float64) on the CPU: heads * queries * keys * d_head multiply-adds and 2 * heads *
     queries * keys * 4 bytes."""
-    heads, positions = facts["heads"], torch.arange(rows.shape[0])
+    positions = torch.arange(rows.shape[0])
+    heads = list(range(facts["heads"])) if facts["chosen"] is None else facts["chosen"]
     query_at = positions if queries is None else torch.tensor(queries, dtype=torch.int64)
     key_at = positions[: int(query_at[-1]) + 1 if len(query_at) else 0]
-    query, key = rows.to(torch.promote_types(rows.dtype, torch.float32)).split([heads, facts["kv_heads"]], dim=1)
-    query, key = query[query_at], key[key_at].repeat_interleave(heads // facts["kv_heads"], dim=1)
+    query, key = rows.to(torch.promote_types(rows.dtype, torch.float32)).split([facts["heads"], facts["kv_heads"]], 1)
+    group = facts["heads"] // facts["kv_heads"]  # query heads sharing a key head
+    query, key = query[query_at][:, heads], key[key_at][:, [head // group for head in heads]]
     scores = torch.matmul(query.transpose(0, 1), key.permute(1, 2, 0)) * facts["scale"]
     if facts["softcap"]:
         scores = torch.tanh(scores / facts["softcap"]) * facts["softcap"]
     if facts["alibi"] is not None:
-        scores = scores + torch.tensor(facts["alibi"], dtype=scores.dtype)[:, None, None] * key_at
+        scores = scores + torch.tensor(facts["alibi"], dtype=scores.dtype)[heads, None, None] * key_at
     query_at, key_at = query_at[:, None], key_at[None, :]
     seen = key_at <= query_at
     if facts["window"]:
@@ -3678,7 +3716,7 @@ def _attention_rows(name: str, rows: torch.Tensor, facts: dict[str, Any], querie
         return scores.to(rows.dtype)
     if facts["sinks"] is None:
         return scores.softmax(-1).to(rows.dtype)
-    sinks = torch.tensor(facts["sinks"], dtype=scores.dtype)[:, None, None].expand(heads, len(query_at), 1)
+    sinks = torch.tensor(facts["sinks"], dtype=scores.dtype)[heads, None, None].expand(len(heads), len(query_at), 1)
     return torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1].to(rows.dtype)
 
 
