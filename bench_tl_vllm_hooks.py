@@ -443,7 +443,7 @@ def _rows_read(captured: dict[str, dict], read_s: float) -> tuple[int, str]:
 def _say_run(label: str, run: tuple) -> None:
     """One timed generate as it ends (generate()'s tuple), through the parent at once."""
     read = "" if run[2] is None else f", read or flush {run[2]:.3f} s"
-    # (a batched case's check ends with its row files: a round whose "created" grew made one inside its steps)
+    # (a batched case's check ends with its row files: a round whose "made_in_step" grew made one inside a step)
     check = "" if run[3] is None else f"; {run[3]}"
     print(f"{_PROGRESS}[{label}] generate {run[1]:.3f} s{read}{check}", flush=True)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import difflib
@@ -3346,7 +3347,9 @@ def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
 # offsets, and the driver maps the files. Pages are never rewritten while a driver may map them: each read hands a
 # file over under a token (``path#number``), and once no tensor holds the driver's mapping the driver creates a file
 # of that name, by which the worker knows it may fill the file again. A worker removes its files when its hooks go
-# (and at exit), and the next engine to install hooks removes those of processes that died.
+# (and at exit), and the next engine to install hooks removes those of processes that died. Making and pinning a file
+# takes longer than a step's forward, so the next file is made ahead on a thread of its own, once the file being
+# filled has less room left than the largest step so far: a step makes a file itself only when none fits it.
 
 _SHARED_DIR = "/dev/shm"
 _SHARED_PREFIX = "tl_vllm_hooks-"
@@ -3390,55 +3393,78 @@ class _SharedRows:
 
     def __init__(self, pin: bool, wait: Any):
         self.pin, self.wait = pin, wait  # wait(): for the copies into pinned pages still in flight
+        self.device = torch.cuda.current_device() if pin else None  # the device the pages are pinned for
         self.files: dict[str, _RowFile] = {}
         self.filling: _RowFile | None = None
         self.usable = os.path.isdir(_SHARED_DIR)
         self.created = 0  # files made so far
+        self.made_in_step = 0  # of those, the files a step made itself
+        self.largest = 0  # the most bytes one step took
+        self.maker: concurrent.futures.ThreadPoolExecutor | None = None  # makes the next file, off the steps
+        self.next_file: list[concurrent.futures.Future] = []  # the file being made ahead (at most one)
         # An engine shut down without removing its hooks still leaves no file once its worker's state is collected.
-        weakref.finalize(self, _remove_row_files, self.files, pin)
+        weakref.finalize(self, _remove_row_files, self.files, pin, self.next_file)
 
     def region(self, nbytes: int) -> tuple[_RowFile | None, torch.Tensor]:
         """(its file, uint8 [nbytes]) of host memory for one step's rows, 64-byte aligned."""
+        self.largest = max(self.largest, nbytes)
         file = self.filling
         if self.usable and (file is None or file.used + nbytes > file.pages.numel()):
             file = self.filling = self._refill(nbytes)
         if file is None:
             return None, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         start, file.used = file.used, file.used + -(-nbytes // 64) * 64
+        if file.used + self.largest > file.pages.numel() and not self.next_file:  # the next step may not fit
+            self.maker = self.maker or concurrent.futures.ThreadPoolExecutor(1, "tl_vllm_hooks-row-files")
+            self.next_file.append(self.maker.submit(_make_row_file, self._file_size(), self.device))
+            self.created += 1
         return file, file.pages[start : start + nbytes]
 
+    def _file_size(self) -> int:
+        """A new file's bytes: a power of two that holds the largest step so far, and, while files are few, the
+        next of the sizes doubling from _SHARED_FILE_BYTES' first to its most."""
+        growing = min(_SHARED_FILE_BYTES[0] << self.created, _SHARED_FILE_BYTES[1])
+        return max(1 << (self.largest - 1).bit_length(), growing)
+
     def _refill(self, nbytes: int) -> _RowFile | None:
-        """A file with room for nbytes: an idle one emptied, else a new one (None if /dev/shm cannot hold it) sized
-        to a power of two, so that steps of about this size fill it again; idle files too small for it are removed."""
+        """A file with room for nbytes: an idle one emptied, else the one made ahead, else a new one made now (None
+        if /dev/shm cannot hold it); idle files too small for it are removed."""
         for file in (idle := self._idle_files()):
             if file.pages.numel() >= nbytes:
                 file.used = 0
                 return file
         for file in idle:
             self._remove(file)
-        path = os.path.join(_SHARED_DIR, f"{_SHARED_PREFIX}{os.getpid()}-{next(_shared_file_numbers)}")
-        size = max(1 << (nbytes - 1).bit_length(), min(_SHARED_FILE_BYTES[0] << self.created, _SHARED_FILE_BYTES[1]))
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not later with SIGBUS on a page
-            pages = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
-        except OSError as error:
-            os.unlink(path)
-            self.usable = False
-            logger.warning("tl_vllm_hooks: %s: %s; batched rows now reach the driver through vLLM's RPC", path, error)
+        made_ahead = self._adopt(self.next_file.pop()) if self.next_file else None
+        if made_ahead is not None and made_ahead.pages.numel() >= nbytes:
+            return made_ahead
+        if made_ahead is not None:
+            self._remove(made_ahead)
+        if not self.usable:
             return None
-        finally:
-            os.close(fd)
-        if self.pin:
-            torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), size, 0)
-        file = self.files[path] = _RowFile(path, pages)
-        self.created += 1
+        size = self._file_size()
+        self.created, self.made_in_step = self.created + 1, self.made_in_step + 1
+        return self._adopt(_make_row_file, size, self.device)
+
+    def _adopt(self, make: Any, *args: Any) -> _RowFile | None:
+        """The file ``make(*args)`` (or a made-ahead file's Future) gives, now held; None, and no file from now on,
+        if /dev/shm could not hold it."""
+        try:
+            file = make.result() if isinstance(make, concurrent.futures.Future) else make(*args)
+        except OSError as error:
+            self.usable = False
+            logger.warning("tl_vllm_hooks: %s; batched rows now reach the driver through vLLM's RPC", error)
+            return None
+        self.files[file.path] = file
         return file
 
     def status(self) -> dict[str, int]:
-        """``{"files", "bytes", "created"}``: the row files held now, their size, and how many were made so far."""
-        files = self.files.values()
-        return {"files": len(files), "bytes": sum(f.pages.numel() for f in files), "created": self.created}
+        """``{"files", "bytes", "created", "made_in_step"}``: the row files held now (the one made ahead among them,
+        once made: this waits for it) and their size; how many were made (or begun) so far, and how many of those a step made itself."""
+        concurrent.futures.wait(self.next_file)
+        files = [*self.files.values(), *(f.result() for f in self.next_file if not f.exception())]
+        return {"files": len(files), "bytes": sum(f.pages.numel() for f in files), "created": self.created,
+                "made_in_step": self.made_in_step}
 
     def hold(self, file: _RowFile | None) -> None:
         if file is not None:
@@ -3473,8 +3499,12 @@ class _SharedRows:
 
     def close(self) -> None:
         self.filling = None
+        if self.next_file:
+            self._adopt(self.next_file.pop())
         for file in list(self.files.values()):
             self._remove(file)
+        if self.maker is not None:
+            self.maker.shutdown()
 
     def _remove(self, file: _RowFile) -> None:
         if self.pin:
@@ -3482,8 +3512,32 @@ class _SharedRows:
         _remove_row_files({file.path: self.files.pop(file.path)}, self.pin)
 
 
-def _remove_row_files(files: dict[str, _RowFile], pin: bool) -> None:
-    """Unpin and unlink these row files and their tokens (a driver may still map one: its memory goes with that)."""
+def _make_row_file(size: int, device: int | None) -> _RowFile:
+    """A new row file of ``size`` bytes in /dev/shm, mapped, and pinned for CUDA device ``device`` (None: not pinned);
+    OSError naming it if /dev/shm cannot hold it. Runs on the thread making files ahead, too."""
+    path = os.path.join(_SHARED_DIR, f"{_SHARED_PREFIX}{os.getpid()}-{next(_shared_file_numbers)}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not later with SIGBUS on a page
+        pages = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+    except OSError as error:
+        os.unlink(path)
+        raise OSError(f"{path}: {error}") from None
+    finally:
+        os.close(fd)
+    if device is not None:
+        with torch.cuda.device(device):
+            torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), size, 0)
+    return _RowFile(path, pages)
+
+
+def _remove_row_files(files: dict[str, _RowFile], pin: bool, made_ahead: list = ()) -> None:
+    """Unpin and unlink these row files (and the one being made ahead, once made) and their tokens (a driver may still
+    map one: its memory goes with that)."""
+    for future in made_ahead:
+        with contextlib.suppress(Exception):
+            file = future.result()
+            files[file.path] = file
     for file in list(files.values()):
         if pin:
             torch.cuda.cudart().cudaHostUnregister(file.pages.data_ptr())
