@@ -1591,13 +1591,15 @@ def check_logit_lens(llm, model: Model, prompt: list[int], tolerance) -> None:
     """unembed and logit_lens on one request's rows, whole and top 5, against the bridge on the same prompt: its
     logit lens (ActivationCache.logit_lens, every position, resid_mid entries too where the family has them) at every
     residual-stream hook it stacks, and its hook_unembed (unembed.hook_out) from the last layer's hook_resid_post."""
-    from transformer_lens.tools.analysis.logit_lens import logit_lens
+    from transformer_lens.tools.analysis.logit_lens import hybrid_block_types, logit_lens
 
     output = generate(llm, [prompt])[0]
     rows = tlh.read_batched(llm, [output.request_id])[output.request_id]
     with torch.no_grad():
         logits, cache = model.bridge.run_with_cache(torch.tensor([prompt]))
-        lens = logit_lens(cache, positions=None, incl_mid="resid_mid" in model.sites)
+        # (the bridge stacks no resid_mid where it calls blocks hybrid: Falcon-H1's attention beside a Mamba mixer)
+        lens = logit_lens(cache, positions=None, incl_mid="resid_mid" in model.sites and not hybrid_block_types(
+            model.bridge))
     last = model.bridge.cfg.n_layers - 1
     label_names = {f"{layer}_{part}": f"blocks.{layer}.hook_resid_{part}" for layer in range(last + 1)
                    for part in ("pre", "mid")} | {"final_post": f"blocks.{last}.hook_resid_post"}

@@ -352,6 +352,10 @@ FAMILIES = {family.name: family for family in (
             moe=_MoE(block_input="x", router=".router", renormalize="always")),
     # Granite multiplies the embedding (after embed_tokens) and each branch's output.
     _Family("granite", "GraniteForCausalLM", residual="stream", embed_at_layer0=True, multiplier="residual_multiplier"),
+    # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers (the
+    # mixer's own mamba.* hooks are not placed yet); hook_attn_out is the attention's output before its multiplier.
+    _Family("falcon_h1", "FalconH1ForCausalLM", residual="stream", ln2=".pre_ff_layernorm", mlp=".feed_forward",
+            final_norm="model.final_layernorm"),
     _Family("stablelm", "StableLmForCausalLM", vllm_class="StablelmForCausalLM", residual="stream", norm="layer",
             norm_inputs=_TORCH_NORM_INPUT, settings=dict(use_parallel_residual=False)),
     # A norm after each branch, before adding it, and none before: attention reads the stream itself, the MLP the
@@ -563,7 +567,7 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",
     **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), "Mamba-1 layers, which vLLM "
                     "0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"),
-    **dict.fromkeys(("Mamba2ForCausalLM", "FalconH1ForCausalLM", "Zamba2ForCausalLM", "GraniteMoeHybridForCausalLM"),
+    **dict.fromkeys(("Mamba2ForCausalLM", "Zamba2ForCausalLM", "GraniteMoeHybridForCausalLM"),
                     "Mamba-2 (state-space) layers, not softmax attention"),
     "NemotronHForCausalLM": "Mamba-2 layers, and relu2 experts vLLM CPU cannot run ('is_act_and_mul=False is "
                             "supported only for CUDA, XPU and ROCm')",
