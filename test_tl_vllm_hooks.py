@@ -1129,6 +1129,23 @@ def test_attention_patterns_keep_each_query_and_key_and_refuse_what_they_cannot_
 
 
 @NO_ENGINE
+def test_a_mamba_mixers_split_tensors_are_refused_under_tensor_parallelism():
+    """Falcon-H1's mixer under tensor parallelism: each rank's input projection holds its part of each of z, x, B, C
+    and dt, and its gated norm its heads' part of y and z, which a read does not join: refused where the hooks are
+    placed (a worker's placement, with modules of vLLM's class names); its output, reduced across ranks, is whole."""
+    config = tools.tiny_config("falcon_h1")
+    taps = tlh._taps(tlh.FAMILIES["falcon_h1"], config, 1)
+    modules = {"mamba_in_proj": "MergedColumnParallelLinear", "mamba_norm_in": "Mixer2RMSNormGated",
+               "mamba_norm_gate": "Mixer2RMSNormGated"}
+    for site, class_name in modules.items():
+        module = type(class_name, (torch.nn.Module,), {})()
+        with pytest.raises(ValueError, match=re.escape(taps[site].module) + ": under tensor parallelism each rank "
+                           r"holds its heads' and groups' part .* tensor_parallel_size=1"):
+            tlh._tensor_parallel_share(module, taps[site], 584, tlh._Ranks(0, 2, 0))
+    assert tlh._tensor_parallel_share(torch.nn.Identity(), taps["mamba_out"], 128, tlh._Ranks(0, 2, 0)) is None
+
+
+@NO_ENGINE
 def test_capture_specs_name_a_config_that_is_not_the_checkpoints():
     """A path where the config goes, and the text part of a multimodal checkpoint's config, say what to pass."""
     for path in ("tiny", Path("tiny")):

@@ -105,6 +105,9 @@ SITES = {
     "attn_rot_q": "blocks.{i}.attn.hook_rot_q", "attn_rot_k": "blocks.{i}.attn.hook_rot_k",
     "attn_scores": "blocks.{i}.attn.hook_attn_scores", "pattern": "blocks.{i}.attn.hook_pattern",
     "attn_z": "blocks.{i}.attn.hook_z", "attn_out": "blocks.{i}.hook_attn_out",
+    "mamba_in_proj": "blocks.{i}.mamba.hook_in_proj", "mamba_norm_in": "blocks.{i}.mamba.inner_norm.hook_in",
+    "mamba_norm_gate": "blocks.{i}.mamba.inner_norm.hook_gate", "mamba_norm": "blocks.{i}.mamba.hook_inner_norm",
+    "mamba_out": "blocks.{i}.mamba.hook_out",
     "resid_mid": "blocks.{i}.hook_resid_mid", "ln2_scale": "blocks.{i}.ln2.hook_scale",
     "ln2": "blocks.{i}.ln2.hook_normalized",
     "mlp_in": "blocks.{i}.mlp.hook_in", "mlp_pre": "blocks.{i}.mlp.hook_pre",
@@ -123,7 +126,11 @@ TransformerLens's ``[n_heads, queries, keys]`` (see _attention_rows; read-only);
 mlp_pre_linear and mlp_post on dense MLPs (the activation's input, its gate on gated ones; a gated MLP's linear (up)
 projection; the down projection's input); on mixture-of-experts layers mlp_pre and mlp_post are the block's input
 and output, and the router's choice is expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen) and
-expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both read-only). ln1, ln2 and final_norm are
+expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both read-only). A Mamba-2 mixer beside the
+attention (Falcon-H1's, which TransformerLens names mamba) has mamba_in_proj ``[d_in_proj]``, its input projection
+(z, x, B, C and dt, before the family's multipliers), mamba_norm_in, the scan's output y, and mamba_norm_gate, z,
+``[d_inner]``, the gated norm's inputs, mamba_norm its output ``[d_inner]``, and mamba_out ``[d_model]``, the
+mixer's output (before the multiplier the layer scales it by). ln1, ln2 and final_norm are
 a norm's input normalized, before weight and bias, and their ``*_scale`` the divisor, ``[1]``: sqrt(mean(x**2) +
 eps) of the (mean-centred, for LayerNorm) input; mlp_in is the MLP's own input (its norm's output, weight and bias
 applied)."""
@@ -255,7 +262,7 @@ class _Family:
         ``final_norm``, ``attention`` (its ``qkv`` projection, ``o_proj``), ``ln1`` and ``ln2`` (the attention's and
         the MLP's pre-norms; "" where there are none), ``post_norms`` (each branch's norm before it joins the stream,
         which hook_attn_out and hook_mlp_out follow), ``mlp`` (its ``mlp_up``, gated with the gate first where it is
-        ``.gate_up_proj``, and ``mlp_down``).
+        ``.gate_up_proj``, and ``mlp_down``), ``mamba`` (a Mamba-2 mixer beside the attention, vLLM's MambaMixer2).
     parallel: attention and MLP read the same stream (no hook_resid_mid). embed_at_layer0: hook_embed is what layer 0
         receives (Gemma's sqrt(d_model) scale, Granite's multiplier and BLOOM's norm come after the embedding).
     layer_inputs, norm_inputs, mlp_inputs: (argument, position) of the inputs a layer, a norm and the MLP take; ()
@@ -297,6 +304,7 @@ class _Family:
     mlp: str = ".mlp"
     mlp_up: str = ".gate_up_proj"
     mlp_down: str = ".down_proj"
+    mamba: str = ""
     parallel: bool = False
     embed_at_layer0: bool = False
     layer_inputs: tuple[tuple[str, int], ...] = ()
@@ -352,10 +360,10 @@ FAMILIES = {family.name: family for family in (
             moe=_MoE(block_input="x", router=".router", renormalize="always")),
     # Granite multiplies the embedding (after embed_tokens) and each branch's output.
     _Family("granite", "GraniteForCausalLM", residual="stream", embed_at_layer0=True, multiplier="residual_multiplier"),
-    # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers (the
-    # mixer's own mamba.* hooks are not placed yet); hook_attn_out is the attention's output before its multiplier.
+    # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers;
+    # hook_attn_out and mamba.hook_out are the branches' outputs before them.
     _Family("falcon_h1", "FalconH1ForCausalLM", residual="stream", ln2=".pre_ff_layernorm", mlp=".feed_forward",
-            final_norm="model.final_layernorm"),
+            final_norm="model.final_layernorm", mamba=".mamba.mamba"),
     _Family("stablelm", "StableLmForCausalLM", vllm_class="StablelmForCausalLM", residual="stream", norm="layer",
             norm_inputs=_TORCH_NORM_INPUT, settings=dict(use_parallel_residual=False)),
     # A norm after each branch, before adding it, and none before: attention reads the stream itself, the MLP the
@@ -676,6 +684,13 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         "attn_z": _Tap(attention + f.o_proj, _INPUT, _LINEAR_INPUT),
         "attn_out": _Tap(at + f.post_norms[0], _OUTPUT) if f.post_norms
         else _Tap(attention, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
+        **({
+            "mamba_in_proj": _Tap(at + f.mamba + ".in_proj", _OUTPUT),
+            "mamba_norm_in": _Tap(at + f.mamba + ".norm", _INPUT, (("x", 0),)),
+            "mamba_norm_gate": _Tap(at + f.mamba + ".norm", _INPUT, (("gate", 1),)),
+            "mamba_norm": _Tap(at + f.mamba + ".out_proj", _INPUT, _LINEAR_INPUT),
+            "mamba_out": _Tap(at + f.mamba, _OUTPUT),
+        } if f.mamba else {}),
         # the stream between the branches: ln2's input, or the MLP's where it has no pre-norm
         "resid_mid": None if f.parallel else _Tap(mid_norm, _NORM_INPUT, norm_inputs, f.norm) if mid_norm and pair
         else _Tap(mid_norm, _INPUT, norm_inputs) if mid_norm else mlp["mlp_in"],
@@ -733,6 +748,11 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
     shapes.update(attn_q=q, attn_rot_q=q, attn_z=q, attn_k=kv, attn_v=kv, attn_rot_k=kv)
     shapes.update(attn_scores=(q[0] + kv[0], d_head), pattern=(q[0] + kv[0], d_head))
     shapes.update(mlp_pre=mlp, mlp_pre_linear=mlp, mlp_post=mlp, ln1_scale=(1,), ln2_scale=(1,), final_norm_scale=(1,))
+    if family.mamba:  # Falcon-H1's names
+        d_inner = config.mamba_d_ssm or config.mamba_expand * d_model
+        d_in_proj = 2 * d_inner + 2 * config.mamba_n_groups * config.mamba_d_state + config.mamba_n_heads
+        shapes.update(mamba_in_proj=(d_in_proj,), mamba_norm_in=(d_inner,), mamba_norm_gate=(d_inner,),
+                      mamba_norm=(d_inner,))
     return shapes
 
 
@@ -1820,6 +1840,12 @@ def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int, ranks
         raise ValueError(
             f"{tap.module}: under tensor parallelism its output is one rank's part of a sum the layer reduces later "
             "(RowParallelLinear without reduce_results), not the whole tensor; read it with tensor_parallel_size=1"
+        )
+    if type(module).__name__ in ("MergedColumnParallelLinear", "Mixer2RMSNormGated") and not tap.part:
+        raise ValueError(
+            f"{tap.module}: under tensor parallelism each rank holds its heads' and groups' part of each block of "
+            "columns (a Mamba mixer's input projection and gated norm), which reads do not join; read it with "
+            "tensor_parallel_size=1"
         )
     if tap.kind == _OUTPUT and not tap.part and not getattr(module, "gather_output", True):
         return rank * module.output_size_per_partition, module.output_size_per_partition  # ColumnParallelLinear
