@@ -1223,6 +1223,11 @@ def test_capture_specs_refuse_what_the_architecture_lacks():
     opt.architectures = ["OPTForCausalLM"]
     with pytest.raises(ValueError, match=r"OPTForCausalLM with do_layer_norm_before=False: .* describes OPTForCausalLM with do_layer_norm_before=True"):
         tlh.capture_specs(opt)
+    mamba2 = tools.tiny_config("mamba2")
+    mamba2.n_groups = 2  # (released Mamba-2 checkpoints have 8)
+    with pytest.raises(ValueError, match=r"Mamba2ForCausalLM with n_groups=2: .* describes Mamba2ForCausalLM with "
+                       r"n_groups=1 only: .* TransformerLens's bridge computes them otherwise than vLLM"):
+        tlh.capture_specs(mamba2)
     mixtral = MixtralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96)
     mixtral.architectures = ["MixtralForCausalLM"]
     assert tlh.capture_specs(mixtral, sites=("mlp_pre", "mlp_post"), layers=[1]) == {
@@ -1752,6 +1757,9 @@ def test_attention_scores_are_refused_exactly_where_transformer_lens_gives_the_p
     with torch.no_grad():
         _logits, cache = models[family].bridge.run_with_cache(torch.tensor([PROMPT[:8]]))
     names = [name for name in cache.keys() if name.endswith(ATTENTION[0])]
+    if not tlh.FAMILIES[family].attention:  # no attention (Mamba-2): nor any attention hook in the bridge
+        assert not [name for name in cache.keys() if ".attn." in name], f"{family}: the bridge runs attention hooks"
+        return
     assert names, f"{family}: the bridge runs no hook_attn_scores"
     pattern_there = all(torch.equal(cache[name], cache[name.replace(*ATTENTION)]) for name in names)
     refused = tlh.FAMILIES[family].refused

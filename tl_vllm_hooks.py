@@ -101,11 +101,16 @@ SITES = {
     "embed": "hook_embed", "pos_embed": "hook_pos_embed",
     "resid_pre": "blocks.{i}.hook_resid_pre", "ln1_scale": "blocks.{i}.ln1.hook_scale",
     "ln1": "blocks.{i}.ln1.hook_normalized",
+    "block_norm_scale": "blocks.{i}.norm.hook_scale", "block_norm": "blocks.{i}.norm.hook_normalized",
     "attn_q": "blocks.{i}.attn.hook_q", "attn_k": "blocks.{i}.attn.hook_k", "attn_v": "blocks.{i}.attn.hook_v",
     "attn_rot_q": "blocks.{i}.attn.hook_rot_q", "attn_rot_k": "blocks.{i}.attn.hook_rot_k",
     "attn_scores": "blocks.{i}.attn.hook_attn_scores", "pattern": "blocks.{i}.attn.hook_pattern",
     "attn_z": "blocks.{i}.attn.hook_z", "attn_out": "blocks.{i}.hook_attn_out",
-    "mamba_in_proj": "blocks.{i}.mamba.hook_in_proj", "mamba_norm_in": "blocks.{i}.mamba.inner_norm.hook_in",
+    "mixer_in": "blocks.{i}.mixer.hook_in",
+    "mixer_in_proj": "blocks.{i}.mixer.hook_in_proj", "mixer_norm_in": "blocks.{i}.mixer.inner_norm.hook_in",
+    "mixer_norm_gate": "blocks.{i}.mixer.inner_norm.hook_gate", "mixer_norm": "blocks.{i}.mixer.hook_inner_norm",
+    "mixer_out": "blocks.{i}.mixer.hook_out",
+    "mamba_in": "blocks.{i}.mamba.hook_in", "mamba_in_proj": "blocks.{i}.mamba.hook_in_proj", "mamba_norm_in": "blocks.{i}.mamba.inner_norm.hook_in",
     "mamba_norm_gate": "blocks.{i}.mamba.inner_norm.hook_gate", "mamba_norm": "blocks.{i}.mamba.hook_inner_norm",
     "mamba_out": "blocks.{i}.mamba.hook_out",
     "resid_mid": "blocks.{i}.hook_resid_mid", "ln2_scale": "blocks.{i}.ln2.hook_scale",
@@ -126,11 +131,12 @@ TransformerLens's ``[n_heads, queries, keys]`` (see _attention_rows; read-only);
 mlp_pre_linear and mlp_post on dense MLPs (the activation's input, its gate on gated ones; a gated MLP's linear (up)
 projection; the down projection's input); on mixture-of-experts layers mlp_pre and mlp_post are the block's input
 and output, and the router's choice is expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen) and
-expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both read-only). A Mamba-2 mixer beside the
-attention (Falcon-H1's, which TransformerLens names mamba) has mamba_in_proj ``[d_in_proj]``, its input projection
-(z, x, B, C and dt, before the family's multipliers), mamba_norm_in, the scan's output y, and mamba_norm_gate, z,
-``[d_inner]``, the gated norm's inputs, mamba_norm its output ``[d_inner]``, and mamba_out ``[d_model]``, the
-mixer's output (before the multiplier the layer scales it by). ln1, ln2 and final_norm are
+expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both read-only). A Mamba-2 mixer has
+mixer_in, its input, mixer_in_proj ``[d_in_proj]``, its input projection (z, x, B, C and dt, before a family's
+multipliers), mixer_norm_in, the scan's output y, and mixer_norm_gate, z, ``[d_inner]``, the gated norm's inputs,
+mixer_norm its output ``[d_inner]``, and mixer_out ``[d_model]``, the mixer's output (before a multiplier the layer
+scales it by); the mamba_* sites are the same where TransformerLens names the mixer mamba (Falcon-H1, beside the
+attention), and block_norm and block_norm_scale are ln1's where it names the pre-norm norm (Mamba-2's). ln1, ln2 and final_norm are
 a norm's input normalized, before weight and bias, and their ``*_scale`` the divisor, ``[1]``: sqrt(mean(x**2) +
 eps) of the (mean-centred, for LayerNorm) input; mlp_in is the MLP's own input (its norm's output, weight and bias
 applied)."""
@@ -141,7 +147,7 @@ _READ_ONLY_SITES = {  # site -> why an edit of it is refused
     **dict.fromkeys(("attn_scores", "pattern"), "vLLM's attention kernels never hold the [query, key] matrix, which is "
                     "rebuilt when read; edit the query or key (attn.hook_rot_q, hook_rot_k, hook_q, hook_k) instead"),
 }
-_NORM_SITES = ("ln1_scale", "ln1", "ln2_scale", "ln2", "final_norm_scale", "final_norm")
+_NORM_SITES = ("ln1_scale", "ln1", "block_norm_scale", "block_norm", "ln2_scale", "ln2", "final_norm_scale", "final_norm")
 
 _HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
@@ -262,7 +268,9 @@ class _Family:
         ``final_norm``, ``attention`` (its ``qkv`` projection, ``o_proj``), ``ln1`` and ``ln2`` (the attention's and
         the MLP's pre-norms; "" where there are none), ``post_norms`` (each branch's norm before it joins the stream,
         which hook_attn_out and hook_mlp_out follow), ``mlp`` (its ``mlp_up``, gated with the gate first where it is
-        ``.gate_up_proj``, and ``mlp_down``), ``mamba`` (a Mamba-2 mixer beside the attention, vLLM's MambaMixer2).
+        ``.gate_up_proj``, and ``mlp_down``; ``mlp`` "" where its projections sit in the layer, ``mlp_up`` "" where there
+        is no MLP), ``attention`` ("" where there is none), ``mixer`` (a Mamba-2 mixer, vLLM's MambaMixer2;
+        "" where there is none).
     parallel: attention and MLP read the same stream (no hook_resid_mid). embed_at_layer0: hook_embed is what layer 0
         receives (Gemma's sqrt(d_model) scale, Granite's multiplier and BLOOM's norm come after the embedding).
     layer_inputs, norm_inputs, mlp_inputs: (argument, position) of the inputs a layer, a norm and the MLP take; ()
@@ -276,7 +284,8 @@ class _Family:
         attention projects q alone (``.q_proj``) and has no hook_k or hook_v, and their MLP is twice as wide where
         the config's use_double_wide_mlp says (Gemma 4's). k_as_v: the config attribute that says full-attention
         layers use the keys as values: no hook_v, and an edit of hook_k reaches V (Gemma 4's attention_k_eq_v).
-    taps: taps replacing those the fields give. refused: {site: why it is not placed} for sites TransformerLens runs
+    taps: taps replacing those the fields give. renamed: {site: the site TransformerLens names that tensor as on this
+        family} (Falcon-H1's mixer is mamba, Mamba-2's ln1 norm). refused: {site: why it is not placed} for sites TransformerLens runs
         on the family. settings: {config attribute: the value the record describes}; other values are refused.
     direct_attention: vLLM calls its Attention modules' forward itself (see _Tap.direct).
     lm_head_bias: the output layer has a bias that vLLM's compute_logits leaves out (PhiMoE's: vLLM samples without
@@ -304,7 +313,7 @@ class _Family:
     mlp: str = ".mlp"
     mlp_up: str = ".gate_up_proj"
     mlp_down: str = ".down_proj"
-    mamba: str = ""
+    mixer: str = ""
     parallel: bool = False
     embed_at_layer0: bool = False
     layer_inputs: tuple[tuple[str, int], ...] = ()
@@ -317,6 +326,7 @@ class _Family:
     d_mlp: str = ""
     moe: _MoE | None = None
     taps: dict[str, _Tap] = dataclasses.field(default_factory=dict)
+    renamed: dict[str, str] = dataclasses.field(default_factory=dict)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     qk_halves: bool = False
@@ -360,10 +370,20 @@ FAMILIES = {family.name: family for family in (
             moe=_MoE(block_input="x", router=".router", renormalize="always")),
     # Granite multiplies the embedding (after embed_tokens) and each branch's output.
     _Family("granite", "GraniteForCausalLM", residual="stream", embed_at_layer0=True, multiplier="residual_multiplier"),
+    # Mamba-2: a pre-norm (TransformerLens's norm) and a mixer in each layer, no attention and no MLP. transformers'
+    # gated norm (and so the bridge's) normalizes over all of d_inner where vLLM's, as mamba_ssm's, does per group.
+    _Family("mamba2", "Mamba2ForCausalLM", layer="backbone.layers.{i}", embed="backbone.embeddings",
+            final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer",
+            layer_inputs=(("hidden_states", 0), ("residual", 1)), settings=dict(n_groups=1),
+            renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
     # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers;
     # hook_attn_out and mamba.hook_out are the branches' outputs before them.
     _Family("falcon_h1", "FalconH1ForCausalLM", residual="stream", ln2=".pre_ff_layernorm", mlp=".feed_forward",
-            final_norm="model.final_layernorm", mamba=".mamba.mamba"),
+            final_norm="model.final_layernorm", mixer=".mamba.mamba",
+            renamed={f"mixer_{part}": f"mamba_{part}" for part in ("in", "in_proj", "norm_in", "norm_gate", "norm",
+                                                                   "out")},
+            refused={"mamba_in": "TransformerLens's mamba.hook_in is the normed stream before ssm_in_multiplier, "
+                     "which vLLM hands the attention too: read ln1's output (or hook_in_proj)"}),
     _Family("stablelm", "StableLmForCausalLM", vllm_class="StablelmForCausalLM", residual="stream", norm="layer",
             norm_inputs=_TORCH_NORM_INPUT, settings=dict(use_parallel_residual=False)),
     # A norm after each branch, before adding it, and none before: attention reads the stream itself, the MLP the
@@ -575,7 +595,7 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",
     **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), "Mamba-1 layers, which vLLM "
                     "0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"),
-    **dict.fromkeys(("Mamba2ForCausalLM", "Zamba2ForCausalLM", "GraniteMoeHybridForCausalLM"),
+    **dict.fromkeys(("Zamba2ForCausalLM", "GraniteMoeHybridForCausalLM"),
                     "Mamba-2 (state-space) layers, not softmax attention"),
     "NemotronHForCausalLM": "Mamba-2 layers, and relu2 experts vLLM CPU cannot run ('is_act_and_mul=False is "
                             "supported only for CUDA, XPU and ROCm')",
@@ -627,7 +647,8 @@ def _family(hf_config: Any) -> _Family:
         if getattr(hf_config, setting) != value:
             raise ValueError(
                 f"architecture {architecture} with {setting}={getattr(hf_config, setting)!r}: this module's record "
-                f"describes {architecture} with {setting}={value!r}, where its tensors sit elsewhere"
+                f"describes {architecture} with {setting}={value!r} only: otherwise its tensors sit elsewhere, or "
+                "TransformerLens's bridge computes them otherwise than vLLM (the record's comment says which)"
             )
     return family
 
@@ -685,12 +706,13 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         "attn_out": _Tap(at + f.post_norms[0], _OUTPUT) if f.post_norms
         else _Tap(attention, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
         **({
-            "mamba_in_proj": _Tap(at + f.mamba + ".in_proj", _OUTPUT),
-            "mamba_norm_in": _Tap(at + f.mamba + ".norm", _INPUT, (("x", 0),)),
-            "mamba_norm_gate": _Tap(at + f.mamba + ".norm", _INPUT, (("gate", 1),)),
-            "mamba_norm": _Tap(at + f.mamba + ".out_proj", _INPUT, _LINEAR_INPUT),
-            "mamba_out": _Tap(at + f.mamba, _OUTPUT),
-        } if f.mamba else {}),
+            "mixer_in": _Tap(at + f.mixer, _INPUT, _HIDDEN_INPUT),
+            "mixer_in_proj": _Tap(at + f.mixer + ".in_proj", _OUTPUT),
+            "mixer_norm_in": _Tap(at + f.mixer + ".norm", _INPUT, (("x", 0),)),
+            "mixer_norm_gate": _Tap(at + f.mixer + ".norm", _INPUT, (("gate", 1),)),
+            "mixer_norm": _Tap(at + f.mixer + ".out_proj", _INPUT, _LINEAR_INPUT),
+            "mixer_out": _Tap(at + f.mixer, _OUTPUT),
+        } if f.mixer else {}),
         # the stream between the branches: ln2's input, or the MLP's where it has no pre-norm
         "resid_mid": None if f.parallel else _Tap(mid_norm, _NORM_INPUT, norm_inputs, f.norm) if mid_norm and pair
         else _Tap(mid_norm, _INPUT, norm_inputs) if mid_norm else mlp["mlp_in"],
@@ -706,11 +728,18 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         taps.update(attn_q=_Tap(attention + ".q_proj", _OUTPUT), attn_k=None, attn_v=None)
     elif layer is not None and f.k_as_v and getattr(config, f.k_as_v) and config.layer_types[layer] == "full_attention":
         taps.update(attn_k=_Tap(attention + f.qkv, _OUTPUT, part="kv"), attn_v=None)
+    absent = (*(_ATTENTION_SITES if not f.attention else ()), *(_MLP_SITES if not f.mlp_up else ()))
+    taps = {f.renamed.get(site, site): None if site in absent else tap for site, tap in taps.items()}
     return {
         site: taps[site]
         for site, name in SITES.items()
         if taps.get(site) is not None and site not in f.refused and ("{i}" in name) == (layer is not None)
     }
+
+
+_ATTENTION_SITES = ("attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k", "attn_scores", "pattern", "attn_z",
+                    "attn_out")
+_MLP_SITES = ("resid_mid", "mlp_in", "mlp_pre", "mlp_pre_linear", "mlp_post", "mlp_out")  # (and ln2's, where ln2 is)
 
 
 def _kv_shared(family: _Family, config: Any, layer: int) -> bool:
@@ -727,7 +756,7 @@ def _num_experts(config: Any) -> int | None:
 def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tuple[int, ...]]:
     """One row's shape at each site of ``layer`` (None: outside the layers), from the (text) model's transformers
     config, whose attribute names differ between families."""
-    d_model, n_heads = config.hidden_size, config.num_attention_heads
+    d_model, n_heads = config.hidden_size, getattr(config, "num_attention_heads", 1)  # (none: Mamba-2's)
     attention = config  # a layer's own, where layers differ (transformers' per_layer_config)
     if getattr(config, "is_heterogeneous", False):
         attention = config.per_layer_config[layer or 0]
@@ -748,11 +777,14 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
     shapes.update(attn_q=q, attn_rot_q=q, attn_z=q, attn_k=kv, attn_v=kv, attn_rot_k=kv)
     shapes.update(attn_scores=(q[0] + kv[0], d_head), pattern=(q[0] + kv[0], d_head))
     shapes.update(mlp_pre=mlp, mlp_pre_linear=mlp, mlp_post=mlp, ln1_scale=(1,), ln2_scale=(1,), final_norm_scale=(1,))
-    if family.mamba:  # Falcon-H1's names
-        d_inner = config.mamba_d_ssm or config.mamba_expand * d_model
-        d_in_proj = 2 * d_inner + 2 * config.mamba_n_groups * config.mamba_d_state + config.mamba_n_heads
-        shapes.update(mamba_in_proj=(d_in_proj,), mamba_norm_in=(d_inner,), mamba_norm_gate=(d_inner,),
-                      mamba_norm=(d_inner,))
+    if family.mixer:  # the config's names differ between families
+        setting = lambda *names: next(v for v in (getattr(config, name, None) for name in names) if v is not None)
+        d_inner = getattr(config, "mamba_d_ssm", None) or setting("mamba_expand", "expand") * d_model
+        groups_state = setting("mamba_n_groups", "mamba_ngroups", "n_groups") * setting("mamba_d_state", "state_size")
+        d_in_proj = 2 * d_inner + 2 * groups_state + setting("mamba_n_heads", "n_mamba_heads", "num_heads")
+        shapes.update(mixer_in_proj=(d_in_proj,), mixer_norm_in=(d_inner,), mixer_norm_gate=(d_inner,),
+                      mixer_norm=(d_inner,))
+    shapes.update({renamed: shapes[site] for site, renamed in family.renamed.items()})
     return shapes
 
 

@@ -831,6 +831,8 @@ _TINY_MODELS = {
     "gpt_oss": _TinyModel(dict(_UNTIED, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
     "granite": _TinyModel(dict(_KV1, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
                                logits_scaling=2.0)),
+    "mamba2": _TinyModel(dict(num_heads=8, head_dim=32, expand=2, state_size=16, n_groups=1, conv_kernel=4,
+                              chunk_size=256, tie_word_embeddings=False)),
     "falcon_h1": _TinyModel(dict(_UNTIED, head_dim=64, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
                                  mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
                                  mamba_chunk_size=256, mamba_rms_norm=True, mamba_norm_before_gate=False,
