@@ -595,8 +595,11 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",
     **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), "Mamba-1 layers, which vLLM "
                     "0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"),
-    **dict.fromkeys(("Zamba2ForCausalLM", "GraniteMoeHybridForCausalLM"),
-                    "Mamba-2 (state-space) layers, not softmax attention"),
+    "Zamba2ForCausalLM": "vLLM's Mamba-2 scan differs from transformers' Zamba2 by 5e-5 relative from the first layer "
+                         "(1e-3 in a row by the last), past fp32's 1e-5; not yet explained",
+    "GraniteMoeHybridForCausalLM": "TransformerLens 4.3's bridge fails in run_with_cache on its released "
+                                   "checkpoints' attention without positions (position_embedding_type 'nope'), and "
+                                   "its moe.* and shared_mlp.* hooks have no record yet",
     "NemotronHForCausalLM": "Mamba-2 layers, and relu2 experts vLLM CPU cannot run ('is_act_and_mul=False is "
                             "supported only for CUDA, XPU and ROCm')",
     **dict.fromkeys(("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"), "short-convolution layers; vLLM 0.32's CPU rotary "
