@@ -1228,6 +1228,16 @@ def test_capture_specs_refuse_what_the_architecture_lacks():
     with pytest.raises(ValueError, match=r"Mamba2ForCausalLM with n_groups=2: .* describes Mamba2ForCausalLM with "
                        r"n_groups=1 only: .* TransformerLens's bridge computes them otherwise than vLLM"):
         tlh.capture_specs(mamba2)
+    zamba2 = tools.tiny_config("zamba2")  # a Mamba-2 layer, a hybrid one (the stream alone), a Mamba-2 layer
+    with pytest.raises(ValueError, match=re.escape("Zamba2ForCausalLM has no ['blocks.{i}.mixer.hook_out'] (layers [1])")):
+        tlh.capture_specs(zamba2, sites=("mixer_out",), layers=1)
+    assert list(tlh.capture_specs(zamba2, sites=("mixer_out", "resid_post"))) == [
+        "blocks.0.mixer.hook_out", "blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.2.mixer.hook_out",
+        "blocks.2.hook_resid_post"]
+    zamba2.layers_block_type = ["linear_attention", "attention", "linear_attention"]
+    with pytest.raises(ValueError, match=r"Zamba2ForCausalLM: layer 1 is of kind 'attention' \(layers_block_type\); "
+                       r"this module's record knows \['hybrid', 'linear_attention'\]"):
+        tlh.capture_specs(zamba2)
     mixtral = MixtralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96)
     mixtral.architectures = ["MixtralForCausalLM"]
     assert tlh.capture_specs(mixtral, sites=("mlp_pre", "mlp_post"), layers=[1]) == {

@@ -284,6 +284,9 @@ class _Family:
         attention projects q alone (``.q_proj``) and has no hook_k or hook_v, and their MLP is twice as wide where
         the config's use_double_wide_mlp says (Gemma 4's). k_as_v: the config attribute that says full-attention
         layers use the keys as values: no hook_v, and an edit of hook_k reaches V (Gemma 4's attention_k_eq_v).
+    layer_kinds: the config attribute naming each layer's kind, and kind_sites, what a layer of each kind holds beside
+        the stream: ``mixer`` (its mixer's sites, no attention's), ``attention`` (the reverse), or ``stream`` (the
+        stream's sites alone, where TransformerLens hooks nothing inside the layer).
     taps: taps replacing those the fields give. renamed: {site: the site TransformerLens names that tensor as on this
         family} (Falcon-H1's mixer is mamba, Mamba-2's ln1 norm). refused: {site: why it is not placed} for sites TransformerLens runs
         on the family. settings: {config attribute: the value the record describes}; other values are refused.
@@ -325,6 +328,8 @@ class _Family:
     bias_apart: bool = False
     d_mlp: str = ""
     moe: _MoE | None = None
+    layer_kinds: str = ""
+    kind_sites: dict[str, str] = dataclasses.field(default_factory=dict)
     taps: dict[str, _Tap] = dataclasses.field(default_factory=dict)
     renamed: dict[str, str] = dataclasses.field(default_factory=dict)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -375,6 +380,13 @@ FAMILIES = {family.name: family for family in (
     _Family("mamba2", "Mamba2ForCausalLM", layer="backbone.layers.{i}", embed="backbone.embeddings",
             final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer",
             layer_inputs=(("hidden_states", 0), ("residual", 1)), settings=dict(n_groups=1),
+            renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
+    # Zamba2: Mamba-2 layers as Mamba-2's, and hybrid ones where an attention block shared by all of them runs before
+    # the mixer, inside which TransformerLens hooks nothing (the stream alone). vLLM ties its output layer always, and
+    # its scan takes no floor under dt (transformers' Zamba2 clamps dt at time_step_min).
+    _Family("zamba2", "Zamba2ForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT, ln2="", attention="",
+            mlp_up="", mixer=".mamba", final_norm="model.final_layernorm", layer_kinds="layers_block_type",
+            kind_sites={"linear_attention": "mixer", "hybrid": "stream"},  # (transformers' names; "mamba" in the file)
             renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
     # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers;
     # hook_attn_out and mamba.hook_out are the branches' outputs before them.
@@ -595,8 +607,6 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",
     **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), "Mamba-1 layers, which vLLM "
                     "0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"),
-    "Zamba2ForCausalLM": "vLLM's Mamba-2 scan differs from transformers' Zamba2 by 5e-5 relative from the first layer "
-                         "(1e-3 in a row by the last), past fp32's 1e-5; not yet explained",
     "GraniteMoeHybridForCausalLM": "TransformerLens 4.3's bridge fails in run_with_cache on its released "
                                    "checkpoints' attention without positions (position_embedding_type 'nope'), and "
                                    "its moe.* and shared_mlp.* hooks have no record yet",
@@ -732,6 +742,10 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     elif layer is not None and f.k_as_v and getattr(config, f.k_as_v) and config.layer_types[layer] == "full_attention":
         taps.update(attn_k=_Tap(attention + f.qkv, _OUTPUT, part="kv"), attn_v=None)
     absent = (*(_ATTENTION_SITES if not f.attention else ()), *(_MLP_SITES if not f.mlp_up else ()))
+    held = _layer_kind(f, config, layer)
+    if held == "stream":
+        absent = tuple(site for site in taps if site not in ("resid_pre", "resid_post"))
+    absent += {"mixer": _ATTENTION_SITES, "attention": _MIXER_SITES}.get(held, ())
     taps = {f.renamed.get(site, site): None if site in absent else tap for site, tap in taps.items()}
     return {
         site: taps[site]
@@ -742,6 +756,21 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
 
 _ATTENTION_SITES = ("attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k", "attn_scores", "pattern", "attn_z",
                     "attn_out")
+def _layer_kind(family: _Family, config: Any, layer: int | None) -> str:
+    """What ``layer`` holds beside the stream (see _Family.kind_sites; "" where layers do not differ); ValueError
+    naming a kind the record does not know."""
+    if not family.layer_kinds or layer is None:
+        return ""
+    kind = getattr(config, family.layer_kinds)[layer]
+    if kind not in family.kind_sites:
+        raise ValueError(
+            f"{family.architecture}: layer {layer} is of kind {kind!r} ({family.layer_kinds}); this module's record "
+            f"knows {sorted(family.kind_sites)}"
+        )
+    return family.kind_sites[kind]
+
+
+_MIXER_SITES = ("mixer_in", "mixer_in_proj", "mixer_norm_in", "mixer_norm_gate", "mixer_norm", "mixer_out")
 _MLP_SITES = ("resid_mid", "mlp_in", "mlp_pre", "mlp_pre_linear", "mlp_post", "mlp_out")  # (and ln2's, where ln2 is)
 
 

@@ -833,6 +833,11 @@ _TINY_MODELS = {
                                logits_scaling=2.0)),
     "mamba2": _TinyModel(dict(num_heads=8, head_dim=32, expand=2, state_size=16, n_groups=1, conv_kernel=4,
                               chunk_size=256, tie_word_embeddings=False)),
+    "zamba2": _TinyModel(dict(layers_block_type=["mamba", "hybrid", "mamba"], num_key_value_heads=2,
+                              mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=8,
+                              chunk_size=256, num_mem_blocks=1, use_shared_attention_adapter=False, adapter_rank=8,
+                              use_mem_rope=True, use_mamba_kernels=False, tie_word_embeddings=True,
+                              time_step_min=1e-9)),  # (vLLM's scan takes no floor under dt: see the record)
     "falcon_h1": _TinyModel(dict(_UNTIED, head_dim=64, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
                                  mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
                                  mamba_chunk_size=256, mamba_rms_norm=True, mamba_norm_before_gate=False,
