@@ -380,7 +380,7 @@ def models(tmp_path_factory):
 
 # Where TransformerLens's tensors are among transformers' own modules: {site: (module path, kind)}, kind one of
 # - "output" / "input": the module's output, or its input (hidden_states or the first argument); with "_heads",
-#   as [pos, heads, head_dim];
+#   as [pos, heads, head_dim]; "input_gate", its second argument (a gated norm's gate);
 # - "rotary": the query or key (the site says which) after apply_rotary_pos_emb in that attention module;
 # - "router": a mixture of experts' router (see TransformersReference);
 # - "attention": the input and output of the softmax in that attention module's eager attention, [1, heads, query,
@@ -430,6 +430,24 @@ TRANSFORMERS_TAPS = {
         "expert_weights": ("model.layers.{i}.mlp.gate", "router"),
         "expert_indices": ("model.layers.{i}.mlp.gate", "router"),
         "mlp_post": ("model.layers.{i}.mlp", "output"),
+    },
+    # Falcon-H1: a Mamba-2 mixer beside the attention, its gated norm called as norm(y, gate), and the MLP a
+    # feed_forward; the multipliers sit between the modules, as TransformerLens's tensors are theirs.
+    "falcon_h1": {
+        **{site: place for site, place in _DECODER.items() if site.startswith(("embed", "resid_pre", "ln1", "attn_", "pattern"))},
+        "mamba_in_proj": ("model.layers.{i}.mamba.in_proj", "output"),
+        "mamba_norm_in": ("model.layers.{i}.mamba.norm", "input"),
+        "mamba_norm_gate": ("model.layers.{i}.mamba.norm", "input_gate"),
+        "mamba_norm": ("model.layers.{i}.mamba.out_proj", "input"),
+        "mamba_out": ("model.layers.{i}.mamba", "output"),
+        "resid_mid": ("model.layers.{i}.pre_ff_layernorm", "input"),
+        "ln2_scale": ("model.layers.{i}.pre_ff_layernorm", "scale"),
+        "ln2": ("model.layers.{i}.pre_ff_layernorm", "normalized"),
+        **{site: (path.replace(".mlp", ".feed_forward"), kind) for site, (path, kind) in _DECODER.items()
+           if site.startswith("mlp_")},
+        "resid_post": ("model.layers.{i}", "output"),
+        "final_norm_scale": ("model.final_layernorm", "scale"),
+        "final_norm": ("model.final_layernorm", "normalized"),
     },
 }
 
@@ -507,6 +525,14 @@ class TransformersReference:
                     return take_all(tapped, output, shape)
 
                 handles.append(module.register_forward_hook(hook))
+            elif kind == "input_gate":
+
+                def pre_hook(_module, args, kwargs, tapped=tapped, shape=shape):
+                    if "gate" in kwargs:
+                        return args, {**kwargs, "gate": take_all(tapped, kwargs["gate"], shape)}
+                    return (args[0], take_all(tapped, args[1], shape), *args[2:]), kwargs
+
+                handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             elif kind.startswith("input"):
 
                 def pre_hook(_module, args, kwargs, tapped=tapped, shape=shape):
@@ -3607,7 +3633,9 @@ class TestLoading:
 #   whole 2.2e-2; patterns worst row 8.2e-2 (Mixtral), whole 2.1e-2;
 # - on an H200 (2026-12-05, every site of Gemma 2 with its attention matrices, both flavours, edits included; SAE
 #   features and their edits): worst whole hook 1.7e-2, worst row 3.0e-2. Llama's and Mixtral's every site there are
-#   yet to be measured.
+#   yet to be measured;
+# - on vLLM 0.32's CPU in bf16 with the CUDA skip lifted (2026-12-05, TestCudaFamilies' Falcon-H1, every site of its
+#   attention, Mamba-2 mixer and MLP, both flavours, edits included): worst whole hook 1.9e-2, worst row 4.0e-2.
 # A semantic error (a row off by one, a missing residual, an edit missed or applied twice) is ~1 in the row it hits.
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16_TOLERANCE = PerRow(1e-1)
@@ -3875,7 +3903,7 @@ class TestCudaFamilies:
 
     @pytest.fixture(scope="class", params=[
         pytest.param((family, flavour), id=f"{family}-{flavour}")
-        for family in ("gemma2", "mixtral") for flavour in ("one-prompt", "batched")])
+        for family in ("gemma2", "mixtral", "falcon_h1") for flavour in ("one-prompt", "batched")])
     def llm(self, request, models):
         family, flavour = request.param
         # Mixtral's hooked engine stops at start under torch.compile on vLLM 0.24 CUDA (Dynamo specializes the token

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with NVIDIA GPUs and vLLM. Run from the project root:
 #   bash scripts/gpu_checks.sh tests [CLASS...]  # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
-#                                         # both flavours, every site of Llama, Gemma 2 and 4 and Mixtral, SAEs (TestCudaGraphs TestCudaBatched
+#                                         # both flavours, every site of Llama, Gemma 2, Mixtral and Falcon-H1 (a Mamba-2 hybrid), SAEs (TestCudaGraphs TestCudaBatched
 #                                         # TestCudaFamilies TestCudaSAEs, or those named); one class per GPU when
 #                                         # there are enough; TestCudaRay (Ray's executor, staged by
 #                                         # scripts/stage_ray.sh) only when named
