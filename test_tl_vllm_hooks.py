@@ -3044,17 +3044,17 @@ def sae_lens_python():
 
 
 class SAEOracle:
-    """The SAEs of SAE_KINDS on the Llama's hooks, made and saved by sae-lens, and what sae-lens's own
-    ``SAE.load_from_disk(...).encode`` makes of TransformerLens's rows there for each prompt of SAE_PROMPTS, run in
-    sae-lens's environment (scripts/sae_oracle.py) through safetensors files."""
+    """The SAEs of ``kinds`` (SAE_KINDS on the Llama's hooks) on the model's hooks, made and saved by sae-lens, and
+    what sae-lens's own ``SAE.load_from_disk(...).encode`` makes of TransformerLens's rows there for each prompt of
+    SAE_PROMPTS, run in sae-lens's environment (scripts/sae_oracle.py) through safetensors files."""
 
-    def __init__(self, python: str, model: Model, root: Path):
+    def __init__(self, python: str, model: Model, root: Path, kinds: dict = SAE_KINDS):
         from safetensors.torch import load_file, save_file
 
-        self.model, self.directories = model, {hook: root / hook for hook in SAE_KINDS}
-        unedited = [model.reference(prompt, list(SAE_KINDS)) for prompt in SAE_PROMPTS]
+        self.model, self.directories = model, {hook: root / hook for hook in kinds}
+        unedited = [model.reference(prompt, list(kinds)) for prompt in SAE_PROMPTS]
         jobs = []
-        for hook, (architecture, d_sae, k) in SAE_KINDS.items():
+        for hook, (architecture, d_sae, k) in kinds.items():
             rows = {f"prompt{i}": rows[hook].reshape(len(rows[hook]), -1).contiguous() for i, rows in enumerate(unedited)}
             save_file(rows, str(root / f"{hook}.rows.safetensors"))
             scale = float(torch.cat(list(rows.values())).std())  # the SAE is scaled for rows of this spread
@@ -3073,7 +3073,7 @@ class SAEOracle:
         )
         assert ran.returncode == 0, f"sae_oracle.py failed:\n{ran.stderr[-3000:]}"
         self.features, self.W_dec = {}, {}
-        for hook in SAE_KINDS:
+        for hook in kinds:
             encoded = load_file(str(root / f"{hook}.features.safetensors"))
             self.features[hook] = [encoded[f"prompt{i}"] for i in range(len(SAE_PROMPTS))]
             self.W_dec[hook] = load_file(str(self.directories[hook] / "sae_weights.safetensors"))["W_dec"]
@@ -3248,6 +3248,32 @@ class TestSAEs:
         bad = {"tl_vllm_hooks": json.dumps({"edits": {features("blocks.1.hook_resid_post"): {"op": "set", "features": [256], "value": 1.0}}})}
         with pytest.raises(ValueError, match=r"feature indices in \[0, 256\)"):
             generate(llm, [SAE_PROMPTS[0]], 1, [bad])
+
+
+def test_saes_read_and_edit_a_state_space_familys_hooks(sae_lens_python, models, tmp_path):
+    """SAEs on Mamba-2's mixer output and residual stream, as on any family's hooks: each request's top features are
+    sae-lens's encode of TransformerLens's rows, and a feature edit of the mixer's output moves every later row as
+    run_with_hooks does with the SAE's decoder. Mamba-2 eager in this process."""
+    kinds = {"blocks.1.mixer.hook_out": ("standard", 256, None), "blocks.2.hook_resid_post": ("topk", 256, 12)}
+    oracle = SAEOracle(sae_lens_python, models["mamba2"], tmp_path, kinds)
+    mixer = "blocks.1.mixer.hook_out"
+    edit = {features(mixer): {"op": "scale", "features": fired(oracle, mixer, 3), "value": 4.0}}
+    with engine(models["mamba2"], sites=("resid_post",), in_process=True, eager=True, batching=True,
+                saes=oracle.saes(), sae_top_k=SAE_TOP_K) as llm:
+        extra = [None, tlh.request_args(llm.config, edits=edit), None]
+        outputs = generate(llm, SAE_PROMPTS, 1, extra)
+        read = tlh.read_batched(llm, [o.request_id for o in outputs])
+    for i, output in enumerate(outputs):
+        rows = read[output.request_id]
+        if i != 1:  # (an edit at the mixer leaves its own features as they were, and moves the later SAE's)
+            for hook in kinds:
+                got = rows[features(hook) + ".indices"], rows[features(hook) + ".values"]
+                assert_features(*got, oracle.features[hook][i], SAE_TOP_K, f"request {i} {hook}")
+        steering = oracle.steered(i, mixer, edit[features(mixer)]) if i == 1 else None
+        expected = models["mamba2"].reference(SAE_PROMPTS[i], llm.hook_names, steering)
+        assert_matches({n: rows[n] for n in llm.hook_names}, expected, f"request {i}")
+    plain = models["mamba2"].reference(SAE_PROMPTS[1], llm.hook_names)
+    assert relative_error(read[outputs[1].request_id]["blocks.2.hook_resid_post"], plain["blocks.2.hook_resid_post"]) > 1e-3
 
 
 class TestSAEsOnePrompt:
