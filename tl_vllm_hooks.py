@@ -110,8 +110,9 @@ SITES = {
     "mixer_in_proj": "blocks.{i}.mixer.hook_in_proj", "mixer_norm_in": "blocks.{i}.mixer.inner_norm.hook_in",
     "mixer_norm_gate": "blocks.{i}.mixer.inner_norm.hook_gate", "mixer_norm": "blocks.{i}.mixer.hook_inner_norm",
     "mixer_out": "blocks.{i}.mixer.hook_out",
-    "mamba_in": "blocks.{i}.mamba.hook_in", "mamba_in_proj": "blocks.{i}.mamba.hook_in_proj", "mamba_norm_in": "blocks.{i}.mamba.inner_norm.hook_in",
-    "mamba_norm_gate": "blocks.{i}.mamba.inner_norm.hook_gate", "mamba_norm": "blocks.{i}.mamba.hook_inner_norm",
+    "mamba_in": "blocks.{i}.mamba.hook_in", "mamba_in_proj": "blocks.{i}.mamba.hook_in_proj",
+    "mamba_norm_in": "blocks.{i}.mamba.inner_norm.hook_in", "mamba_norm_gate": "blocks.{i}.mamba.inner_norm.hook_gate",
+    "mamba_norm": "blocks.{i}.mamba.hook_inner_norm",
     "mamba_out": "blocks.{i}.mamba.hook_out",
     "resid_mid": "blocks.{i}.hook_resid_mid", "ln2_scale": "blocks.{i}.ln2.hook_scale",
     "ln2": "blocks.{i}.ln2.hook_normalized",
@@ -136,7 +137,8 @@ mixer_in, its input, mixer_in_proj ``[d_in_proj]``, its input projection (z, x, 
 multipliers), mixer_norm_in, the scan's output y, and mixer_norm_gate, z, ``[d_inner]``, the gated norm's inputs,
 mixer_norm its output ``[d_inner]``, and mixer_out ``[d_model]``, the mixer's output (before a multiplier the layer
 scales it by); the mamba_* sites are the same where TransformerLens names the mixer mamba (Falcon-H1, beside the
-attention), and block_norm and block_norm_scale are ln1's where it names the pre-norm norm (Mamba-2's). ln1, ln2 and final_norm are
+attention), and block_norm and block_norm_scale are ln1's where it names the pre-norm norm (Mamba-2's). ln1, ln2 and
+final_norm are
 a norm's input normalized, before weight and bias, and their ``*_scale`` the divisor, ``[1]``: sqrt(mean(x**2) +
 eps) of the (mean-centred, for LayerNorm) input; mlp_in is the MLP's own input (its norm's output, weight and bias
 applied)."""
@@ -147,7 +149,9 @@ _READ_ONLY_SITES = {  # site -> why an edit of it is refused
     **dict.fromkeys(("attn_scores", "pattern"), "vLLM's attention kernels never hold the [query, key] matrix, which is "
                     "rebuilt when read; edit the query or key (attn.hook_rot_q, hook_rot_k, hook_q, hook_k) instead"),
 }
-_NORM_SITES = ("ln1_scale", "ln1", "block_norm_scale", "block_norm", "ln2_scale", "ln2", "final_norm_scale", "final_norm")
+_NORM_SITES = (
+    "ln1_scale", "ln1", "block_norm_scale", "block_norm", "ln2_scale", "ln2", "final_norm_scale", "final_norm"
+)
 
 _HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
@@ -268,9 +272,9 @@ class _Family:
         ``final_norm``, ``attention`` (its ``qkv`` projection, ``o_proj``), ``ln1`` and ``ln2`` (the attention's and
         the MLP's pre-norms; "" where there are none), ``post_norms`` (each branch's norm before it joins the stream,
         which hook_attn_out and hook_mlp_out follow), ``mlp`` (its ``mlp_up``, gated with the gate first where it is
-        ``.gate_up_proj``, and ``mlp_down``; ``mlp`` "" where its projections sit in the layer, ``mlp_up`` "" where there
-        is no MLP), ``attention`` ("" where there is none), ``mixer`` (a Mamba-2 mixer, vLLM's MambaMixer2;
-        "" where there is none).
+        ``.gate_up_proj``, and ``mlp_down``; ``mlp`` "" where its projections sit in the layer, ``mlp_up`` ""
+        where there is no MLP), ``attention`` ("" where there is none), ``mixer`` (a Mamba-2 mixer, vLLM's
+        MambaMixer2; "" where there is none).
     parallel: attention and MLP read the same stream (no hook_resid_mid). embed_at_layer0: hook_embed is what layer 0
         receives (Gemma's sqrt(d_model) scale, Granite's multiplier and BLOOM's norm come after the embedding).
     layer_inputs, norm_inputs, mlp_inputs: (argument, position) of the inputs a layer, a norm and the MLP take; ()
@@ -288,7 +292,8 @@ class _Family:
         the stream: ``mixer`` (its mixer's sites, no attention's), ``attention`` (the reverse), or ``stream`` (the
         stream's sites alone, where TransformerLens hooks nothing inside the layer).
     taps: taps replacing those the fields give. renamed: {site: the site TransformerLens names that tensor as on this
-        family} (Falcon-H1's mixer is mamba, Mamba-2's ln1 norm). refused: {site: why it is not placed} for sites TransformerLens runs
+        family} (Falcon-H1's mixer is mamba, Mamba-2's ln1 norm).
+    refused: {site: why it is not placed} for sites TransformerLens runs
         on the family. settings: {config attribute: the value the record describes}; other values are refused.
     direct_attention: vLLM calls its Attention modules' forward itself (see _Tap.direct).
     lm_head_bias: the output layer has a bias that vLLM's compute_logits leaves out (PhiMoE's: vLLM samples without
@@ -608,8 +613,7 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
     **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), "Mamba-1 layers, which vLLM "
                     "0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"),
     "GraniteMoeHybridForCausalLM": "TransformerLens 4.3's bridge fails in run_with_cache on its released "
-                                   "checkpoints' attention without positions (position_embedding_type 'nope'), and "
-                                   "its moe.* and shared_mlp.* hooks have no record yet",
+                                   "checkpoints' attention without positions (position_embedding_type 'nope')",
     "NemotronHForCausalLM": "Mamba-2 layers, and relu2 experts vLLM CPU cannot run ('is_act_and_mul=False is "
                             "supported only for CUDA, XPU and ROCm')",
     **dict.fromkeys(("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"), "short-convolution layers; vLLM 0.32's CPU rotary "
@@ -810,7 +814,9 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
     shapes.update(attn_scores=(q[0] + kv[0], d_head), pattern=(q[0] + kv[0], d_head))
     shapes.update(mlp_pre=mlp, mlp_pre_linear=mlp, mlp_post=mlp, ln1_scale=(1,), ln2_scale=(1,), final_norm_scale=(1,))
     if family.mixer:  # the config's names differ between families
-        setting = lambda *names: next(v for v in (getattr(config, name, None) for name in names) if v is not None)
+        def setting(*names: str) -> int:
+            return next(value for value in (getattr(config, name, None) for name in names) if value is not None)
+
         d_inner = getattr(config, "mamba_d_ssm", None) or setting("mamba_expand", "expand") * d_model
         groups_state = setting("mamba_n_groups", "mamba_ngroups", "n_groups") * setting("mamba_d_state", "state_size")
         d_in_proj = 2 * d_inner + 2 * groups_state + setting("mamba_n_heads", "n_mamba_heads", "num_heads")
@@ -3554,7 +3560,8 @@ class _SharedRows:
 
     def status(self) -> dict[str, int]:
         """``{"files", "bytes", "created", "made_in_step"}``: the row files held now (the one made ahead among them,
-        once made: this waits for it) and their size; how many were made (or begun) so far, and how many of those a step made itself."""
+        once made: this waits for it) and their size; how many were made (or begun) so far, and how many of those a
+        step made itself."""
         concurrent.futures.wait(self.next_file)
         files = [*self.files.values(), *(f.result() for f in self.next_file if not f.exception())]
         return {"files": len(files), "bytes": sum(f.pages.numel() for f in files), "created": self.created,
@@ -3838,9 +3845,9 @@ def _attention_rows(name: str, rows: torch.Tensor, facts: dict[str, Any], querie
     received them, at positions 0..n-1: for the rows ``queries`` (None: all), over the keys up to the last of them;
     facts: _attention_facts, with "chosen", the heads to rebuild in order (None: all). Scores are q k^T * scale,
     softcapped, plus ALiBi's slope times the key's position, with the keys a query does not see (later ones, past its
-    window, outside its chunk) at the lowest number of rows' dtype; the pattern is their softmax over the keys (and a sink's logit, whose share is then dropped). Computed in
-    float32 (float64 rows in float64) on the CPU: heads * queries * keys * d_head multiply-adds and 2 * heads *
-    queries * keys * 4 bytes."""
+    window, outside its chunk) at the lowest number of rows' dtype; the pattern is their softmax over the keys (and
+    a sink's logit, whose share is then dropped). Computed in float32 (float64 rows in float64) on the CPU: heads *
+    queries * keys * d_head multiply-adds and 2 * heads * queries * keys * 4 bytes."""
     positions = torch.arange(rows.shape[0])
     heads = list(range(facts["heads"])) if facts["chosen"] is None else facts["chosen"]
     query_at = positions if queries is None else torch.tensor(queries, dtype=torch.int64)
