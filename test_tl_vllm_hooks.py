@@ -435,6 +435,7 @@ TRANSFORMERS_TAPS = {
     # feed_forward; the multipliers sit between the modules, as TransformerLens's tensors are theirs.
     "falcon_h1": {
         **{site: place for site, place in _DECODER.items() if site.startswith(("embed", "resid_pre", "ln1", "attn_", "pattern"))},
+        "mamba_in": ("model.layers.{i}.mamba", "input"),  # (transformers' mixer multiplies it by ssm_in_multiplier)
         "mamba_in_proj": ("model.layers.{i}.mamba.in_proj", "output"),
         "mamba_norm_in": ("model.layers.{i}.mamba.norm", "input"),
         "mamba_norm_gate": ("model.layers.{i}.mamba.norm", "input_gate"),

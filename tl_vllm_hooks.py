@@ -191,7 +191,9 @@ class _Tap:
         ``gate`` and ``up``, the first and second half of a gated activation's input; for _ROUTER, ``indices``
         (top-k experts) or ``weights`` (over all experts).
     multiplier: a config attribute the module's output is multiplied by where the branch joins the stream (Granite's
-        residual_multiplier): the product is TransformerLens's tensor and carries the edit. bias_apart: the module
+        residual_multiplier): the product is TransformerLens's tensor and carries the edit; for an input, the one it
+        was multiplied by on its way in (Falcon-H1's ssm_in_multiplier): the quotient is TransformerLens's tensor, and
+        the edit reaches the module times it. bias_apart: the module
         returns (output, bias) for its caller to add (skip_bias_add, Falcon's): the sum carries the edit.
     moe: for _ROUTER, the block whose routing it reads.
     direct: vLLM calls the module's forward itself, past module hooks (its Transformers backend's attention): the
@@ -394,13 +396,14 @@ FAMILIES = {family.name: family for family in (
             kind_sites={"linear_attention": "mixer", "hybrid": "stream"},  # (transformers' names; "mamba" in the file)
             renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
     # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers;
-    # hook_attn_out and mamba.hook_out are the branches' outputs before them.
+    # mamba.hook_in is the mixer's input before ssm_in_multiplier, hook_attn_out and mamba.hook_out the branches'
+    # outputs before theirs.
     _Family("falcon_h1", "FalconH1ForCausalLM", residual="stream", ln2=".pre_ff_layernorm", mlp=".feed_forward",
             final_norm="model.final_layernorm", mixer=".mamba.mamba",
+            taps={"mixer_in": _Tap("model.layers.{i}.mamba.mamba", _INPUT, _HIDDEN_INPUT,
+                                   multiplier="ssm_in_multiplier")},
             renamed={f"mixer_{part}": f"mamba_{part}" for part in ("in", "in_proj", "norm_in", "norm_gate", "norm",
-                                                                   "out")},
-            refused={"mamba_in": "TransformerLens's mamba.hook_in is the normed stream before ssm_in_multiplier, "
-                     "which vLLM hands the attention too: read ln1's output (or hook_in_proj)"}),
+                                                                   "out")}),
     _Family("stablelm", "StableLmForCausalLM", vllm_class="StablelmForCausalLM", residual="stream", norm="layer",
             norm_inputs=_TORCH_NORM_INPUT, settings=dict(use_parallel_residual=False)),
     # A norm after each branch, before adding it, and none before: attention reads the stream itself, the MLP the
@@ -2572,9 +2575,19 @@ def _output_pair_hooks(site: _Hook) -> None:
 
 def _input_hooks(site: _Hook) -> None:
     """An input, or the sum of two (residual None in the first layer); the module runs on the edit."""
+    tap = site.tap
+    multiplier = float(getattr(site.state.hf_config, tap.multiplier)) if tap.multiplier else None
 
     def pre_hook(_module, args, kwargs):
         hidden, residual = site.inputs_of(args, kwargs)
+        if multiplier is not None:  # the module receives TransformerLens's tensor times multiplier
+            rows = site.as_rows(hidden)
+            row_scale, row_bias = site.edit_of(rows)
+            edited = rows * row_scale + row_bias * multiplier
+            values = [site.with_rows(hidden, edited)]
+            site.steer(edited / multiplier, edited, multiplier)
+            site.keep(edited / multiplier)
+            return _with_arguments(args, kwargs, tap.inputs, values)
         row_scale, row_bias = site.edit_of(site.as_rows(hidden))
         edited = site.as_rows(hidden) * row_scale + row_bias
         values, total = [site.with_rows(hidden, edited)], edited
@@ -2584,7 +2597,7 @@ def _input_hooks(site: _Hook) -> None:
             total = edited + edited_residual
         site.steer(total, edited)
         site.keep(total)
-        return _with_arguments(args, kwargs, site.tap.inputs, values)
+        return _with_arguments(args, kwargs, tap.inputs, values)
 
     site.add(pre_hook=pre_hook)
 
