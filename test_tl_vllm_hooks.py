@@ -434,7 +434,8 @@ TRANSFORMERS_TAPS = {
     # Falcon-H1: a Mamba-2 mixer beside the attention, its gated norm called as norm(y, gate), and the MLP a
     # feed_forward; the multipliers sit between the modules, as TransformerLens's tensors are theirs.
     "falcon_h1": {
-        **{site: place for site, place in _DECODER.items() if site.startswith(("embed", "resid_pre", "ln1", "attn_", "pattern"))},
+        **{site: place for site, place in _DECODER.items()
+           if site.startswith(("embed", "resid_pre", "ln1", "attn_", "pattern"))},
         "mamba_in": ("model.layers.{i}.mamba", "input"),  # (transformers' mixer multiplies it by ssm_in_multiplier)
         "mamba_in_proj": ("model.layers.{i}.mamba.in_proj", "output"),
         "mamba_norm_in": ("model.layers.{i}.mamba.norm", "input"),
@@ -1134,8 +1135,8 @@ def test_attention_patterns_keep_each_query_and_key_and_refuse_what_they_cannot_
                        ([0.0], ">= 0"), (2, "a non-empty list")]:
         with pytest.raises(ValueError, match=re.escape(f"attention_heads[{name!r}]: expected ") + f".*{why}.*got"):
             tlh.configure(specs, 64, attention_heads={name: heads})
-    with pytest.raises(ValueError, match=re.escape("attention_heads: 'blocks.0.attn.hook_pattern' is not an attn_scores "
-                       f"or pattern hook in capture_specs; those are {list(specs)}")):
+    with pytest.raises(ValueError, match=re.escape("attention_heads: 'blocks.0.attn.hook_pattern' is not an "
+                       f"attn_scores or pattern hook in capture_specs; those are {list(specs)}")):
         tlh.configure(specs, 64, attention_heads={"blocks.0.attn.hook_pattern": [0]})
     with pytest.raises(ValueError, match=r"attention_heads: expected a dict \{attn_scores or pattern hook"):
         tlh.configure(specs, 64, attention_heads=[0])
@@ -1256,7 +1257,8 @@ def test_capture_specs_refuse_what_the_architecture_lacks():
                        r"n_groups=1 only: .* TransformerLens's bridge computes them otherwise than vLLM"):
         tlh.capture_specs(mamba2)
     zamba2 = tools.tiny_config("zamba2")  # a Mamba-2 layer, a hybrid one (the stream alone), a Mamba-2 layer
-    with pytest.raises(ValueError, match=re.escape("Zamba2ForCausalLM has no ['blocks.{i}.mixer.hook_out'] (layers [1])")):
+    no_mixer = re.escape("Zamba2ForCausalLM has no ['blocks.{i}.mixer.hook_out'] (layers [1])")
+    with pytest.raises(ValueError, match=no_mixer):
         tlh.capture_specs(zamba2, sites=("mixer_out",), layers=1)
     assert list(tlh.capture_specs(zamba2, sites=("mixer_out", "resid_post"))) == [
         "blocks.0.mixer.hook_out", "blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.2.mixer.hook_out",
@@ -3273,8 +3275,8 @@ def test_saes_read_and_edit_a_state_space_familys_hooks(sae_lens_python, models,
         steering = oracle.steered(i, mixer, edit[features(mixer)]) if i == 1 else None
         expected = models["mamba2"].reference(SAE_PROMPTS[i], llm.hook_names, steering)
         assert_matches({n: rows[n] for n in llm.hook_names}, expected, f"request {i}")
-    plain = models["mamba2"].reference(SAE_PROMPTS[1], llm.hook_names)
-    assert relative_error(read[outputs[1].request_id]["blocks.2.hook_resid_post"], plain["blocks.2.hook_resid_post"]) > 1e-3
+    plain = models["mamba2"].reference(SAE_PROMPTS[1], llm.hook_names)["blocks.2.hook_resid_post"]
+    assert relative_error(read[outputs[1].request_id]["blocks.2.hook_resid_post"], plain) > 1e-3
 
 
 class TestSAEsOnePrompt:

@@ -763,6 +763,10 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
 
 _ATTENTION_SITES = ("attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k", "attn_scores", "pattern", "attn_z",
                     "attn_out")
+_MIXER_SITES = ("mixer_in", "mixer_in_proj", "mixer_norm_in", "mixer_norm_gate", "mixer_norm", "mixer_out")
+_MLP_SITES = ("resid_mid", "mlp_in", "mlp_pre", "mlp_pre_linear", "mlp_post", "mlp_out")  # (and ln2's, where ln2 is)
+
+
 def _layer_kind(family: _Family, config: Any, layer: int | None) -> str:
     """What ``layer`` holds beside the stream (see _Family.kind_sites; "" where layers do not differ); ValueError
     naming a kind the record does not know."""
@@ -775,10 +779,6 @@ def _layer_kind(family: _Family, config: Any, layer: int | None) -> str:
             f"knows {sorted(family.kind_sites)}"
         )
     return family.kind_sites[kind]
-
-
-_MIXER_SITES = ("mixer_in", "mixer_in_proj", "mixer_norm_in", "mixer_norm_gate", "mixer_norm", "mixer_out")
-_MLP_SITES = ("resid_mid", "mlp_in", "mlp_pre", "mlp_pre_linear", "mlp_post", "mlp_out")  # (and ln2's, where ln2 is)
 
 
 def _kv_shared(family: _Family, config: Any, layer: int) -> bool:
@@ -2580,22 +2580,18 @@ def _input_hooks(site: _Hook) -> None:
 
     def pre_hook(_module, args, kwargs):
         hidden, residual = site.inputs_of(args, kwargs)
-        if multiplier is not None:  # the module receives TransformerLens's tensor times multiplier
-            rows = site.as_rows(hidden)
-            row_scale, row_bias = site.edit_of(rows)
-            edited = rows * row_scale + row_bias * multiplier
-            values = [site.with_rows(hidden, edited)]
-            site.steer(edited / multiplier, edited, multiplier)
-            site.keep(edited / multiplier)
-            return _with_arguments(args, kwargs, tap.inputs, values)
         row_scale, row_bias = site.edit_of(site.as_rows(hidden))
+        if multiplier is not None:  # the module receives TransformerLens's tensor times multiplier
+            row_bias = row_bias * multiplier
         edited = site.as_rows(hidden) * row_scale + row_bias
         values, total = [site.with_rows(hidden, edited)], edited
         if residual is not None:  # (a pair's rows are whole: with_rows is a view)
             edited_residual = site.as_rows(residual) * row_scale
             values.append(edited_residual.view_as(residual))
             total = edited + edited_residual
-        site.steer(total, edited)
+        if multiplier is not None:
+            total = edited / multiplier
+        site.steer(total, edited, multiplier)
         site.keep(total)
         return _with_arguments(args, kwargs, tap.inputs, values)
 
