@@ -34,7 +34,8 @@ TEXT_FAMILY = {"gemma4_mm": "gemma4", "gemma4_unified": "gemma4", "llama4_mm": "
 
 
 def engine_arguments(family: str) -> dict:
-    return {**TEXT_ONLY, **base.FAMILY_ENGINE_ARGUMENTS.get(TEXT_FAMILY.get(family, family), {})}
+    text_only = TEXT_ONLY if family in MULTIMODAL else {}
+    return {**text_only, **base.FAMILY_ENGINE_ARGUMENTS.get(TEXT_FAMILY.get(family, family), {})}
 
 
 def tolerance(family: str):
@@ -46,7 +47,11 @@ def models(tmp_path_factory):
     return base.Models(tmp_path_factory.mktemp("models"))
 
 
-@pytest.fixture(scope="class", params=MULTIMODAL)
+# The multimodal records, and the text families whose vLLM class needs torchvision (base.VISION_TEXT_FAMILIES).
+HERE_FAMILIES = MULTIMODAL + base.VISION_TEXT_FAMILIES
+
+
+@pytest.fixture(scope="class", params=HERE_FAMILIES)
 def family_llm(request, models):
     model = models[request.param]
     with base.engine(model, sites=model.sites, in_process=True, eager=True, batching=True,
@@ -62,7 +67,7 @@ class TestMultimodalFamilies(base.TestFamilies):
     under an edit at each site, one request per site, and one layer's edits composed."""
 
 
-@pytest.fixture(scope="class", params=[family for family in base.ONE_PROMPT_FAMILIES if family in MULTIMODAL])
+@pytest.fixture(scope="class", params=[family for family in base.ONE_PROMPT_FAMILIES if family in HERE_FAMILIES])
 def one_prompt_flavour_llm(request, models):
     model = models[request.param]
     with base.engine(model, sites=model.sites, in_process=True, eager=True, **engine_arguments(request.param)) as llm:

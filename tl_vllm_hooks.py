@@ -106,6 +106,7 @@ SITES = {
     "attn_rot_q": "blocks.{i}.attn.hook_rot_q", "attn_rot_k": "blocks.{i}.attn.hook_rot_k",
     "attn_scores": "blocks.{i}.attn.hook_attn_scores", "pattern": "blocks.{i}.attn.hook_pattern",
     "attn_z": "blocks.{i}.attn.hook_z", "attn_out": "blocks.{i}.hook_attn_out",
+    "linear_attn_in": "blocks.{i}.linear_attn.hook_in", "linear_attn_out": "blocks.{i}.linear_attn.hook_out",
     "mixer_in": "blocks.{i}.mixer.hook_in",
     "mixer_in_proj": "blocks.{i}.mixer.hook_in_proj", "mixer_norm_in": "blocks.{i}.mixer.inner_norm.hook_in",
     "mixer_norm_gate": "blocks.{i}.mixer.inner_norm.hook_gate", "mixer_norm": "blocks.{i}.mixer.hook_inner_norm",
@@ -132,7 +133,8 @@ TransformerLens's ``[n_heads, queries, keys]`` (see _attention_rows; read-only);
 mlp_pre_linear and mlp_post on dense MLPs (the activation's input, its gate on gated ones; a gated MLP's linear (up)
 projection; the down projection's input); on mixture-of-experts layers mlp_pre and mlp_post are the block's input
 and output, and the router's choice is expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen) and
-expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both read-only). A Mamba-2 mixer has
+expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both read-only). Linear attention (Qwen
+3.5's Gated DeltaNet) has linear_attn_in and linear_attn_out, its input and output. A Mamba-2 mixer has
 mixer_in, its input, mixer_in_proj ``[d_in_proj]``, its input projection (z, x, B, C and dt, before a family's
 multipliers), mixer_norm_in, the scan's output y, and mixer_norm_gate, z, ``[d_inner]``, the gated norm's inputs,
 mixer_norm its output ``[d_inner]``, and mixer_out ``[d_model]``, the mixer's output (before a multiplier the layer
@@ -275,8 +277,8 @@ class _Family:
         the MLP's pre-norms; "" where there are none), ``post_norms`` (each branch's norm before it joins the stream,
         which hook_attn_out and hook_mlp_out follow), ``mlp`` (its ``mlp_up``, gated with the gate first where it is
         ``.gate_up_proj``, and ``mlp_down``; ``mlp`` "" where its projections sit in the layer, ``mlp_up`` ""
-        where there is no MLP), ``attention`` ("" where there is none), ``mixer`` (a Mamba-2 mixer, vLLM's
-        MambaMixer2; "" where there is none).
+        where there is no MLP), ``attention`` ("" where there is none), ``linear_attention`` (linear attention),
+        ``mixer`` (a Mamba-2 mixer, vLLM's MambaMixer2; "" where there is none).
     parallel: attention and MLP read the same stream (no hook_resid_mid). embed_at_layer0: hook_embed is what layer 0
         receives (Gemma's sqrt(d_model) scale, Granite's multiplier and BLOOM's norm come after the embedding).
     layer_inputs, norm_inputs, mlp_inputs: (argument, position) of the inputs a layer, a norm and the MLP take; ()
@@ -285,13 +287,14 @@ class _Family:
         TransformerLens hooks as hook_rot_q and hook_rot_k. multiplier, bias_apart: see _Tap. d_mlp: the config
         attribute of a dense MLP's width ("": the first of the usual names). moe: its mixture-of-experts block.
     qk_halves: vLLM reorders each head of q and k at load, rotary's pairs of columns (interleaved in the checkpoint)
-        into two halves (Llama 4's), which hook_q and hook_k put back.
+        into two halves (Llama 4's), which hook_q and hook_k put back. query_gate: the query projection gives each
+        head's query, then its output gate (Qwen 3.5's), which hook_q keeps together, ``[2 * n_heads, d_head]``.
     kv_shared: the config attribute that says how many last layers reuse earlier layers' keys and values: their
         attention projects q alone (``.q_proj``) and has no hook_k or hook_v, and their MLP is twice as wide where
         the config's use_double_wide_mlp says (Gemma 4's). k_as_v: the config attribute that says full-attention
         layers use the keys as values: no hook_v, and an edit of hook_k reaches V (Gemma 4's attention_k_eq_v).
     layer_kinds: the config attribute naming each layer's kind, and kind_sites, what a layer of each kind holds beside
-        the stream: ``mixer`` (its mixer's sites, no attention's), ``attention`` (the reverse), or ``stream`` (the
+        the stream: the sites of its ``attention``, ``linear`` attention or ``mixer`` alone, or ``stream`` (the
         stream's sites alone, where TransformerLens hooks nothing inside the layer).
     taps: taps replacing those the fields give. renamed: {site: the site TransformerLens names that tensor as on this
         family} (Falcon-H1's mixer is mamba, Mamba-2's ln1 norm).
@@ -323,6 +326,7 @@ class _Family:
     mlp: str = ".mlp"
     mlp_up: str = ".gate_up_proj"
     mlp_down: str = ".down_proj"
+    linear_attention: str = ""
     mixer: str = ""
     parallel: bool = False
     embed_at_layer0: bool = False
@@ -342,6 +346,7 @@ class _Family:
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     qk_halves: bool = False
+    query_gate: bool = False
     kv_shared: str = ""
     k_as_v: str = ""
     text_prefix: str = ""
@@ -388,6 +393,11 @@ FAMILIES = {family.name: family for family in (
             final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer",
             layer_inputs=(("hidden_states", 0), ("residual", 1)), settings=dict(n_groups=1),
             renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
+    # Qwen 3.5: Gated DeltaNet linear attention in most layers (TransformerLens hooks its input and output alone),
+    # gated full attention in the others (q_proj's output holds each head's query and output gate), norms of 1 + weight.
+    _Family("qwen3_5", "Qwen3_5ForCausalLM", norm="rms_offset", layer_inputs=(("hidden_states", 0), ("residual", 1)),
+            linear_attention=".linear_attn", layer_kinds="layer_types",
+            kind_sites={"linear_attention": "linear", "full_attention": "attention"}, query_gate=True),
     # Zamba2: Mamba-2 layers as Mamba-2's, and hybrid ones where an attention block shared by all of them runs before
     # the mixer, inside which TransformerLens hooks nothing (the stream alone). vLLM ties its output layer always, and
     # its scan takes no floor under dt (transformers' Zamba2 clamps dt at time_step_min).
@@ -621,7 +631,7 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                             "supported only for CUDA, XPU and ROCm')",
     **dict.fromkeys(("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"), "short-convolution layers; vLLM 0.32's CPU rotary "
                     "also mis-rotates its 3-D queries (its tokens differ from transformers')"),
-    **dict.fromkeys(("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    **dict.fromkeys(("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
                      "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
                     "Gated DeltaNet linear attention, which vLLM CPU runs only in bf16 ('CPU GDN attention requires "
                     "BF16')"),
@@ -726,6 +736,10 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         "attn_out": _Tap(at + f.post_norms[0], _OUTPUT) if f.post_norms
         else _Tap(attention, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
         **({
+            "linear_attn_in": _Tap(at + f.linear_attention, _INPUT, _HIDDEN_INPUT),
+            "linear_attn_out": _Tap(at + f.linear_attention, _OUTPUT),
+        } if f.linear_attention else {}),
+        **({
             "mixer_in": _Tap(at + f.mixer, _INPUT, _HIDDEN_INPUT),
             "mixer_in_proj": _Tap(at + f.mixer + ".in_proj", _OUTPUT),
             "mixer_norm_in": _Tap(at + f.mixer + ".norm", _INPUT, (("x", 0),)),
@@ -752,7 +766,9 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     held = _layer_kind(f, config, layer)
     if held == "stream":
         absent = tuple(site for site in taps if site not in ("resid_pre", "resid_post"))
-    absent += {"mixer": _ATTENTION_SITES, "attention": _MIXER_SITES}.get(held, ())
+    inner = {"attention": _ATTENTION_SITES, "linear": _LINEAR_SITES, "mixer": _MIXER_SITES}
+    if held in inner:  # the other kinds' sites
+        absent += tuple(site for kind, sites in inner.items() if kind != held for site in sites)
     taps = {f.renamed.get(site, site): None if site in absent else tap for site, tap in taps.items()}
     return {
         site: taps[site]
@@ -763,6 +779,7 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
 
 _ATTENTION_SITES = ("attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k", "attn_scores", "pattern", "attn_z",
                     "attn_out")
+_LINEAR_SITES = ("linear_attn_in", "linear_attn_out")
 _MIXER_SITES = ("mixer_in", "mixer_in_proj", "mixer_norm_in", "mixer_norm_gate", "mixer_norm", "mixer_out")
 _MLP_SITES = ("resid_mid", "mlp_in", "mlp_pre", "mlp_pre_linear", "mlp_post", "mlp_out")  # (and ln2's, where ln2 is)
 
@@ -813,7 +830,8 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
         d_mlp = d_model
         shapes.update(expert_weights=(_num_experts(config),), expert_indices=(config.num_experts_per_tok,))
     q, kv, mlp = (n_heads, d_head), (n_kv_heads or n_heads, d_head), (d_mlp,)
-    shapes.update(attn_q=q, attn_rot_q=q, attn_z=q, attn_k=kv, attn_v=kv, attn_rot_k=kv)
+    shapes.update(attn_q=(2 * n_heads, d_head) if family.query_gate else q, attn_rot_q=q, attn_z=q)
+    shapes.update(attn_k=kv, attn_v=kv, attn_rot_k=kv)
     shapes.update(attn_scores=(q[0] + kv[0], d_head), pattern=(q[0] + kv[0], d_head))
     shapes.update(mlp_pre=mlp, mlp_pre_linear=mlp, mlp_post=mlp, ln1_scale=(1,), ln2_scale=(1,), final_norm_scale=(1,))
     if family.mixer:  # the config's names differ between families

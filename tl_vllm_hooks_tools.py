@@ -801,6 +801,13 @@ class _TinyModel:
         config's token ids name), and the rest the tokenizer's keyword arguments (bos_token, extra_special_tokens, ...).
     processor: (transformers' processor class, its keyword arguments), a value that is such a pair itself being made
         first (an image processor); saved beside the checkpoint. None: no processor.
+    bfloat16: for a family vLLM's CPU runs in bf16 alone: its weights are values bf16 holds exactly (saved in fp32),
+        so that a reference in fp32 computes on the very weights the engine holds, and each branch's output
+        projection (_BRANCH_OUTPUTS) is drawn at 0.2 of the others' scale (std 0.02, transformers' initializer
+        range), so that a branch adds to the stream about what the stream holds, as in trained models. At 0.1 each
+        MLP multiplies the stream's norm ~13-fold, and a branch's bf16 rounding, a share of its typical row, lands on
+        rows where the stream is smaller than the branch: Qwen 3.5's rows then differ from the fp32 reference by up
+        to 0.29 in bf16 (the bridge's own bf16 run by up to 0.24), and by up to 0.09 (0.13) at 0.02 (2026-12-05).
     """
 
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -808,8 +815,10 @@ class _TinyModel:
     random_buffers: tuple[str, ...] = ()
     tokens: dict[str, Any] = dataclasses.field(default_factory=dict)
     processor: tuple[str, dict[str, Any]] | None = None
+    bfloat16: bool = False
 
 
+_BRANCH_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")  # (see _TinyModel.bfloat16)
 _KV1 = dict(num_key_value_heads=1)  # one key-value head (grouped queries) where the family has them
 _UNTIED = dict(num_key_value_heads=1, tie_word_embeddings=False)
 _MOE4 = dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
@@ -833,6 +842,11 @@ _TINY_MODELS = {
                                logits_scaling=2.0)),
     "mamba2": _TinyModel(dict(num_heads=8, head_dim=32, expand=2, state_size=16, n_groups=1, conv_kernel=4,
                               chunk_size=256, tie_word_embeddings=False)),
+    # (vLLM's CPU runs Gated DeltaNet in bf16 alone, with heads of 128 as released)
+    "qwen3_5": _TinyModel(dict(_UNTIED, head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128,
+                               linear_num_key_heads=1, linear_num_value_heads=2, linear_conv_kernel_dim=4,
+                               layer_types=["linear_attention", "full_attention", "linear_attention"]),
+                          bfloat16=True),
     "zamba2": _TinyModel(dict(layers_block_type=["mamba", "hybrid", "mamba"], num_key_value_heads=2,
                               mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=8,
                               chunk_size=256, num_mem_blocks=1, use_shared_attention_adapter=False, adapter_rank=8,
@@ -1286,6 +1300,12 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
         for name, buffer in model.named_buffers():
             if name.rpartition(".")[2] in tiny.random_buffers:
                 buffer.add_(0.2 * torch.randn_like(buffer))
+        if tiny.bfloat16:
+            for name, parameter in model.named_parameters():
+                if name.endswith(_BRANCH_OUTPUTS):
+                    parameter.mul_(0.2)
+            for parameter in model.parameters():
+                parameter.copy_(parameter.to(torch.bfloat16))
     architectures = config.architectures
     model.save_pretrained(directory)
     if model.config.architectures != architectures:  # as checkpoints name it, where transformers' class does not
