@@ -360,6 +360,14 @@ class _Family:
 _BACKEND = _Family(
     "", "", vllm_class="TransformersForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT, direct_attention=True,
 )  # fmt: skip
+# Qwen 3.5 and Qwen3-Next: Gated DeltaNet linear attention in most layers (TransformerLens hooks its input and output
+# alone), gated full attention in the others (q_proj's output holds each head's query and output gate), norms of
+# 1 + weight; the MoE blocks' shared expert, under a sigmoid gate, inside the block.
+_GATED_DELTANET = _Family(
+    "qwen3_5", "Qwen3_5ForCausalLM", norm="rms_offset", layer_inputs=(("hidden_states", 0), ("residual", 1)),
+    linear_attention=".linear_attn", layer_kinds="layer_types",
+    kind_sites={"linear_attention": "linear", "full_attention": "attention"}, query_gate=True,
+)  # fmt: skip
 _H_LAYER = "transformer.h.{i}"
 # Where TransformerLens 4.3's adapter keeps transformers' own attention, which hands it the softmax's output alone.
 _SCORES_ARE_PATTERN = {"attn_scores": "TransformerLens 4.3's adapter fires hook_attn_scores with the softmax's output "
@@ -393,11 +401,11 @@ FAMILIES = {family.name: family for family in (
             final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer",
             layer_inputs=(("hidden_states", 0), ("residual", 1)), settings=dict(n_groups=1),
             renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
-    # Qwen 3.5: Gated DeltaNet linear attention in most layers (TransformerLens hooks its input and output alone),
-    # gated full attention in the others (q_proj's output holds each head's query and output gate), norms of 1 + weight.
-    _Family("qwen3_5", "Qwen3_5ForCausalLM", norm="rms_offset", layer_inputs=(("hidden_states", 0), ("residual", 1)),
-            linear_attention=".linear_attn", layer_kinds="layer_types",
-            kind_sites={"linear_attention": "linear", "full_attention": "attention"}, query_gate=True),
+    _GATED_DELTANET,
+    dataclasses.replace(_GATED_DELTANET, name="qwen3_5_moe", architecture="Qwen3_5MoeForCausalLM",
+                        moe=_MoE(renormalize="always")),
+    dataclasses.replace(_GATED_DELTANET, name="qwen3_next", architecture="Qwen3NextForCausalLM",
+                        moe=_MoE(layers="decoder_sparse_step")),
     # Zamba2: Mamba-2 layers as Mamba-2's, and hybrid ones where an attention block shared by all of them runs before
     # the mixer, inside which TransformerLens hooks nothing (the stream alone). vLLM ties its output layer always, and
     # its scan takes no floor under dt (transformers' Zamba2 clamps dt at time_step_min).
@@ -575,6 +583,9 @@ FAMILIES.update({family.name: family for family in (
                          rotary=False, refused=_SCORES_ARE_PATTERN),
     _text_model_under_lm("qwen3_moe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
                          ("Qwen3MoeLLMForCausalLM",), rotary=False, refused=_SCORES_ARE_PATTERN),
+    _text_model_under_lm("qwen3_5", "qwen3_5_mm", "Qwen3_5ForConditionalGeneration", ("Qwen3_5ForCausalLM",)),
+    _text_model_under_lm("qwen3_5_moe", "qwen3_5_moe_mm", "Qwen3_5MoeForConditionalGeneration",
+                         ("Qwen3_5MoeForCausalLM",)),
     _text_model_under_lm("llama", "llava_next", "LlavaNextForConditionalGeneration", _LLAVA_TEXT),
     _text_model_under_lm("qwen2", "llava_onevision", "LlavaOnevisionForConditionalGeneration", ("Qwen2ForCausalLM",)),
     # Audio towers beside a text model (no torchvision needed).
@@ -631,10 +642,6 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                             "supported only for CUDA, XPU and ROCm')",
     **dict.fromkeys(("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"), "short-convolution layers; vLLM 0.32's CPU rotary "
                     "also mis-rotates its 3-D queries (its tokens differ from transformers')"),
-    **dict.fromkeys(("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
-                     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
-                    "Gated DeltaNet linear attention, which vLLM CPU runs only in bf16 ('CPU GDN attention requires "
-                    "BF16')"),
     "OlmoHybridForCausalLM": "Gated DeltaNet linear attention; vLLM 0.32 CPU fails to build it (module 'triton' has "
                              "no attribute 'set_allocator')",
     "Glm4vForConditionalGeneration": "vLLM's text model of it differs from transformers' (greedy tokens from the "

@@ -818,10 +818,15 @@ class _TinyModel:
     bfloat16: bool = False
 
 
-_BRANCH_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")  # (see _TinyModel.bfloat16)
+# Branch output projections: their weights, and fused experts' (see _TinyModel.bfloat16)
+_BRANCH_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
 _KV1 = dict(num_key_value_heads=1)  # one key-value head (grouped queries) where the family has them
 _UNTIED = dict(num_key_value_heads=1, tie_word_embeddings=False)
 _MOE4 = dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+# (vLLM's CPU runs Gated DeltaNet in bf16 alone, with heads of 128 as released)
+_GATED_DELTANET = dict(head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+                       linear_num_value_heads=2, linear_conv_kernel_dim=4,
+                       layer_types=["linear_attention", "full_attention", "linear_attention"])
 
 # fmt: off
 _TINY_MODELS = {
@@ -842,11 +847,12 @@ _TINY_MODELS = {
                                logits_scaling=2.0)),
     "mamba2": _TinyModel(dict(num_heads=8, head_dim=32, expand=2, state_size=16, n_groups=1, conv_kernel=4,
                               chunk_size=256, tie_word_embeddings=False)),
-    # (vLLM's CPU runs Gated DeltaNet in bf16 alone, with heads of 128 as released)
-    "qwen3_5": _TinyModel(dict(_UNTIED, head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128,
-                               linear_num_key_heads=1, linear_num_value_heads=2, linear_conv_kernel_dim=4,
-                               layer_types=["linear_attention", "full_attention", "linear_attention"]),
-                          bfloat16=True),
+    "qwen3_5": _TinyModel(dict(_UNTIED, **_GATED_DELTANET), bfloat16=True),
+    "qwen3_5_moe": _TinyModel(dict(_MOE4, **_GATED_DELTANET, moe_intermediate_size=64,
+                                   shared_expert_intermediate_size=128), bfloat16=True),
+    "qwen3_next": _TinyModel(dict(_MOE4, **_GATED_DELTANET, moe_intermediate_size=64,
+                                  shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[0]),
+                             bfloat16=True),
     "zamba2": _TinyModel(dict(layers_block_type=["mamba", "hybrid", "mamba"], num_key_value_heads=2,
                               mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=8,
                               chunk_size=256, num_mem_blocks=1, use_shared_attention_adapter=False, adapter_rank=8,
@@ -955,6 +961,11 @@ _QWEN3_VL_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_head
                         spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=16,
                         deepstack_visual_indexes=[0])
 
+_QWEN3_5_VISION = {key: value for key, value in _QWEN3_VL_VISION.items() if key != "deepstack_visual_indexes"}
+# (Qwen 3.5's rotary covers a quarter of each head: 16 of the tiny model's 64 columns, M-RoPE's sections 8 pairs)
+_GATED_DELTANET_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                             mrope_section=[2, 3, 3], mrope_interleaved=True)
+
 
 def _qwen_vl_processor(processor: str, video: str, patch: int) -> tuple[str, dict[str, Any]]:
     sizes = dict(patch_size=patch, merge_size=2, temporal_patch_size=2)
@@ -1054,6 +1065,18 @@ _TINY_MODELS.update({
         config=dict(text_config=dict(_TINY_MODELS["qwen3_moe"].config, moe_intermediate_size=32,
                                      norm_topk_prob=True, rope_parameters=dict(_MROPE, mrope_interleaved=True)),
                     vision_config=_QWEN3_VL_VISION, **_QWEN_VL_IDS),
+        tokens=_QWEN_VL_TOKENS,
+        processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
+    "qwen3_5_mm": dataclasses.replace(
+        _TINY_MODELS["qwen3_5"],
+        config=dict(text_config=dict(_TINY_MODELS["qwen3_5"].config, rope_parameters=_GATED_DELTANET_MROPE),
+                    vision_config=_QWEN3_5_VISION, **_QWEN_VL_IDS),
+        tokens=_QWEN_VL_TOKENS,
+        processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
+    "qwen3_5_moe_mm": dataclasses.replace(
+        _TINY_MODELS["qwen3_5_moe"],
+        config=dict(text_config=dict(_TINY_MODELS["qwen3_5_moe"].config, rope_parameters=_GATED_DELTANET_MROPE),
+                    vision_config=_QWEN3_5_VISION, **_QWEN_VL_IDS),
         tokens=_QWEN_VL_TOKENS,
         processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
     "llava_next": dataclasses.replace(
