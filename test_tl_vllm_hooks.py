@@ -975,8 +975,8 @@ class TestMultimodalCheckpoints:
     def test_multimodal_checkpoints_in_the_vision_environment(self, vision_python, tmp_path):
         """test_tl_vllm_hooks_vision.py, run where torchvision imports: every multimodal record's text model and
         VISION_TEXT_FAMILIES (TestFamilies' checks, and TestFamiliesOnePromptFlavour's on those among
-        ONE_PROMPT_FAMILIES), every
-        record's placement, and a LLaVA image prompt at every position; fails with the inner run's output."""
+        ONE_PROMPT_FAMILIES), every record's placement, and a LLaVA image prompt at every position; fails with the
+        inner run's output."""
         environment = {key: value for key, value in os.environ.items()
                        if key != "VLLM_ENABLE_V1_MULTIPROCESSING" and not key.startswith("PYTEST_")}
         ran = subprocess.run(
