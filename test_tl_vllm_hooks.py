@@ -180,6 +180,9 @@ FAMILY_ENGINE_ARGUMENTS = {
     "llama4": dict(override_generation_config={"attn_temperature_tuning": True}),
     # vLLM's CPU runs these in bf16 alone; their tiny models' weights are bf16's values (tools._TinyModel.bfloat16)
     **{family: dict(dtype="bfloat16") for family, tiny in tools._TINY_MODELS.items() if tiny.bfloat16},
+    # vLLM's rotary in torch, not its CPU kernel, which mis-rotates these families' 3-D q and k (tlh._Family.rotary_3d)
+    **{family: dict(compilation_config={"custom_ops": ["-rotary_embedding"]})
+       for family, record in tlh.FAMILIES.items() if record.rotary_3d},
 }
 
 
@@ -1465,7 +1468,8 @@ def test_step_collection_keeps_each_requests_rows():
     buffer = torch.zeros(32, 2)
     config = tlh.CaptureConfig({"h": ("model.layers.0", 2)}, 32, enable_batching=True)
     text_config = types.SimpleNamespace(get_text_config=lambda: None)
-    engine = tlh._EngineFacts(torch.nn.Linear(1, 1), text_config, 32, 8, False, torch.device("cpu"), torch.float32, None)
+    engine = tlh._EngineFacts(torch.nn.Linear(1, 1), text_config, 32, 8, False, torch.device("cpu"), torch.float32,
+                              None, False)
     hook = types.SimpleNamespace(buffer=buffer, width=2, row_shape=(2,), keeps_rows=True, sae=None)
     state = tlh._Batched(config, engine, {"h": hook}, [])
     def plan(prompt_len, capture):
@@ -2696,6 +2700,15 @@ class TestAttentionPatterns:
         rows = tlh.read_batched(llm, [output.request_id for output in outputs])
         assert [rows[o.request_id]["blocks.2.attn.hook_pattern"].shape for o in outputs] == [(2, 1, 5), (2, 12, 12)]
         assert [rows[o.request_id]["blocks.1.attn.hook_pattern"].shape for o in outputs] == [(1, 1, 5), (1, 12, 12)]
+
+
+def test_an_eager_engine_running_the_cpu_rotary_kernel_on_3d_queries_is_refused(models):
+    """LFM2 without compilation_config={'custom_ops': ['-rotary_embedding']}: vLLM's CPU rotary kernel would rotate its
+    per-head q and k as if each head were a token (every row from its first attention layer on ~0.3 off)."""
+    with pytest.raises(Exception, match=r"Lfm2ForCausalLM: vLLM hands its rotary embedding q and k of \[tokens, heads"
+                       r".*compilation_config=\{'custom_ops': \['-rotary_embedding'\]\}"):
+        with engine(models["lfm2"], sites=("resid_post",), in_process=True, eager=True):
+            pass
 
 
 def test_attention_heads_past_the_models_are_refused_where_the_hooks_are_placed(models):

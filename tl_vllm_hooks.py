@@ -107,6 +107,8 @@ SITES = {
     "attn_scores": "blocks.{i}.attn.hook_attn_scores", "pattern": "blocks.{i}.attn.hook_pattern",
     "attn_z": "blocks.{i}.attn.hook_z", "attn_out": "blocks.{i}.hook_attn_out",
     "linear_attn_in": "blocks.{i}.linear_attn.hook_in", "linear_attn_out": "blocks.{i}.linear_attn.hook_out",
+    "conv_in": "blocks.{i}.conv.hook_in", "conv_in_proj": "blocks.{i}.conv.hook_in_proj",
+    "conv_gated": "blocks.{i}.conv.hook_gated", "conv_out": "blocks.{i}.conv.hook_out",
     "mixer_in": "blocks.{i}.mixer.hook_in",
     "mixer_in_proj": "blocks.{i}.mixer.hook_in_proj", "mixer_norm_in": "blocks.{i}.mixer.inner_norm.hook_in",
     "mixer_norm_gate": "blocks.{i}.mixer.inner_norm.hook_gate", "mixer_norm": "blocks.{i}.mixer.hook_inner_norm",
@@ -134,7 +136,9 @@ mlp_pre_linear and mlp_post on dense MLPs (the activation's input, its gate on g
 projection; the down projection's input); on mixture-of-experts layers mlp_pre and mlp_post are the block's input
 and output, and the router's choice is expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen) and
 expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both read-only). Linear attention (Qwen
-3.5's Gated DeltaNet) has linear_attn_in and linear_attn_out, its input and output. A Mamba-2 mixer has
+3.5's Gated DeltaNet) has linear_attn_in and linear_attn_out, its input and output. A short convolution (LFM2's)
+has conv_in, its input, conv_in_proj ``[3 * d_model]``, its input projection (B, C and x), conv_gated, C times the
+convolution of B times x, and conv_out, its output. A Mamba-2 mixer has
 mixer_in, its input, mixer_in_proj ``[d_in_proj]``, its input projection (z, x, B, C and dt, before a family's
 multipliers), mixer_norm_in, the scan's output y, and mixer_norm_gate, z, ``[d_inner]``, the gated norm's inputs,
 mixer_norm its output ``[d_inner]``, and mixer_out ``[d_model]``, the mixer's output (before a multiplier the layer
@@ -213,6 +217,7 @@ class _Tap:
     direct: bool = False
 
 
+_GATED_UP = (".gate_up_proj", ".w13")  # an MLP's merged gate and up projections, gate first (LFM2's w1 and w3)
 _LAYER_PAIR = (("hidden_states", 1), ("residual", 2))  # vLLM's fused-residual decoder layers
 _LAYER_INPUT = (("hidden_states", 1),)  # vLLM's decoder layers, forward(positions, hidden_states, ...)
 _HIDDEN_INPUT = (("hidden_states", 0),)  # decoder layers and norms of transformers' own
@@ -276,9 +281,10 @@ class _Family:
         ``final_norm``, ``attention`` (its ``qkv`` projection, ``o_proj``), ``ln1`` and ``ln2`` (the attention's and
         the MLP's pre-norms; "" where there are none), ``post_norms`` (each branch's norm before it joins the stream,
         which hook_attn_out and hook_mlp_out follow), ``mlp`` (its ``mlp_up``, gated with the gate first where it is
-        ``.gate_up_proj``, and ``mlp_down``; ``mlp`` "" where its projections sit in the layer, ``mlp_up`` ""
+        one of _GATED_UP, and ``mlp_down``; ``mlp`` "" where its projections sit in the layer, ``mlp_up`` ""
         where there is no MLP), ``attention`` ("" where there is none), ``linear_attention`` (linear attention),
-        ``mixer`` (a Mamba-2 mixer, vLLM's MambaMixer2; "" where there is none).
+        ``conv`` (a short convolution, vLLM's ShortConv), ``mixer`` (a Mamba-2 mixer, vLLM's MambaMixer2; "" where
+        there is none).
     parallel: attention and MLP read the same stream (no hook_resid_mid). embed_at_layer0: hook_embed is what layer 0
         receives (Gemma's sqrt(d_model) scale, Granite's multiplier and BLOOM's norm come after the embedding).
     layer_inputs, norm_inputs, mlp_inputs: (argument, position) of the inputs a layer, a norm and the MLP take; ()
@@ -289,13 +295,17 @@ class _Family:
     qk_halves: vLLM reorders each head of q and k at load, rotary's pairs of columns (interleaved in the checkpoint)
         into two halves (Llama 4's), which hook_q and hook_k put back. query_gate: the query projection gives each
         head's query, then its output gate (Qwen 3.5's), which hook_q keeps together, ``[2 * n_heads, d_head]``.
+        rotary_3d: vLLM's attention hands its rotary embedding q and k as ``[tokens, heads, d_head]``, which vLLM's
+        CPU kernel (RotaryEmbedding.forward_cpu) rotates as if each head were a token (LFM2's, after its per-head q
+        and k norms): refused where the engine runs that kernel.
     kv_shared: the config attribute that says how many last layers reuse earlier layers' keys and values: their
         attention projects q alone (``.q_proj``) and has no hook_k or hook_v, and their MLP is twice as wide where
         the config's use_double_wide_mlp says (Gemma 4's). k_as_v: the config attribute that says full-attention
         layers use the keys as values: no hook_v, and an edit of hook_k reaches V (Gemma 4's attention_k_eq_v).
     layer_kinds: the config attribute naming each layer's kind, and kind_sites, what a layer of each kind holds beside
-        the stream: the sites of its ``attention``, ``linear`` attention or ``mixer`` alone, or ``stream`` (the
-        stream's sites alone, where TransformerLens hooks nothing inside the layer).
+        the stream: the sites of its ``attention``, ``linear`` attention, ``conv`` or ``mixer`` alone, or ``stream``
+        (the stream's sites alone, where TransformerLens hooks nothing inside the layer); kind_layer_inputs, the
+        layer_inputs of a kind whose layers take them elsewhere (LFM2's convolution layers, hidden_states first).
     taps: taps replacing those the fields give. renamed: {site: the site TransformerLens names that tensor as on this
         family} (Falcon-H1's mixer is mamba, Mamba-2's ln1 norm).
     refused: {site: why it is not placed} for sites TransformerLens runs
@@ -327,6 +337,7 @@ class _Family:
     mlp_up: str = ".gate_up_proj"
     mlp_down: str = ".down_proj"
     linear_attention: str = ""
+    conv: str = ""
     mixer: str = ""
     parallel: bool = False
     embed_at_layer0: bool = False
@@ -341,12 +352,14 @@ class _Family:
     moe: _MoE | None = None
     layer_kinds: str = ""
     kind_sites: dict[str, str] = dataclasses.field(default_factory=dict)
+    kind_layer_inputs: dict[str, tuple[tuple[str, int], ...]] = dataclasses.field(default_factory=dict)
     taps: dict[str, _Tap] = dataclasses.field(default_factory=dict)
     renamed: dict[str, str] = dataclasses.field(default_factory=dict)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     qk_halves: bool = False
     query_gate: bool = False
+    rotary_3d: bool = False
     kv_shared: str = ""
     k_as_v: str = ""
     text_prefix: str = ""
@@ -367,6 +380,15 @@ _GATED_DELTANET = _Family(
     "qwen3_5", "Qwen3_5ForCausalLM", norm="rms_offset", layer_inputs=(("hidden_states", 0), ("residual", 1)),
     linear_attention=".linear_attn", layer_kinds="layer_types",
     kind_sites={"linear_attention": "linear", "full_attention": "attention"}, query_gate=True,
+)  # fmt: skip
+# LFM2: short-convolution layers (B, C and x from one projection, C times the convolution of B times x) beside
+# attention layers whose q and k are normed per head before rotary; LFM2-MoE's router scores by sigmoid with a
+# correction bias, its first num_dense_layers layers dense.
+_LFM2 = _Family(
+    "lfm2", "Lfm2ForCausalLM", final_norm="model.embedding_norm", ln1=".operator_norm", ln2=".ffn_norm",
+    o_proj=".out_proj", mlp=".feed_forward", mlp_up=".w13", mlp_down=".w2", conv=".short_conv",
+    layer_kinds="layer_types", kind_sites={"conv": "conv", "full_attention": "attention"},
+    kind_layer_inputs={"conv": (("hidden_states", 0), ("residual", 1))}, rotary_3d=True,
 )  # fmt: skip
 _H_LAYER = "transformer.h.{i}"
 # Where TransformerLens 4.3's adapter keeps transformers' own attention, which hands it the softmax's output alone.
@@ -406,6 +428,10 @@ FAMILIES = {family.name: family for family in (
                         moe=_MoE(renormalize="always")),
     dataclasses.replace(_GATED_DELTANET, name="qwen3_next", architecture="Qwen3NextForCausalLM",
                         moe=_MoE(layers="decoder_sparse_step")),
+    _LFM2,
+    dataclasses.replace(_LFM2, name="lfm2_moe", architecture="Lfm2MoeForCausalLM", moe=_MoE(
+        ".feed_forward", layers="num_dense_layers", scoring="sigmoid", correction_bias="e_score_correction_bias",
+        scale="routed_scaling_factor")),
     # Zamba2: Mamba-2 layers as Mamba-2's, and hybrid ones where an attention block shared by all of them runs before
     # the mixer, inside which TransformerLens hooks nothing (the stream alone). vLLM ties its output layer always, and
     # its scan takes no floor under dt (transformers' Zamba2 clamps dt at time_step_min).
@@ -640,8 +666,6 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                                    "checkpoints' attention without positions (position_embedding_type 'nope')",
     "NemotronHForCausalLM": "Mamba-2 layers, and relu2 experts vLLM CPU cannot run ('is_act_and_mul=False is "
                             "supported only for CUDA, XPU and ROCm')",
-    **dict.fromkeys(("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"), "short-convolution layers; vLLM 0.32's CPU rotary "
-                    "also mis-rotates its 3-D queries (its tokens differ from transformers')"),
     "OlmoHybridForCausalLM": "Gated DeltaNet linear attention; vLLM 0.32 CPU fails to build it (module 'triton' has "
                              "no attribute 'set_allocator')",
     "Glm4vForConditionalGeneration": "vLLM's text model of it differs from transformers' (greedy tokens from the "
@@ -698,10 +722,10 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     """Each site the family has on ``layer`` (None: the sites outside the layers) -> its tap, in forward order; the
     sites in ``family.refused`` are left out. config: the (text) model's transformers config."""
     f, at = family, family.layer
-    pair = f.residual == "pair"
-    layer_inputs = f.layer_inputs or (_LAYER_PAIR if pair else _LAYER_INPUT)
+    pair, held = f.residual == "pair", _layer_kind(family, config, layer)
+    layer_inputs = f.kind_layer_inputs.get(held) or f.layer_inputs or (_LAYER_PAIR if pair else _LAYER_INPUT)
     norm_inputs = f.norm_inputs or (_NORM_PAIR if pair else _X_INPUT)
-    attention, gated = at + f.attention, f.mlp_up == ".gate_up_proj"
+    attention, gated = at + f.attention, f.mlp_up in _GATED_UP
     mid_norm = at + f.ln2 if f.ln2 else None
 
     def norm(path: str, kind: str = _NORMALIZED) -> _Tap:
@@ -747,6 +771,12 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
             "linear_attn_out": _Tap(at + f.linear_attention, _OUTPUT),
         } if f.linear_attention else {}),
         **({
+            "conv_in": _Tap(at + f.conv, _INPUT, _HIDDEN_INPUT),
+            "conv_in_proj": _Tap(at + f.conv + ".in_proj", _OUTPUT),
+            "conv_gated": _Tap(at + f.conv + ".out_proj", _INPUT, _LINEAR_INPUT),
+            "conv_out": _Tap(at + f.conv + ".out_proj", _OUTPUT),  # (vLLM's ShortConv writes it into an argument)
+        } if f.conv else {}),
+        **({
             "mixer_in": _Tap(at + f.mixer, _INPUT, _HIDDEN_INPUT),
             "mixer_in_proj": _Tap(at + f.mixer + ".in_proj", _OUTPUT),
             "mixer_norm_in": _Tap(at + f.mixer + ".norm", _INPUT, (("x", 0),)),
@@ -770,10 +800,9 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     elif layer is not None and f.k_as_v and getattr(config, f.k_as_v) and config.layer_types[layer] == "full_attention":
         taps.update(attn_k=_Tap(attention + f.qkv, _OUTPUT, part="kv"), attn_v=None)
     absent = (*(_ATTENTION_SITES if not f.attention else ()), *(_MLP_SITES if not f.mlp_up else ()))
-    held = _layer_kind(f, config, layer)
     if held == "stream":
         absent = tuple(site for site in taps if site not in ("resid_pre", "resid_post"))
-    inner = {"attention": _ATTENTION_SITES, "linear": _LINEAR_SITES, "mixer": _MIXER_SITES}
+    inner = {"attention": _ATTENTION_SITES, "linear": _LINEAR_SITES, "conv": _CONV_SITES, "mixer": _MIXER_SITES}
     if held in inner:  # the other kinds' sites
         absent += tuple(site for kind, sites in inner.items() if kind != held for site in sites)
     taps = {f.renamed.get(site, site): None if site in absent else tap for site, tap in taps.items()}
@@ -787,6 +816,7 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
 _ATTENTION_SITES = ("attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k", "attn_scores", "pattern", "attn_z",
                     "attn_out")
 _LINEAR_SITES = ("linear_attn_in", "linear_attn_out")
+_CONV_SITES = ("conv_in", "conv_in_proj", "conv_gated", "conv_out")
 _MIXER_SITES = ("mixer_in", "mixer_in_proj", "mixer_norm_in", "mixer_norm_gate", "mixer_norm", "mixer_out")
 _MLP_SITES = ("resid_mid", "mlp_in", "mlp_pre", "mlp_pre_linear", "mlp_post", "mlp_out")  # (and ln2's, where ln2 is)
 
@@ -830,6 +860,11 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
         n_kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
     names = (family.d_mlp,) if family.d_mlp else ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
     d_mlp = next(filter(None, (getattr(config, name, None) for name in names)), 4 * d_model)
+    if getattr(config, "block_auto_adjust_ff_dim", False):  # LFM2's: 2/3 of it, scaled, to a multiple (transformers')
+        d_mlp = int(2 * d_mlp / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            multiple = config.block_multiple_of
+            d_mlp = multiple * ((int(config.block_ffn_dim_multiplier * d_mlp) + multiple - 1) // multiple)
     shapes = {site: (d_model,) for site in SITES}
     if layer is not None and _kv_shared(family, config, layer) and getattr(config, "use_double_wide_mlp", False):
         d_mlp *= 2
@@ -841,6 +876,7 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
     shapes.update(attn_k=kv, attn_v=kv, attn_rot_k=kv)
     shapes.update(attn_scores=(q[0] + kv[0], d_head), pattern=(q[0] + kv[0], d_head))
     shapes.update(mlp_pre=mlp, mlp_pre_linear=mlp, mlp_post=mlp, ln1_scale=(1,), ln2_scale=(1,), final_norm_scale=(1,))
+    shapes.update(conv_in_proj=(3 * d_model,))
     if family.mixer:  # the config's names differ between families
         def setting(*names: str) -> int:
             return next(value for value in (getattr(config, name, None) for name in names) if value is not None)
@@ -1866,7 +1902,8 @@ def _parallel_ranks() -> _Ranks:
 class _EngineFacts:
     """What the hooks know of their worker and its engine, read once per install (_engine_facts): the model vLLM
     loaded, its checkpoint's transformers config, the engine's tokens per forward and requests per step, whether it
-    caches prefixes, the device and dtype of the model's parameters (the edit tables'), and the worker's ranks."""
+    caches prefixes, the device and dtype of the model's parameters (the edit tables'), the worker's ranks, and whether
+    the model's rotary embeddings run vLLM's CPU kernel (see _Family.rotary_3d)."""
 
     model: torch.nn.Module
     hf_config: Any
@@ -1876,6 +1913,7 @@ class _EngineFacts:
     device: torch.device
     dtype: torch.dtype
     ranks: _Ranks
+    cpu_rotary: bool
 
 
 def _engine_facts(worker: Any) -> _EngineFacts:
@@ -1885,9 +1923,11 @@ def _engine_facts(worker: Any) -> _EngineFacts:
     # alone, and LLaVA-NeXT's first parameter, image_newline, is the tower's)
     parameter = next(p for p in model.parameters() if p.device.type != "meta")
     caching = bool(vllm_config.cache_config.enable_prefix_caching)
+    cpu_rotary = any(getattr(getattr(module, "_forward_method", None), "__name__", "") == "forward_cpu"
+                     for module in model.modules() if "RotaryEmbedding" in type(module).__name__)
     return _EngineFacts(
         model, vllm_config.model_config.hf_config, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, caching,
-        parameter.device, parameter.dtype, _parallel_ranks(),
+        parameter.device, parameter.dtype, _parallel_ranks(), cpu_rotary,
     )  # fmt: skip
 
 
@@ -2217,6 +2257,14 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
                 f"{sorted(_ARCHITECTURES)}"
             )
         prefix = _text_prefix(family, modules)
+        if family.rotary_3d and engine.cpu_rotary:
+            raise ValueError(
+                f"architecture {family.architecture}: vLLM hands its rotary embedding q and k of [tokens, heads, "
+                "d_head], which vLLM's CPU rotary kernel (RotaryEmbedding.forward_cpu) rotates as if each head were a "
+                "token: every row from the first attention layer on would differ from transformers' (by ~0.3 on a "
+                "tiny model). Start the engine with compilation_config={'custom_ops': ['-rotary_embedding']} (vLLM's "
+                "own rotary in torch; a compiled engine's default, custom_ops ['none'], already runs it)"
+            )
 
     def forward_order(name: str) -> tuple:  # modules of the user's choosing last, as given
         site, layer = parse_hook_name(name) or (None, None)

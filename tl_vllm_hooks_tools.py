@@ -823,6 +823,8 @@ _BRANCH_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "expe
 _KV1 = dict(num_key_value_heads=1)  # one key-value head (grouped queries) where the family has them
 _UNTIED = dict(num_key_value_heads=1, tie_word_embeddings=False)
 _MOE4 = dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+_LFM2 = dict(num_key_value_heads=1, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, conv_dim=128,
+             block_dim=128, tie_word_embeddings=True)
 # (vLLM's CPU runs Gated DeltaNet in bf16 alone, with heads of 128 as released)
 _GATED_DELTANET = dict(head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
                        linear_num_value_heads=2, linear_conv_kernel_dim=4,
@@ -853,6 +855,14 @@ _TINY_MODELS = {
     "qwen3_next": _TinyModel(dict(_MOE4, **_GATED_DELTANET, moe_intermediate_size=64,
                                   shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[0]),
                              bfloat16=True),
+    # (vLLM ties LFM2's output layer always, and reads conv_dim and block_dim, which transformers does not write; the
+    # MLP's width is 2/3 of intermediate_size, rounded up to block_multiple_of: 256)
+    "lfm2": _TinyModel(dict(_LFM2, intermediate_size=384, block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0,
+                            block_multiple_of=64)),
+    "lfm2_moe": _TinyModel(dict(_LFM2, num_hidden_layers=4, layer_types=["conv", "full_attention", "conv",
+                                "full_attention"], num_dense_layers=1, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=64, use_expert_bias=True, norm_topk_prob=True,
+                                routed_scaling_factor=1.5), random_buffers=("expert_bias",)),
     "zamba2": _TinyModel(dict(layers_block_type=["mamba", "hybrid", "mamba"], num_key_value_heads=2,
                               mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=8,
                               chunk_size=256, num_mem_blocks=1, use_shared_attention_adapter=False, adapter_rank=8,
