@@ -131,7 +131,7 @@ def site_of(hook_name: str) -> str | None:
 ATTENTION = ("attn.hook_attn_scores", "attn.hook_pattern")
 # Read, never edited (the module refuses edits of them): the router's choice (vLLM's fused mixture of experts routes
 # inside its kernel), and the attention matrices (its kernels never read them).
-READ_ONLY = ("mlp.hook_expert_weights", "mlp.hook_expert_indices", *ATTENTION)
+READ_ONLY = ("hook_expert_weights", "hook_expert_indices", *ATTENTION)  # (mlp.* and moe.*)
 UNSEEN = -1e30  # below: a key the query does not see
 # A query-key dot product's relative error is not bounded by its inputs' where it cancels (query 0 sees one key: in
 # bf16, Mixtral's score there, near 0, came 32 % off). Under a row bound (PerRow, the bf16 checks) each row of

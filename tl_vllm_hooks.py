@@ -123,7 +123,15 @@ SITES = {
     "mlp_pre_linear": "blocks.{i}.mlp.hook_pre_linear",
     "expert_weights": "blocks.{i}.mlp.hook_expert_weights", "expert_indices": "blocks.{i}.mlp.hook_expert_indices",
     "mlp_post": "blocks.{i}.mlp.hook_post",
-    "mlp_out": "blocks.{i}.hook_mlp_out", "resid_post": "blocks.{i}.hook_resid_post",
+    "mlp_out": "blocks.{i}.hook_mlp_out",
+    "moe_in": "blocks.{i}.moe.hook_in", "moe_pre": "blocks.{i}.moe.hook_pre",
+    "moe_expert_weights": "blocks.{i}.moe.hook_expert_weights",
+    "moe_expert_indices": "blocks.{i}.moe.hook_expert_indices", "moe_post": "blocks.{i}.moe.hook_post",
+    "moe_out": "blocks.{i}.moe.hook_out", "shared_mlp_in": "blocks.{i}.shared_mlp.hook_in",
+    "shared_mlp_pre": "blocks.{i}.shared_mlp.hook_pre",
+    "shared_mlp_pre_linear": "blocks.{i}.shared_mlp.hook_pre_linear",
+    "shared_mlp_post": "blocks.{i}.shared_mlp.hook_post", "shared_mlp_out": "blocks.{i}.shared_mlp.hook_out",
+    "resid_post": "blocks.{i}.hook_resid_post",
     "final_norm_scale": "ln_final.hook_scale", "final_norm": "ln_final.hook_normalized",
 }
 # fmt: on
@@ -143,15 +151,20 @@ mixer_in, its input, mixer_in_proj ``[d_in_proj]``, its input projection (z, x, 
 multipliers), mixer_norm_in, the scan's output y, and mixer_norm_gate, z, ``[d_inner]``, the gated norm's inputs,
 mixer_norm its output ``[d_inner]``, and mixer_out ``[d_model]``, the mixer's output (before a multiplier the layer
 scales it by); the mamba_* sites are the same where TransformerLens names the mixer mamba (Falcon-H1, beside the
-attention), and block_norm and block_norm_scale are ln1's where it names the pre-norm norm (Mamba-2's). ln1, ln2 and
+attention), and block_norm and block_norm_scale are ln1's where it names the pre-norm norm (Mamba-2's). Where it
+names a layer's experts moe and a shared MLP beside them shared_mlp (Granite 4.0's), the moe_* sites are the
+mixture-of-experts block's (moe_out its output, as moe_post) and the shared_mlp_* sites the shared MLP's, as a dense
+MLP's (``[shared_intermediate_size]`` at shared_mlp_pre, shared_mlp_pre_linear and shared_mlp_post), with no
+hook_mlp_out. ln1, ln2 and
 final_norm are
 a norm's input normalized, before weight and bias, and their ``*_scale`` the divisor, ``[1]``: sqrt(mean(x**2) +
 eps) of the (mean-centred, for LayerNorm) input; mlp_in is the MLP's own input (its norm's output, weight and bias
 applied)."""
 
 _READ_ONLY_SITES = {  # site -> why an edit of it is refused
-    **dict.fromkeys(("expert_weights", "expert_indices"), "vLLM's fused mixture of experts routes inside its kernel, "
-                    "from the router's logits; edit the block's input (mlp.hook_pre) or output (hook_mlp_out) instead"),
+    **dict.fromkeys(("expert_weights", "expert_indices", "moe_expert_weights", "moe_expert_indices"), "vLLM's fused "
+                    "mixture of experts routes inside its kernel, from the router's logits; edit the block's input "
+                    "(mlp.hook_pre, moe.hook_pre) or output (hook_mlp_out, moe.hook_out) instead"),
     **dict.fromkeys(("attn_scores", "pattern"), "vLLM's attention kernels never hold the [query, key] matrix, which is "
                     "rebuilt when read; edit the query or key (attn.hook_rot_q, hook_rot_k, hook_q, hook_k) instead"),
 }
@@ -432,6 +445,22 @@ FAMILIES = {family.name: family for family in (
     dataclasses.replace(_LFM2, name="lfm2_moe", architecture="Lfm2MoeForCausalLM", moe=_MoE(
         ".feed_forward", layers="num_dense_layers", scoring="sigmoid", correction_bias="e_score_correction_bias",
         scale="routed_scaling_factor")),
+    # Granite 4.0 (H): Mamba-2 layers (TransformerLens's mixer) and attention layers without positions, each with
+    # experts (moe) and a shared MLP beside them (shared_mlp), whose sum, times residual_multiplier, no hook holds.
+    # transformers' gated norm (and so the bridge's) normalizes over all of d_inner, as Mamba-2's.
+    _Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", residual="stream", embed_at_layer0=True,
+            multiplier="residual_multiplier", rotary=False, mixer=".mamba", layer_kinds="layer_types",
+            kind_sites={"linear_attention": "mixer", "full_attention": "attention"},
+            kind_layer_inputs={"mixer": _HIDDEN_INPUT}, settings=dict(position_embedding_type="nope", mamba_n_groups=1),
+            moe=_MoE(".block_sparse_moe", renormalize="always"),
+            renamed={"mlp_in": "moe_in", "mlp_pre": "moe_pre", "expert_weights": "moe_expert_weights",
+                     "expert_indices": "moe_expert_indices", "mlp_post": "moe_post"},
+            taps={"mlp_out": None, "moe_out": _Tap("model.layers.{i}.block_sparse_moe", _OUTPUT),
+                  "shared_mlp_in": _Tap("model.layers.{i}.shared_mlp", _INPUT, _HIDDEN_INPUT),
+                  "shared_mlp_pre": _Tap("model.layers.{i}.shared_mlp.input_linear", _OUTPUT, part="gate"),
+                  "shared_mlp_pre_linear": _Tap("model.layers.{i}.shared_mlp.input_linear", _OUTPUT, part="up"),
+                  "shared_mlp_post": _Tap("model.layers.{i}.shared_mlp.output_linear", _INPUT, _LINEAR_INPUT),
+                  "shared_mlp_out": _Tap("model.layers.{i}.shared_mlp", _OUTPUT)}),
     # Zamba2: Mamba-2 layers as Mamba-2's, and hybrid ones where an attention block shared by all of them runs before
     # the mixer, inside which TransformerLens hooks nothing (the stream alone). vLLM ties its output layer always, and
     # its scan takes no floor under dt (transformers' Zamba2 clamps dt at time_step_min).
@@ -662,8 +691,6 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",
     **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), "Mamba-1 layers, which vLLM "
                     "0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"),
-    "GraniteMoeHybridForCausalLM": "TransformerLens 4.3's bridge fails in run_with_cache on its released "
-                                   "checkpoints' attention without positions (position_embedding_type 'nope')",
     "NemotronHForCausalLM": "Mamba-2 layers, and relu2 experts vLLM CPU cannot run ('is_act_and_mul=False is "
                             "supported only for CUDA, XPU and ROCm')",
     "OlmoHybridForCausalLM": "Gated DeltaNet linear attention; vLLM 0.32 CPU fails to build it (module 'triton' has "
@@ -723,7 +750,11 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     sites in ``family.refused`` are left out. config: the (text) model's transformers config."""
     f, at = family, family.layer
     pair, held = f.residual == "pair", _layer_kind(family, config, layer)
-    layer_inputs = f.kind_layer_inputs.get(held) or f.layer_inputs or (_LAYER_PAIR if pair else _LAYER_INPUT)
+
+    def inputs_of(kind: str) -> tuple[tuple[str, int], ...]:  # a layer's of that kind
+        return f.kind_layer_inputs.get(kind) or f.layer_inputs or (_LAYER_PAIR if pair else _LAYER_INPUT)
+
+    layer_inputs = inputs_of(held)
     norm_inputs = f.norm_inputs or (_NORM_PAIR if pair else _X_INPUT)
     attention, gated = at + f.attention, f.mlp_up in _GATED_UP
     mid_norm = at + f.ln2 if f.ln2 else None
@@ -753,7 +784,8 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     if f.post_norms:  # each branch's output is its post-norm's
         mlp["mlp_out"] = _Tap(at + f.post_norms[1], _OUTPUT)
     taps = {
-        "embed": _Tap(f.layer.format(i=0), _INPUT, layer_inputs[:1]) if f.embed_at_layer0 else _Tap(f.embed, _OUTPUT),
+        "embed": _Tap(f.layer.format(i=0), _INPUT, inputs_of(_layer_kind(f, config, 0))[:1]) if f.embed_at_layer0
+        else _Tap(f.embed, _OUTPUT),
         "pos_embed": _Tap(f.pos_embed, _OUTPUT) if f.pos_embed else None,
         "resid_pre": _Tap(at, _INPUT_PAIR if pair else _INPUT, layer_inputs),
         "ln1_scale": norm(at + f.ln1, _NORM_SCALE) if f.ln1 else None,
@@ -877,6 +909,9 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
     shapes.update(attn_scores=(q[0] + kv[0], d_head), pattern=(q[0] + kv[0], d_head))
     shapes.update(mlp_pre=mlp, mlp_pre_linear=mlp, mlp_post=mlp, ln1_scale=(1,), ln2_scale=(1,), final_norm_scale=(1,))
     shapes.update(conv_in_proj=(3 * d_model,))
+    if getattr(config, "shared_intermediate_size", None):  # Granite 4.0's shared MLP
+        shared = (config.shared_intermediate_size,)
+        shapes.update(shared_mlp_pre=shared, shared_mlp_pre_linear=shared, shared_mlp_post=shared)
     if family.mixer:  # the config's names differ between families
         def setting(*names: str) -> int:
             return next(value for value in (getattr(config, name, None) for name in names) if value is not None)

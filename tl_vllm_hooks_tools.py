@@ -863,6 +863,12 @@ _TINY_MODELS = {
                                 "full_attention"], num_dense_layers=1, num_experts=8, num_experts_per_tok=2,
                                 moe_intermediate_size=64, use_expert_bias=True, norm_topk_prob=True,
                                 routed_scaling_factor=1.5), random_buffers=("expert_bias",)),
+    "granitemoehybrid": _TinyModel(dict(
+        _UNTIED, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
+        position_embedding_type="nope", num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=192,
+        mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4,
+        mamba_chunk_size=256, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
+        logits_scaling=2.0)),
     "zamba2": _TinyModel(dict(layers_block_type=["mamba", "hybrid", "mamba"], num_key_value_heads=2,
                               mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=8,
                               chunk_size=256, num_mem_blocks=1, use_shared_attention_adapter=False, adapter_rank=8,
