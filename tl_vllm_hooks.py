@@ -136,30 +136,28 @@ SITES = {
 }
 # fmt: on
 """site -> TransformerLens hook name, in forward order; ``{i}`` is the layer. Rows are ``[d_model]`` but ``[n_heads,
-d_head]`` at attn_q, attn_rot_q and attn_z (per head, the output projection's input), ``[n_kv_heads, d_head]`` at
-attn_k, attn_v and attn_rot_k (q and k before rotary, then after it); attn_scores and pattern keep per token the
-query and key vLLM's attention receives, ``[n_heads + n_kv_heads, d_head]``, from which reads rebuild
-TransformerLens's ``[n_heads, queries, keys]`` (see _attention_rows; read-only); ``[d_mlp]`` at mlp_pre,
-mlp_pre_linear and mlp_post on dense MLPs (the activation's input, its gate on gated ones; a gated MLP's linear (up)
-projection; the down projection's input); on mixture-of-experts layers mlp_pre and mlp_post are the block's input
-and output, and the router's choice is expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen) and
-expert_indices ``[top_k]`` (highest weight first, in the capture dtype; both read-only). Linear attention (Qwen
-3.5's Gated DeltaNet) has linear_attn_in and linear_attn_out, its input and output. A short convolution (LFM2's)
-has conv_in, its input, conv_in_proj ``[3 * d_model]``, its input projection (B, C and x), conv_gated, C times the
-convolution of B times x, and conv_out, its output. A Mamba-2 mixer has
-mixer_in, its input, mixer_in_proj ``[d_in_proj]``, its input projection (z, x, B, C and dt, before a family's
-multipliers), mixer_norm_in, the scan's output y, and mixer_norm_gate, z, ``[d_inner]``, the gated norm's inputs,
-mixer_norm its output ``[d_inner]``, and mixer_out ``[d_model]``, the mixer's output (before a multiplier the layer
-scales it by); the mamba_* sites are the same where TransformerLens names the mixer mamba (Falcon-H1, beside the
-attention), and block_norm and block_norm_scale are ln1's where it names the pre-norm norm (Mamba-2's). Where it
+d_head]`` at attn_q (``[2 * n_heads, d_head]`` where the query projection gives each head's output gate too, Qwen
+3.5's), attn_rot_q and attn_z (per head, the output projection's input), ``[n_kv_heads, d_head]`` at attn_k, attn_v and
+attn_rot_k (q and k before rotary, then after it); attn_scores and pattern keep per token the query and key vLLM's
+attention receives, ``[n_heads + n_kv_heads, d_head]``, from which reads rebuild TransformerLens's ``[n_heads, queries,
+keys]`` (see _attention_rows; read-only); ``[d_mlp]`` at mlp_pre, mlp_pre_linear and mlp_post on dense MLPs (the
+activation's input, its gate on gated ones; a gated MLP's linear (up) projection; the down projection's input); on
+mixture-of-experts layers mlp_pre and mlp_post are the block's input and output, and the router's choice is
+expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen) and expert_indices ``[top_k]`` (highest weight
+first, in the capture dtype; both read-only). Linear attention (Qwen 3.5's Gated DeltaNet) has linear_attn_in and
+linear_attn_out, its input and output. A short convolution (LFM2's) has conv_in, its input, conv_in_proj ``[3 *
+d_model]``, its input projection (B, C and x), conv_gated, C times the convolution of B times x, and conv_out, its
+output. A Mamba-2 mixer has mixer_in, its input, mixer_in_proj ``[d_in_proj]``, its input projection (z, x, B, C and dt,
+before a family's multipliers), mixer_norm_in, the scan's output y, and mixer_norm_gate, z, ``[d_inner]``, the gated
+norm's inputs, mixer_norm its output ``[d_inner]``, and mixer_out ``[d_model]``, the mixer's output (before a multiplier
+the layer scales it by); the mamba_* sites are the same where TransformerLens names the mixer mamba (Falcon-H1, beside
+the attention), and block_norm and block_norm_scale are ln1's where it names the pre-norm norm (Mamba-2's). Where it
 names a layer's experts moe and a shared MLP beside them shared_mlp (Granite 4.0's), the moe_* sites are the
 mixture-of-experts block's (moe_out its output, as moe_post) and the shared_mlp_* sites the shared MLP's, as a dense
 MLP's (``[shared_intermediate_size]`` at shared_mlp_pre, shared_mlp_pre_linear and shared_mlp_post), with no
-hook_mlp_out. ln1, ln2 and
-final_norm are
-a norm's input normalized, before weight and bias, and their ``*_scale`` the divisor, ``[1]``: sqrt(mean(x**2) +
-eps) of the (mean-centred, for LayerNorm) input; mlp_in is the MLP's own input (its norm's output, weight and bias
-applied)."""
+hook_mlp_out. ln1, ln2 and final_norm are a norm's input normalized, before weight and bias, and their ``*_scale`` the
+divisor, ``[1]``: sqrt(mean(x**2) + eps) of the (mean-centred, for LayerNorm) input; mlp_in is the MLP's own input (its
+norm's output, weight and bias applied)."""
 
 _READ_ONLY_SITES = {  # site -> why an edit of it is refused
     **dict.fromkeys(("expert_weights", "expert_indices", "moe_expert_weights", "moe_expert_indices"), "vLLM's fused "
