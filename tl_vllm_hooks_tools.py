@@ -983,6 +983,15 @@ _GATED_DELTANET_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_ro
                              mrope_section=[2, 3, 3], mrope_interleaved=True)
 
 
+def _qwen3_5_multimodal(text: _TinyModel) -> _TinyModel:
+    """A Qwen 3.5 multimodal checkpoint holding ``text``'s model, its rotary M-RoPE's."""
+    return dataclasses.replace(
+        text, config=dict(text_config=dict(text.config, rope_parameters=_GATED_DELTANET_MROPE),
+                          vision_config=_QWEN3_5_VISION, **_QWEN_VL_IDS),
+        tokens=_QWEN_VL_TOKENS, processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16),
+    )
+
+
 def _qwen_vl_processor(processor: str, video: str, patch: int) -> tuple[str, dict[str, Any]]:
     sizes = dict(patch_size=patch, merge_size=2, temporal_patch_size=2)
     return processor, dict(
@@ -1083,18 +1092,8 @@ _TINY_MODELS.update({
                     vision_config=_QWEN3_VL_VISION, **_QWEN_VL_IDS),
         tokens=_QWEN_VL_TOKENS,
         processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
-    "qwen3_5_mm": dataclasses.replace(
-        _TINY_MODELS["qwen3_5"],
-        config=dict(text_config=dict(_TINY_MODELS["qwen3_5"].config, rope_parameters=_GATED_DELTANET_MROPE),
-                    vision_config=_QWEN3_5_VISION, **_QWEN_VL_IDS),
-        tokens=_QWEN_VL_TOKENS,
-        processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
-    "qwen3_5_moe_mm": dataclasses.replace(
-        _TINY_MODELS["qwen3_5_moe"],
-        config=dict(text_config=dict(_TINY_MODELS["qwen3_5_moe"].config, rope_parameters=_GATED_DELTANET_MROPE),
-                    vision_config=_QWEN3_5_VISION, **_QWEN_VL_IDS),
-        tokens=_QWEN_VL_TOKENS,
-        processor=_qwen_vl_processor("Qwen3VLProcessor", "Qwen3VLVideoProcessor", 16)),
+    "qwen3_5_mm": _qwen3_5_multimodal(_TINY_MODELS["qwen3_5"]),
+    "qwen3_5_moe_mm": _qwen3_5_multimodal(_TINY_MODELS["qwen3_5_moe"]),
     "llava_next": dataclasses.replace(
         _TINY_MODELS["llama"],
         config=dict(text_config=dict(_TINY_MODELS["llama"].config, model_type="llama"),
