@@ -3336,29 +3336,34 @@ class TestSAEs:
             generate(llm, [SAE_PROMPTS[0]], 1, [bad])
 
 
-def test_saes_read_and_edit_a_state_space_familys_hooks(sae_lens_python, models, tmp_path):
-    """SAEs on Mamba-2's mixer output and residual stream, as on any family's hooks: each request's top features are
-    sae-lens's encode of TransformerLens's rows, and a feature edit of the mixer's output moves every later row as
-    run_with_hooks does with the SAE's decoder. Mamba-2 eager in this process."""
-    kinds = {"blocks.1.mixer.hook_out": ("standard", 256, None), "blocks.2.hook_resid_post": ("topk", 256, 12)}
-    oracle = SAEOracle(sae_lens_python, models["mamba2"], tmp_path, kinds)
-    mixer = "blocks.1.mixer.hook_out"
-    edit = {features(mixer): {"op": "scale", "features": fired(oracle, mixer, 3), "value": 4.0}}
-    with engine(models["mamba2"], sites=("resid_post",), in_process=True, eager=True, batching=True,
-                saes=oracle.saes(), sae_top_k=SAE_TOP_K) as llm:
+# Beyond attention, an SAE on each family's own mixing output and one on the residual stream after it.
+MIXING_SAES = {"mamba2": "blocks.1.mixer.hook_out", "lfm2": "blocks.2.conv.hook_out"}
+
+
+@pytest.mark.parametrize("family", MIXING_SAES)
+def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_python, models, tmp_path, family):
+    """SAEs on Mamba-2's mixer output and LFM2's short convolution's, and on the residual stream, as on any family's
+    hooks: each request's top features are sae-lens's encode of TransformerLens's rows, and a feature edit of the
+    mixing output moves every later row as run_with_hooks does with the SAE's decoder. Eager, in this process."""
+    mixing, model = MIXING_SAES[family], models[family]
+    kinds = {mixing: ("standard", 256, None), "blocks.2.hook_resid_post": ("topk", 256, 12)}
+    oracle = SAEOracle(sae_lens_python, model, tmp_path, kinds)
+    edit = {features(mixing): {"op": "scale", "features": fired(oracle, mixing, 3), "value": 4.0}}
+    with engine(model, sites=("resid_post",), in_process=True, eager=True, batching=True, saes=oracle.saes(),
+                sae_top_k=SAE_TOP_K, **FAMILY_ENGINE_ARGUMENTS.get(family, {})) as llm:
         extra = [None, tlh.request_args(llm.config, edits=edit), None]
         outputs = generate(llm, SAE_PROMPTS, 1, extra)
         read = tlh.read_batched(llm, [o.request_id for o in outputs])
     for i, output in enumerate(outputs):
         rows = read[output.request_id]
-        if i != 1:  # (an edit at the mixer leaves its own features as they were, and moves the later SAE's)
+        if i != 1:  # (an edit at the mixing output leaves its own features as they were, and moves the later SAE's)
             for hook in kinds:
                 got = rows[features(hook) + ".indices"], rows[features(hook) + ".values"]
                 assert_features(*got, oracle.features[hook][i], SAE_TOP_K, f"request {i} {hook}")
-        steering = oracle.steered(i, mixer, edit[features(mixer)]) if i == 1 else None
-        expected = models["mamba2"].reference(SAE_PROMPTS[i], llm.hook_names, steering)
+        steering = oracle.steered(i, mixing, edit[features(mixing)]) if i == 1 else None
+        expected = model.reference(SAE_PROMPTS[i], llm.hook_names, steering)
         assert_matches({n: rows[n] for n in llm.hook_names}, expected, f"request {i}")
-    plain = models["mamba2"].reference(SAE_PROMPTS[1], llm.hook_names)["blocks.2.hook_resid_post"]
+    plain = model.reference(SAE_PROMPTS[1], llm.hook_names)["blocks.2.hook_resid_post"]
     assert relative_error(read[outputs[1].request_id]["blocks.2.hook_resid_post"], plain) > 1e-3
 
 
