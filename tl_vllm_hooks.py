@@ -1896,15 +1896,10 @@ def _has_unfinished_requests(engine: Any) -> bool:
     return getattr(engine, "llm_engine", engine).output_processor.has_unfinished_requests()
 
 
-def _model_widths(engine: Any) -> tuple[int, int]:
-    """(d_model, d_vocab) of an LLM's or an AsyncLLM's model, as vLLM reads them from its config."""
-    model_config = getattr(engine, "llm_engine", engine).vllm_config.model_config
-    return model_config.get_hidden_size(), model_config.get_vocab_size()
-
-
-def _model_layers(engine: Any) -> int:
-    """The decoder layers of an LLM's or an AsyncLLM's (text) model."""
-    return getattr(engine, "llm_engine", engine).vllm_config.model_config.hf_text_config.num_hidden_layers
+def _model_config(engine: Any) -> Any:
+    """vLLM's ModelConfig of an LLM's or an AsyncLLM's model, as its driver holds it (d_model: get_hidden_size(),
+    d_vocab: get_vocab_size(), layers: hf_text_config.num_hidden_layers)."""
+    return getattr(engine, "llm_engine", engine).vllm_config.model_config
 
 
 def _readout(
@@ -3631,14 +3626,14 @@ class _SharedRows:
         start, file.used = file.used, file.used + -(-nbytes // 64) * 64
         if file.used + self.largest > file.pages.numel() and not self.next_file:  # the next step may not fit
             self.maker = self.maker or concurrent.futures.ThreadPoolExecutor(1, "tl_vllm_hooks-row-files")
-            self.next_file.append(self.maker.submit(_make_row_file, self._file_size(), self.device))
-            self.created += 1
+            self.next_file.append(self.maker.submit(_make_row_file, self._begun_file_size(), self.device))
         return file, file.pages[start : start + nbytes]
 
-    def _file_size(self) -> int:
-        """A new file's bytes: a power of two that holds the largest step so far, and, while files are few, the
-        next of the sizes doubling from _SHARED_FILE_BYTES' first to its most."""
+    def _begun_file_size(self) -> int:
+        """A new file's bytes, counted as made: a power of two that holds the largest step so far, and, while files
+        are few, the next of the sizes doubling from _SHARED_FILE_BYTES' first to its most."""
         growing = min(_SHARED_FILE_BYTES[0] << self.created, _SHARED_FILE_BYTES[1])
+        self.created += 1
         return max(1 << (self.largest - 1).bit_length(), growing)
 
     def _refill(self, nbytes: int) -> _RowFile | None:
@@ -3657,9 +3652,8 @@ class _SharedRows:
             self._remove(made_ahead)
         if not self.usable:
             return None
-        size = self._file_size()
-        self.created, self.made_in_step = self.created + 1, self.made_in_step + 1
-        return self._adopt(_make_row_file, size, self.device)
+        self.made_in_step += 1
+        return self._adopt(_make_row_file, self._begun_file_size(), self.device)
 
     def _adopt(self, make: Any, *args: Any) -> _RowFile | None:
         """The file ``make(*args)`` (or a made-ahead file's Future) gives, now held; None, and no file from now on,
@@ -4018,7 +4012,7 @@ def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
     replies = yield "read_captures", (num_rows,)
     rows = join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
     attention = {name: facts for reply in replies for name, facts in reply["attention"].items()}
-    return ActivationRows(_with_attention(rows, attention), _model_layers(engine))
+    return ActivationRows(_with_attention(rows, attention), _model_config(engine).hf_text_config.num_hidden_layers)
 
 
 def _act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
@@ -4131,7 +4125,8 @@ _RESIDUAL_SITES = ("resid_pre", "resid_mid", "resid_post")  # the rows logit_len
 def _unembedded(engine: Any, rows: torch.Tensor, top_k: Any, apply_ln: Any, caller: str) -> Any:
     """unembed's steps (see _driver_helper): rows checked against the model (ValueError naming the problem before
     any worker runs), then sent to the workers in calls of at most _UNEMBED_CALL_BYTES of logits."""
-    d_model, d_vocab = _model_widths(engine)
+    model_config = _model_config(engine)
+    d_model, d_vocab = model_config.get_hidden_size(), model_config.get_vocab_size()
     if not isinstance(rows, torch.Tensor) or not rows.is_floating_point() or rows.dim() == 0:
         raise ValueError(f"{caller}: rows must be a float tensor [..., d_model], got {rows!r:.100}")
     if rows.shape[-1] != d_model:
@@ -4282,7 +4277,7 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
             for request_id, message in reply["rows"].items()
         }
         per_rank.append((reply["shards"], rows))
-    n_layers = _model_layers(engine)
+    n_layers = _model_config(engine).hf_text_config.num_hidden_layers
     if len(per_rank) == 1:  # nothing to join
         return {request_id: ActivationRows(rows, n_layers) for request_id, rows in per_rank[0][1].items()}
     read = {request_id for _shards, rows in per_rank for request_id in rows}
