@@ -1951,8 +1951,12 @@ def _engine_facts(worker: Any) -> _EngineFacts:
     # alone, and LLaVA-NeXT's first parameter, image_newline, is the tower's)
     parameter = next(p for p in model.parameters() if p.device.type != "meta")
     caching = bool(vllm_config.cache_config.enable_prefix_caching)
-    cpu_rotary = any(getattr(getattr(module, "_forward_method", None), "__name__", "") == "forward_cpu"
-                     for module in model.modules() if "RotaryEmbedding" in type(module).__name__)
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    kernel = getattr(RotaryEmbedding, "forward_cpu", None)  # (its subclasses' own, and torch's forward_native, are not)
+    cpu_rotary = kernel is not None and any(
+        getattr(getattr(module, "_forward_method", None), "__func__", None) is kernel for module in model.modules()
+    )
     return _EngineFacts(
         model, vllm_config.model_config.hf_config, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, caching,
         parameter.device, parameter.dtype, _parallel_ranks(), cpu_rotary,
