@@ -773,8 +773,8 @@ class PerRow(float):
 
 # Hooks whose rows are held relative to the larger of their norm and the mean row's: attention scores (a query's
 # scores over few keys can be near 0), and linear attention's output, which the delta rule leaves ~1/50 of a typical
-# row's norm at some positions (Qwen 3.5's tiny model in bf16: a row of norm 0.05 beside a median of 3.4, its error
-# below the median row's; 2026-12-05).
+# row's norm at some positions (Qwen 3.5's tiny model: the first position's row 1/50 of the median row's, its bf16
+# error below the median row's; 2026-12-05).
 TYPICAL_ROWS = ("attn.hook_attn_scores", "linear_attn.hook_out")
 
 
