@@ -2245,7 +2245,8 @@ def _install(worker: Any, config: CaptureConfig) -> None:
         raise ValueError(
             f"max_num_batched_tokens: the engine schedules up to {engine.max_num_batched_tokens} tokens per forward "
             f"but the capture buffers hold {config.max_num_batched_tokens}; build it with LLM(model, "
-            "**config.llm_kwargs), which passes the buffers' size on"
+            "**config.llm_kwargs), which passes the buffers' size on, or, where vLLM raises it anyway (it turns "
+            "chunked prefill off for multi-head latent attention on its CPU platform), configure() with as many"
         )
     _refuse_prefix_caching(engine.prefix_caching, config)
     _uninstall(worker)
