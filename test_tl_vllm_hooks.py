@@ -474,6 +474,24 @@ TRANSFORMERS_TAPS = {
         "final_norm_scale": ("model.final_layernorm", "scale"),
         "final_norm": ("model.final_layernorm", "normalized"),
     },
+    # LFM2: short-convolution layers (transformers' convolves with the conv's weight, never calling it; its output is
+    # the output projection's) beside attention whose output projection is out_proj; the MLP's w1, w3 and w2.
+    "lfm2": {
+        **{site: place for site, place in _DECODER.items() if site.startswith(("embed", "resid_", "attn_", "pattern"))},
+        **{site: (path.replace("input_layernorm", "operator_norm").replace("post_attention_layernorm", "ffn_norm")
+                  .replace("model.norm", "model.embedding_norm"), kind)
+           for site, (path, kind) in _DECODER.items() if site.startswith(("ln1", "ln2", "resid_mid", "final_norm"))},
+        "attn_z": ("model.layers.{i}.self_attn.out_proj", "input_heads"),
+        "conv_in": ("model.layers.{i}.conv", "input"),
+        "conv_in_proj": ("model.layers.{i}.conv.in_proj", "output"),
+        "conv_gated": ("model.layers.{i}.conv.out_proj", "input"),
+        "conv_out": ("model.layers.{i}.conv", "output"),
+        "mlp_in": ("model.layers.{i}.feed_forward", "input"),
+        "mlp_pre": ("model.layers.{i}.feed_forward.w1", "output"),
+        "mlp_pre_linear": ("model.layers.{i}.feed_forward.w3", "output"),
+        "mlp_post": ("model.layers.{i}.feed_forward.w2", "input"),
+        "mlp_out": ("model.layers.{i}.feed_forward", "output"),
+    },
 }
 
 
@@ -3752,7 +3770,8 @@ class TestLoading:
 #   features and their edits): worst whole hook 1.7e-2, worst row 3.0e-2. Llama's and Mixtral's every site there are
 #   yet to be measured;
 # - on vLLM 0.32's CPU in bf16 with the CUDA skip lifted (2026-12-05, TestCudaFamilies' Falcon-H1, every site of its
-#   attention, Mamba-2 mixer and MLP, both flavours, edits included): worst whole hook 1.9e-2, worst row 4.0e-2.
+#   attention, Mamba-2 mixer and MLP, both flavours, edits included): worst whole hook 1.9e-2, worst row 4.0e-2; and
+#   TestCudaFamilies' LFM2 (every site of its short convolution, attention and MLP): 2.5e-2 and 5.6e-2.
 # A semantic error (a row off by one, a missing residual, an edit missed or applied twice) is ~1 in the row it hits.
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16_TOLERANCE = PerRow(1e-1)
@@ -4011,10 +4030,10 @@ class TestCudaRay:
 
 @CUDA
 class TestCudaFamilies:
-    """Families beside Llama on the GPU: both flavours, Model Runner V2, vLLM's default
-    FULL_AND_PIECEWISE graphs (Mixtral eager), where vLLM's fused add+norm kernels work in place; every site the
-    bridge runs for the family (TRANSFORMERS_TAPS places each, a CPU test checks), unedited and
-    under an edit at each site, against transformers on the bf16-rounded weights, row by row.
+    """Families beside Llama on the GPU (a Mamba-2 hybrid and a short-convolution one among them): both flavours,
+    Model Runner V2, vLLM's default FULL_AND_PIECEWISE graphs (Mixtral eager), where vLLM's fused add+norm kernels
+    work in place; every site the bridge runs for the family (TRANSFORMERS_TAPS places each, a CPU test checks),
+    unedited and under an edit at each site, against transformers on the bf16-rounded weights, row by row.
     Mixtral's expert indices in the router's order, highest first; where the engine routes
     otherwise at a near-tie, the reference follows it (bounded and reported: ROUTER_TIE).
 
@@ -4027,7 +4046,7 @@ class TestCudaFamilies:
 
     @pytest.fixture(scope="class", params=[
         pytest.param((family, flavour), id=f"{family}-{flavour}")
-        for family in ("gemma2", "mixtral", "falcon_h1") for flavour in ("one-prompt", "batched")])
+        for family in ("gemma2", "mixtral", "falcon_h1", "lfm2") for flavour in ("one-prompt", "batched")])
     def llm(self, request, models):
         family, flavour = request.param
         # Mixtral's hooked engine stops at start under torch.compile on vLLM 0.24 CUDA (Dynamo specializes the token
