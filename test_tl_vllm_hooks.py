@@ -838,7 +838,10 @@ def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TO
 
 def engine_arguments(dtype="float32"):
     """The LLM arguments of every test engine beside the config's llm_kwargs: few requests
-    a step (with MAX_TOKENS_PER_FORWARD tokens, prompts are chunked and steps mix requests)."""
+    a step (with MAX_TOKENS_PER_FORWARD tokens, prompts are chunked and steps mix requests).
+    On a GPU the KV cache is given in bytes: vLLM then skips its memory profile, which counts
+    what other processes allocate on the device, so test classes can share one GPU at once."""
+    cuda = {"kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}
     return dict(
         dtype=dtype,
         max_model_len=1024,
@@ -846,6 +849,7 @@ def engine_arguments(dtype="float32"):
         skip_tokenizer_init=True,
         gpu_memory_utilization=0.05,
         seed=0,
+        **cuda,
     )
 
 

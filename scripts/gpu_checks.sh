@@ -2,9 +2,10 @@
 # The GPU checks, for a machine with NVIDIA GPUs and vLLM. Run from the project root:
 #   bash scripts/gpu_checks.sh tests [CLASS...]  # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
 #                                         # both flavours, every site of Llama, Gemma 2, Mixtral and Falcon-H1 (a Mamba-2 hybrid), SAEs (TestCudaGraphs TestCudaBatched
-#                                         # TestCudaFamilies TestCudaSAEs, or those named); one class per GPU when
-#                                         # there are enough; TestCudaRay (Ray's executor, staged by
-#                                         # scripts/stage_ray.sh) only when named
+#                                         # TestCudaFamilies TestCudaSAEs, or those named: a class or any pytest -k
+#                                         # expression); all at once, spread over the GPUs (the tests' engines take
+#                                         # their KV cache in bytes, so several share a GPU); TestCudaRay (Ray's
+#                                         # executor, staged by scripts/stage_ray.sh) only when named
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
 #                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code", or
@@ -28,6 +29,7 @@ export VLLM_ALLREDUCE_USE_SYMM_MEM=0
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 tests() {  # tests LOG_NAME PYTEST_K [GPU_INDEX]
   (if [[ -n ${3:-} ]]; then export CUDA_VISIBLE_DEVICES=$3; fi
+   export VLLM_CACHE_ROOT="/tmp/vllm-cache-$1"  # compiled graphs: no two runs write one cache at once
    python3 -m pytest -q -s -p no:cacheprovider --basetemp="/tmp/pytest-$1" \
      -k "$2" test_tl_vllm_hooks.py > "$out/$1.log" 2>&1)
   local status=$?
@@ -36,16 +38,12 @@ tests() {  # tests LOG_NAME PYTEST_K [GPU_INDEX]
 }
 status=0
 case "$what" in
-  tests)  # the test classes named after "tests", or both; one GPU each while there are enough
+  tests)  # the test classes (or -k expressions) named after "tests", or the four; all at once, GPUs round robin
     classes=("${@:2}")
     [[ ${#classes[@]} -gt 0 ]] || classes=(TestCudaGraphs TestCudaBatched TestCudaFamilies TestCudaSAEs)
     pids=()
     for i in "${!classes[@]}"; do
-      if [[ $gpus -ge ${#classes[@]} && ${#classes[@]} -ge 2 ]]; then
-        tests "gpu-tests-${classes[i]}" "${classes[i]}" "$i" & pids+=($!)
-      else
-        tests "gpu-tests-${classes[i]}" "${classes[i]}" || status=1
-      fi
+      tests "gpu-tests-${classes[i]//[^A-Za-z0-9_]/_}" "${classes[i]}" "$((i % gpus))" & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     cat "$out"/gpu-tests-*-summary.txt ;;
