@@ -132,7 +132,27 @@ ATTENTION = ("attn.hook_attn_scores", "attn.hook_pattern")
 # Read, never edited (the module refuses edits of them): the router's choice (vLLM's fused mixture of experts routes
 # inside its kernel), and the attention matrices (its kernels never read them).
 READ_ONLY = ("hook_expert_weights", "hook_expert_indices", *ATTENTION)  # (mlp.* and moe.*)
+LATENT_READ_ONLY = ("attn.hook_k", "attn.hook_v")  # and these under multi-head latent attention (vLLM never holds them)
+
+
+def read_only(name: str, family: str) -> bool:
+    """Whether the module refuses edits of the hook on the family."""
+    return name.endswith(READ_ONLY) or tlh.FAMILIES[family].latent_attention and name.endswith(LATENT_READ_ONLY)
 UNSEEN = -1e30  # below: a key the query does not see
+# Multi-head latent attention (tlh._Family.latent_attention): TransformerLens 4.3's bridge fires hook_q, hook_k and
+# hook_v heads first, [batch, heads, pos, d_head], compared here position by position; and it splits hook_z, the
+# output projection's input [batch, pos, n_heads * v_head_dim], into heads of qk_rope_head_dim, not v_head_dim (its
+# exemption for latent attention in conversion_dims reads an attribute set in forward alone), compared here as the
+# module's [n_heads, v_head_dim], the same numbers in the same order.
+HEADS_FIRST = ("attn.hook_q", "attn.hook_k", "attn.hook_v")
+
+
+def latent_rows(config) -> dict[str, tuple[int, ...]]:
+    """Under multi-head latent attention, the row shapes of hook_z and of the attention matrices' kept rows (each
+    head's query and key), from the transformers config."""
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    return {"attn.hook_z": (config.num_attention_heads, config.v_head_dim),
+            **dict.fromkeys(ATTENTION, (2 * config.num_attention_heads, qk))}
 # A query-key dot product's relative error is not bounded by its inputs' where it cancels (query 0 sees one key: in
 # bf16, Mixtral's score there, near 0, came 32 % off). Under a row bound (PerRow, the bf16 checks) each row of
 # attention scores is measured against the larger of its norm and the request's mean row norm; a wrong scale, softcap
@@ -157,10 +177,10 @@ ATTENTION_LOOSER = {"bloom": 5e-3}
 
 
 def family_tolerance(family: str):
-    """TOLERANCE, BF16_GATED_DELTANET for a family vLLM's CPU runs in bf16 alone, or for the families of LOOSER_FROM a
+    """TOLERANCE, BF16_ALONE_ON_CPU for a family vLLM's CPU runs in bf16 alone, or for the families of LOOSER_FROM a
     function of the hook name."""
     if tools._TINY_MODELS[family].bfloat16:
-        return BF16_GATED_DELTANET
+        return BF16_ALONE_ON_CPU
     if family not in LOOSER_FROM:
         return TOLERANCE
     looser, first = LOOSER_FROM[family]
@@ -174,16 +194,21 @@ def family_tolerance(family: str):
     return tolerance
 
 
-# vLLM computes Llama 4's NoPE-layer attention temperature only with a context past 32k
-# tokens, or when asked (transformers always does).
-FAMILY_ENGINE_ARGUMENTS = {
-    "llama4": dict(override_generation_config={"attn_temperature_tuning": True}),
-    # vLLM's CPU runs these in bf16 alone; their tiny models' weights are bf16's values (tools._TinyModel.bfloat16)
-    **{family: dict(dtype="bfloat16") for family, tiny in tools._TINY_MODELS.items() if tiny.bfloat16},
-    # vLLM's rotary in torch, not its CPU kernel, which mis-rotates these families' 3-D q and k (tlh._Family.rotary_3d)
-    **{family: dict(compilation_config={"custom_ops": ["-rotary_embedding"]})
-       for family, record in tlh.FAMILIES.items() if record.rotary_3d},
-}
+def family_engine_arguments(family: str) -> dict:
+    """The engine arguments a family's tests start it with, beside engine()'s own."""
+    record, arguments = tlh.FAMILIES[family], {}
+    if family == "llama4":  # vLLM computes its NoPE-layer attention temperature only past 32k tokens, or when asked
+        arguments.update(override_generation_config={"attn_temperature_tuning": True})
+    if tools._TINY_MODELS[family].bfloat16:  # vLLM's CPU runs it in bf16 alone, on bf16's values (see _TinyModel)
+        arguments.update(dtype="bfloat16")
+    if record.rotary_3d:  # vLLM's rotary in torch, not its CPU kernel, which mis-rotates 3-D q and k
+        arguments.update(compilation_config={"custom_ops": ["-rotary_embedding"]})
+    if record.latent_attention:  # vLLM's CPU turns chunked prefill off for it, and schedules up to 2048 tokens a step
+        arguments.update(rows=LATENT_ROWS)
+    return arguments
+
+
+LATENT_ROWS = 2048
 
 
 # --- models and the references -----------------------------------------------------------
@@ -257,14 +282,18 @@ class Model:
         if self._expected is None:
             with torch.no_grad():
                 _logits, cache = self.bridge.run_with_cache(torch.tensor([PROMPT[:8]]))
-            refused = tlh.FAMILIES[self.family].refused
+            refused, latent = tlh.FAMILIES[self.family].refused, tlh.FAMILIES[self.family].latent_attention
             found = {}
             for name, tensor in cache.items():
                 site = site_of(name)
                 if site is not None and site not in refused:
                     rows = tensor if tensor.shape[0] == 8 else tensor[0]  # (a router's and OPT's ln2 drop the batch)
                     found[name] = tuple(rows.shape[1:])
-                    if name.endswith(ATTENTION):  # kept as each token's query and key heads, [heads + kv heads, d_head]
+                    if latent and name.endswith(HEADS_FIRST):
+                        found[name] = tuple(rows.transpose(0, 1).shape[1:])
+                    elif latent and name.endswith(tuple(latent_rows(self.hf.config))):
+                        found[name] = latent_rows(self.hf.config)[name.split(".", 2)[2]]
+                    elif name.endswith(ATTENTION):  # each token's query and key heads, [heads + kv heads, d_head]
                         layer = name.split(".")[1]
                         keys = cache[f"blocks.{layer}.attn.hook_k"].shape[-2]
                         found[name] = (tensor.shape[1] + keys, cache[f"blocks.{layer}.attn.hook_z"].shape[-1])
@@ -299,13 +328,21 @@ class Model:
         captured = {}
         following = self.following(routes)
 
+        latent = tlh.FAMILIES[self.family].latent_attention
+
         def make_hook(name):
             def hook(tensor, hook):
                 flat = tensor.dim() == 2 and tensor.shape[0] == len(token_ids)  # OPT's MLP drops the batch
                 rows = tensor if flat else tensor[0]
+                heads_first, z = latent and name.endswith(HEADS_FIRST), latent and name.endswith("attn.hook_z")
+                shape = rows.shape
+                if heads_first or z:  # (see HEADS_FIRST)
+                    rows = rows.transpose(0, 1) if heads_first else rows.reshape(len(rows), *latent_rows(
+                        self.hf.config)["attn.hook_z"])
                 if name in edits:  # an edit, or a function of the rows (an SAE feature edit)
                     rows = edits[name](rows) if callable(edits[name]) else apply_edit(rows, edits[name])
                 captured[name] = rows.clone()
+                rows = rows.transpose(0, 1) if heads_first else rows.reshape(shape)
                 return rows if flat else rows[None]
 
             return hook
@@ -324,24 +361,33 @@ class Model:
     def _follow(self, layer: int, indices: torch.Tensor, weights: torch.Tensor) -> list:
         """run_with_hooks' hooks that make layer's router follow the engine's choice (see reference). The bridge's
         router fires its logits, then its weights scattered over the experts (whose top k it routes by, once edited),
-        then its indices."""
+        then its indices. Where the router chooses by sigmoid scores plus a correction bias (GLM's), its experts are
+        ranked, and their gaps measured, by that choice score, as the engine orders its indices."""
         seen = {}
+        router = getattr(self.hf.get_decoder().layers[layer].mlp, "gate", None)
+        bias = getattr(router, "e_score_correction_bias", None)
 
         def logits(tensor, hook):
-            seen["logits"] = tensor.reshape(-1, tensor.shape[-1])
+            rows = tensor.reshape(-1, tensor.shape[-1]).float()
+            seen["choice"] = rows if bias is None else rows.sigmoid() + bias.float()
 
         def follow_weights(tensor, hook):
             rows = tensor.reshape(-1, tensor.shape[-1])
             mine = rows.topk(indices.shape[-1], dim=-1).indices[: len(indices)]
+            choice = seen["choice"][: len(mine)]
+            mine = mine.gather(1, choice.gather(1, mine).argsort(dim=-1, descending=True))  # by choice, highest first
             engine = indices.to(mine.device)
             where = seen["where"] = (mine != engine).any(-1) & (engine >= 0).all(-1)  # (-1: a row the engine kept not)
-            record_followed(self.routing, seen["logits"][: len(where)], mine, indices.to(mine.device), where, len(where))
+            groups = getattr(self.hf.config, "n_group", None) or 1 if bias is not None else 1
+            record_followed(self.routing, choice[: len(where)], mine, engine, where, len(where), groups)
             rows = rows.clone()
             rows[: len(where)][where] = weights[where].to(rows.dtype)
             return rows.view_as(tensor)
 
         def follow_indices(tensor, hook):
-            rows = tensor.reshape(-1, tensor.shape[-1]).clone()
+            rows = tensor.reshape(-1, tensor.shape[-1])
+            # (transformers' top k of GLM's router is unsorted, torch.topk(sorted=False): put in choice order)
+            rows = rows.gather(1, seen["choice"][: len(rows)].gather(1, rows.long()).argsort(dim=-1, descending=True))
             rows[: len(seen["where"])][seen["where"]] = indices[seen["where"]].to(rows.dtype)
             return rows.view_as(tensor)
 
@@ -495,15 +541,25 @@ TRANSFORMERS_TAPS = {
 }
 
 
-def record_followed(routing: dict, logits, own, engine, differs, choices: int) -> None:
+def record_followed(routing: dict, logits, own, engine, differs, choices: int, groups: int = 1) -> None:
     """Both references' account of following an engine's routing: choices seen, tokens followed (differs, bool
     [tokens]), and the widest router-logit gap between their own experts and the engine's, rank by rank (own and
-    engine: int [tokens, top_k]; logits [tokens, experts])."""
+    engine: int [tokens, top_k]; logits [tokens, experts], or the scores the router chooses by). groups: where the
+    router chooses among the best of that many groups of experts, each scored by its two best (GLM's), a token whose
+    experts come from other groups is measured by the gap between those groups' scores, which decided it."""
     routing["choices"] += choices
     routing["followed"] += int(differs.sum())
     if differs.any():
-        gap = logits[differs].gather(1, own[differs]) - logits[differs].gather(1, engine[differs])
-        routing["gap"] = max(routing["gap"], float(gap.abs().max()))
+        scores, own, engine = logits[differs], own[differs], engine[differs]
+        gap = (scores.gather(1, own) - scores.gather(1, engine)).abs().amax(-1)
+        if groups > 1:
+            size = scores.shape[1] // groups
+            group_scores = scores.view(len(scores), groups, size).topk(2, dim=-1).values.sum(-1)
+            own_groups, engine_groups = ((experts // size).sort(-1).values for experts in (own, engine))
+            other = (own_groups != engine_groups).any(-1)
+            group_gap = (group_scores.gather(1, own_groups) - group_scores.gather(1, engine_groups)).abs().amax(-1)
+            gap = torch.where(other, group_gap, gap)
+        routing["gap"] = max(routing["gap"], float(gap.max()))
 
 
 def transformers_sites(family: str) -> tuple[str, ...]:
@@ -889,6 +945,7 @@ def engine(
     sae_top_k=64,
     sae_chosen_features=0,
     attention_heads=None,
+    rows=MAX_TOKENS_PER_FORWARD,
     **llm_kwargs,
 ):
     """An LLM with hooks on every layer's `sites` (default: all the family has); shut down
@@ -898,7 +955,7 @@ def engine(
     specs = tlh.capture_specs(model.hf.config, sites=sites or model.classic_sites)
     config = tlh.configure(
         specs,
-        MAX_TOKENS_PER_FORWARD,
+        rows,
         getattr(torch, dtype),
         enable_batching=batching,
         enable_position_interventions=positions,
@@ -1624,14 +1681,14 @@ def hook_shapes(llm) -> dict[str, tuple[int, ...]]:
     return {name: llm.config.row_shape(name) for name in llm.hook_names}
 
 
-def site_edits(specs: dict[str, tuple[int, ...]]) -> dict[str, dict]:
-    """One edit at each site of ``specs`` ({hook name: row shape}; layer 1 for layer sites).
+def site_edits(specs: dict[str, tuple[int, ...]], family: str) -> dict[str, dict]:
+    """One edit at each editable site of ``specs`` ({hook name: row shape} of the family; layer 1 for layer sites).
     The ops cycle, so every op meets several kinds of tap; vector values take the row's
     shape ([n_heads, d_head] at attn_z: heads 0 and 1 differently)."""
     specs = {
         name: shape
         for name, shape in specs.items()
-        if (not name.startswith("blocks.") or name.startswith("blocks.1.")) and not name.endswith(READ_ONLY)
+        if (not name.startswith("blocks.") or name.startswith("blocks.1.")) and not read_only(name, family)
     }
     edits = {}
     for n, (name, shape) in enumerate(specs.items()):
@@ -1653,7 +1710,7 @@ def site_edits(specs: dict[str, tuple[int, ...]]) -> dict[str, dict]:
 def check_every_site_edit(llm, model: Model, baseline: dict, reference=None, tolerance=TOLERANCE) -> None:
     """One-prompt flavour: each site's edit, alone, against the reference (default
     TransformerLens) with the same edit; the edited hook's own rows must move."""
-    for hook, edit in site_edits(hook_shapes(llm)).items():
+    for hook, edit in site_edits(hook_shapes(llm), model.family).items():
         tlh.set_edits(llm, {hook: edit})
         try:
             edited = capture(llm, PROMPT)
@@ -1670,7 +1727,7 @@ def check_every_site_edit(llm, model: Model, baseline: dict, reference=None, tol
 def check_every_site_edit_per_request(llm, model: Model, reference=None, tolerance=TOLERANCE) -> float:
     """Batched flavour: one generate, one request per site carrying that site's edit, and a
     300-token prompt (chunked prefill) editing the last site."""
-    edits = site_edits(hook_shapes(llm))
+    edits = site_edits(hook_shapes(llm), model.family)
     requests = [([(3 * i + 5 * n) % 512 for i in range(12 + 7 * n)], "all", {hook: edit})
                 for n, (hook, edit) in enumerate(edits.items())]
     requests.append((BATCH[1], "all", dict([list(edits.items())[-1]])))
@@ -1701,7 +1758,7 @@ def family_llm(request, models):
     model = models[family]
     in_process, eager = family not in SEPARATE_FAMILIES, family not in COMPILED_FAMILIES
     with engine(model, sites=model.sites, in_process=in_process, eager=eager, batching=True,
-                **FAMILY_ENGINE_ARGUMENTS.get(family, {})) as llm:
+                **family_engine_arguments(family)) as llm:
         llm.model = model
         llm.tolerance = family_tolerance(family)
         yield llm
@@ -1722,6 +1779,9 @@ class TestFamilies:
         llm = family_llm
         worst = check_every_site_edit_per_request(llm, llm.model, tolerance=llm.tolerance)
         print(f"\n{request.node.name}: worst relative error under an edit at each site {worst:.2e}")
+        for name in [name for name in llm.hook_names if read_only(name, llm.model.family)]:  # refused before it runs
+            with pytest.raises(ValueError, match=re.escape(name) + ".*read-only"):
+                generate(llm, [PROMPT], extra_args=[tlh.request_args(llm.config, "all", {name: {"op": "suppress"}})])
 
     def test_edits_of_one_layers_sites_compose_as_in_transformer_lens(self, family_llm):
         """One request editing every editable site of layer 1 at once: each edit sees the
@@ -1730,7 +1790,7 @@ class TestFamilies:
         edits = {
             name: {"op": "add", "value": 0.25 * torch.ones(shape)} if n % 2 else {"op": "scale", "value": 1.5}
             for n, (name, shape) in enumerate(hook_shapes(llm).items())
-            if name.startswith("blocks.1.") and not name.endswith(READ_ONLY)
+            if name.startswith("blocks.1.") and not read_only(name, llm.model.family)
         }
         check_per_request(llm, llm.model, [(BATCH[2], "all", edits)], tolerance=llm.tolerance)
 
@@ -1816,7 +1876,7 @@ def check_shorthand(rows, cache, model: Model, tolerance) -> None:
 @pytest.fixture(scope="class", params=ONE_PROMPT_ENGINE_FAMILIES)
 def one_prompt_flavour_llm(request, models):
     model = models[request.param]
-    with engine(model, sites=model.sites, in_process=True, eager=True, **FAMILY_ENGINE_ARGUMENTS.get(request.param, {})) as llm:
+    with engine(model, sites=model.sites, in_process=True, eager=True, **family_engine_arguments(request.param)) as llm:
         llm.model = model
         llm.tolerance = family_tolerance(request.param)
         yield llm
@@ -1916,7 +1976,7 @@ def test_transformers_taps_read_what_transformer_lens_reads(models, family):
     assert transformers_sites(family) == model.sites, "TRANSFORMERS_TAPS must place every site the bridge runs"
     names = list(model.expected)
     transformers_reference = TransformersReference(family, model.hf)
-    for hook, edit in [(None, None), *site_edits(model.expected).items()]:
+    for hook, edit in [(None, None), *site_edits(model.expected, family).items()]:
         edits = {hook: edit} if hook else {}
         expected = model.reference(PROMPT, names, edits)
         assert_matches(transformers_reference.reference(PROMPT, names, edits), expected, f"{family} {hook} {edit}")
@@ -3372,7 +3432,7 @@ def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_
     oracle = SAEOracle(sae_lens_python, model, tmp_path, kinds)
     edit = {features(mixing): {"op": "scale", "features": fired(oracle, mixing, 3), "value": 4.0}}
     with engine(model, sites=("resid_post",), in_process=True, eager=True, batching=True, saes=oracle.saes(),
-                sae_top_k=SAE_TOP_K, **FAMILY_ENGINE_ARGUMENTS.get(family, {})) as llm:
+                sae_top_k=SAE_TOP_K, **family_engine_arguments(family)) as llm:
         extra = [None, tlh.request_args(llm.config, edits=edit), None]
         outputs = generate(llm, SAE_PROMPTS, 1, extra)
         read = tlh.read_batched(llm, [o.request_id for o in outputs])
@@ -3784,8 +3844,10 @@ BF16_TOLERANCE = PerRow(1e-1)
 # 8.7e-2 (against the typical row, see TYPICAL_ROWS), where the bridge's own bf16 run is up to 5.9e-2 and 1.3e-1 off
 # its fp32 run (2026-12-05, TestFamilies' requests, edits included): the delta rule carries bf16's rounding from token
 # to token. Every row of the six records (multimodal ones' text models), both flavours, edits included: within 1.0e-1
-# (Qwen 3.5 MoE's layer-2 mlp.hook_post; 2026-12-05). A semantic error is ~1 in the row it hits.
-BF16_GATED_DELTANET = PerRow(1.5e-1)
+# (Qwen 3.5 MoE's layer-2 mlp.hook_post; 2026-12-05). GLM-4.7-Flash's (multi-head latent attention, bf16 alone too;
+# 2026-12-05, every site, both flavours, edits included): whole hooks within 2.1e-2, rows within 5.3e-2, the reference
+# following 62 of 7,354 routings at choice-score gaps up to 1.6e-2. A semantic error is ~1 in the row it hits.
+BF16_ALONE_ON_CPU = PerRow(1.5e-1)
 
 
 def report(name: str, worst: float) -> None:

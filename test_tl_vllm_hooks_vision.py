@@ -35,7 +35,7 @@ TEXT_FAMILY = {"gemma4_mm": "gemma4", "gemma4_unified": "gemma4", "llama4_mm": "
 
 def engine_arguments(family: str) -> dict:
     text_only = TEXT_ONLY if family in MULTIMODAL else {}
-    return {**text_only, **base.FAMILY_ENGINE_ARGUMENTS.get(TEXT_FAMILY.get(family, family), {})}
+    return {**text_only, **base.family_engine_arguments(TEXT_FAMILY.get(family, family))}
 
 
 def tolerance(family: str):

@@ -102,6 +102,7 @@ SITES = {
     "resid_pre": "blocks.{i}.hook_resid_pre", "ln1_scale": "blocks.{i}.ln1.hook_scale",
     "ln1": "blocks.{i}.ln1.hook_normalized",
     "block_norm_scale": "blocks.{i}.norm.hook_scale", "block_norm": "blocks.{i}.norm.hook_normalized",
+    "attn_q_latent": "blocks.{i}.attn.hook_q_latent", "attn_kv_latent": "blocks.{i}.attn.hook_kv_latent",
     "attn_q": "blocks.{i}.attn.hook_q", "attn_k": "blocks.{i}.attn.hook_k", "attn_v": "blocks.{i}.attn.hook_v",
     "attn_rot_q": "blocks.{i}.attn.hook_rot_q", "attn_rot_k": "blocks.{i}.attn.hook_rot_k",
     "attn_scores": "blocks.{i}.attn.hook_attn_scores", "pattern": "blocks.{i}.attn.hook_pattern",
@@ -140,7 +141,13 @@ d_head]`` at attn_q (``[2 * n_heads, d_head]`` where the query projection gives 
 3.5's), attn_rot_q and attn_z (per head, the output projection's input), ``[n_kv_heads, d_head]`` at attn_k, attn_v and
 attn_rot_k (q and k before rotary, then after it); attn_scores and pattern keep per token the query and key vLLM's
 attention receives, ``[n_heads + n_kv_heads, d_head]``, from which reads rebuild TransformerLens's ``[n_heads, queries,
-keys]`` (see _attention_rows; read-only); ``[d_mlp]`` at mlp_pre, mlp_pre_linear and mlp_post on dense MLPs (the
+keys]`` (see _attention_rows; read-only). Multi-head latent attention (DeepSeek's) has attn_q_latent ``[q_lora_rank]``
+and attn_kv_latent ``[kv_lora_rank]``, the normed latents the query and the keys and values are projected up from;
+there attn_q and attn_k are ``[n_heads, qk_nope_head_dim + qk_rope_head_dim]``, each head's part without rotary, then
+its rotary part after rotary (as attn_rot_q, ``[n_heads, qk_rope_head_dim]``, and attn_rot_k, ``[1, qk_rope_head_dim]``,
+the one rotary key all heads share), attn_v and attn_z ``[n_heads, v_head_dim]``; attn_k and attn_v are computed from
+the latent (vLLM's decode never projects them up; read-only), and attn_scores and pattern keep ``[2 * n_heads,
+qk_nope_head_dim + qk_rope_head_dim]``; ``[d_mlp]`` at mlp_pre, mlp_pre_linear and mlp_post on dense MLPs (the
 activation's input, its gate on gated ones; a gated MLP's linear (up) projection; the down projection's input); on
 mixture-of-experts layers mlp_pre and mlp_post are the block's input and output, and the router's choice is
 expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen) and expert_indices ``[top_k]`` (highest weight
@@ -193,6 +200,7 @@ _NORM_SCALE = "norm_scale"  # a norm's divisor; an edit reaches its output as in
 _NORMALIZED = "normalized"  # a norm's input (or sum of two) normalized; an edit reaches it as edited * weight + bias
 _ROUTER = "router"  # a mixture of experts' choice per token, from its router's logits (read-only)
 _QUERY_KEY = "query_key"  # the query and key vLLM's attention receives, side by side (read-only)
+_LATENT = "latent"  # a part of what vLLM's multi-head latent attention receives (q, the latent, the rotary key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +214,8 @@ class _Tap:
     part: the site's columns of the tensor: ``q``, ``k`` or ``v``, those heads of a fused qkv projection's output
         (``kv``: k's, where V holds K too, and an edit of K is written into V);
         ``gate`` and ``up``, the first and second half of a gated activation's input; for _ROUTER, ``indices``
-        (top-k experts) or ``weights`` (over all experts).
+        (top-k experts) or ``weights`` (over all experts); for _LATENT, ``q``, ``rot_q`` or ``rot_k`` (its inputs),
+        ``k`` or ``v`` (computed from the latent), ``qk`` (query and key side by side, as _QUERY_KEY keeps them).
     multiplier: a config attribute the module's output is multiplied by where the branch joins the stream (Granite's
         residual_multiplier): the product is TransformerLens's tensor and carries the edit; for an input, the one it
         was multiplied by on its way in (Falcon-H1's ssm_in_multiplier): the quotient is TransformerLens's tensor, and
@@ -237,6 +246,7 @@ _X_INPUT = (("x", 0),)  # vLLM's norms
 _TORCH_NORM_INPUT = (("input", 0),)  # torch.nn.LayerNorm
 _LINEAR_INPUT = (("input_", 0),)  # vLLM's RowParallelLinear
 _QUERY, _KEY = (("query", 0),), (("key", 1),)  # vLLM's Attention(query, key, value)
+_LATENT_INPUTS = (("q", 0), ("kv_c_normed", 1), ("k_pe", 2))  # vLLM's MLAAttention(q, kv_c_normed, k_pe)
 
 _MOE_LAYERS = {  # the config attribute that says which layers hold the experts (the others a dense MLP) -> whether i does
     "every": lambda config, i: True,
@@ -306,9 +316,14 @@ class _Family:
     qk_halves: vLLM reorders each head of q and k at load, rotary's pairs of columns (interleaved in the checkpoint)
         into two halves (Llama 4's), which hook_q and hook_k put back. query_gate: the query projection gives each
         head's query, then its output gate (Qwen 3.5's), which hook_q keeps together, ``[2 * n_heads, d_head]``.
-        rotary_3d: vLLM's attention hands its rotary embedding q and k as ``[tokens, heads, d_head]``, which vLLM's
-        CPU kernel (RotaryEmbedding.forward_cpu) rotates as if each head were a token (LFM2's, after its per-head q
-        and k norms): refused where the engine runs that kernel.
+        latent_attention: multi-head latent attention (DeepSeek's, vLLM's MultiHeadLatentAttentionWrapper): the
+        attention's q_a_layernorm and kv_a_layernorm give the latents, its ``.mla_attn.mla_attn`` receives q (after
+        rotary), the latent and the rotary key; where the config's rope_interleave is set, vLLM rotates each pair of
+        columns in place and transformers puts them in two halves, which the rotary columns of hook_q, hook_k,
+        hook_rot_q and hook_rot_k put back. rotary_3d: vLLM's attention hands its rotary embedding q and k as
+        ``[tokens, heads, d_head]``, which vLLM's CPU kernel (RotaryEmbedding.forward_cpu) rotates as if each head
+        were a token (LFM2's, after its per-head q and k norms; latent attention's q): refused where the engine runs
+        that kernel.
     kv_shared: the config attribute that says how many last layers reuse earlier layers' keys and values: their
         attention projects q alone (``.q_proj``) and has no hook_k or hook_v, and their MLP is twice as wide where
         the config's use_double_wide_mlp says (Gemma 4's). k_as_v: the config attribute that says full-attention
@@ -371,6 +386,7 @@ class _Family:
     qk_halves: bool = False
     query_gate: bool = False
     rotary_3d: bool = False
+    latent_attention: bool = False
     kv_shared: str = ""
     k_as_v: str = ""
     text_prefix: str = ""
@@ -545,6 +561,10 @@ FAMILIES = {family.name: family for family in (
     _Family("glm4_moe", "Glm4MoeForCausalLM",
             moe=_MoE(layers="first_k_dense_replace", scoring="sigmoid", correction_bias="e_score_correction_bias",
                      groups=True, scale="routed_scaling_factor")),
+    # GLM-4.7-Flash: GLM-4.5's mixture of experts under multi-head latent attention.
+    _Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", latent_attention=True, rotary_3d=True,
+            moe=_MoE(layers="first_k_dense_replace", scoring="sigmoid", correction_bias="e_score_correction_bias",
+                     groups=True, scale="routed_scaling_factor")),
     # ERNIE 4.5 MoE: dense and MoE layers; TransformerLens names no expert hooks here.
     _Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", moe=_MoE(router="", layers="moe_layer_interval")),
     # AFMoE: a norm before and after each branch; no rotary or expert hooks in TransformerLens.
@@ -681,9 +701,10 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                     "scoring only, not its sigmoid routing (AssertionError: assert self.scoring_func == 'softmax')"),
     "HrmTextForCausalLM": "TransformerLens names its layers L_blocks and H_blocks and runs each several times a "
                           "forward, keeping the last; vLLM's prefill attends both ways over the prompt",
-    **dict.fromkeys(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"),
-                    "multi-head latent attention (vLLM never holds per-head keys and values); vLLM 0.32's CPU "
-                    "rotary also mis-rotates its 3-D queries"),
+    **dict.fromkeys(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+                    "not yet described: its multi-head latent attention is GLM-4.7-Flash's, but its mixture of "
+                    "experts is unchecked: vLLM's CPU runs it in bf16 alone, and TransformerLens 4.3's DeepSeek "
+                    "adapters run no expert hooks, so the reference cannot follow the engine's choice at near-ties"),
     "GlmMoeDsaForCausalLM": "sparse multi-head latent attention: 'Sparse Attention is not supported on CPU'",
     "DeepseekV4ForCausalLM": "compressed sparse attention with hyper-connection streams; vLLM 0.32 refuses its "
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",
@@ -797,6 +818,13 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         "attn_out": _Tap(at + f.post_norms[0], _OUTPUT) if f.post_norms
         else _Tap(attention, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
         **({
+            "attn_q_latent": _Tap(attention + ".q_a_layernorm", _OUTPUT) if config.q_lora_rank else None,
+            "attn_kv_latent": _Tap(attention + ".kv_a_layernorm", _OUTPUT),
+            **{site: _Tap(attention + ".mla_attn.mla_attn", _LATENT, _LATENT_INPUTS, part=part) for site, part in (
+                ("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v"), ("attn_rot_q", "rot_q"), ("attn_rot_k", "rot_k"),
+                ("attn_scores", "qk"), ("pattern", "qk"))},
+        } if f.latent_attention else {}),
+        **({
             "linear_attn_in": _Tap(at + f.linear_attention, _INPUT, _HIDDEN_INPUT),
             "linear_attn_out": _Tap(at + f.linear_attention, _OUTPUT),
         } if f.linear_attention else {}),
@@ -843,8 +871,8 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     }
 
 
-_ATTENTION_SITES = ("attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k", "attn_scores", "pattern", "attn_z",
-                    "attn_out")
+_ATTENTION_SITES = ("attn_q_latent", "attn_kv_latent", "attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k",
+                    "attn_scores", "pattern", "attn_z", "attn_out")
 _LINEAR_SITES = ("linear_attn_in", "linear_attn_out")
 _CONV_SITES = ("conv_in", "conv_in_proj", "conv_gated", "conv_out")
 _MIXER_SITES = ("mixer_in", "mixer_in_proj", "mixer_norm_in", "mixer_norm_gate", "mixer_norm", "mixer_out")
@@ -907,6 +935,12 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
     shapes.update(attn_scores=(q[0] + kv[0], d_head), pattern=(q[0] + kv[0], d_head))
     shapes.update(mlp_pre=mlp, mlp_pre_linear=mlp, mlp_post=mlp, ln1_scale=(1,), ln2_scale=(1,), final_norm_scale=(1,))
     shapes.update(conv_in_proj=(3 * d_model,))
+    if family.latent_attention:
+        qk, rope, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        shapes.update(attn_q_latent=(config.q_lora_rank or 0,), attn_kv_latent=(config.kv_lora_rank,),
+                      attn_q=(n_heads, qk), attn_k=(n_heads, qk), attn_v=(n_heads, v), attn_rot_q=(n_heads, rope),
+                      attn_rot_k=(1, rope), attn_z=(n_heads, v), attn_scores=(2 * n_heads, qk),
+                      pattern=(2 * n_heads, qk))
     if getattr(config, "shared_intermediate_size", None):  # Granite 4.0's shared MLP
         shared = (config.shared_intermediate_size,)
         shapes.update(shared_mlp_pre=shared, shared_mlp_pre_linear=shared, shared_mlp_post=shared)
@@ -1398,6 +1432,19 @@ def _check_hook_name(name: Any, config: CaptureConfig) -> None:
         raise ValueError(f"edits: {name!r} is read-only: {_READ_ONLY_SITES[site]}")
 
 
+def _check_editable(names: Any, hf_config: Any) -> None:
+    """ValueError for an edit of multi-head latent attention's keys or values (the model's, whose checkpoint config
+    is hf_config), which vLLM never holds."""
+    for name in names:
+        site = (parse_hook_name(name) or ("",))[0]
+        if site in ("attn_k", "attn_v") and _family(hf_config).latent_attention:
+            raise ValueError(
+                f"edits: {name!r} is read-only: multi-head latent attention attends from the cached latent, and vLLM's "
+                "decode never projects it up to per-head keys and values (the hook computes them); edit the latent "
+                "(attn.hook_kv_latent) or the rotary key (attn.hook_rot_k) instead"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class _RequestOptions:
     """One request's options (see request_args), checked against its engine's config.
@@ -1711,6 +1758,7 @@ def register() -> None:
         options = _request_options(getattr(params, "extra_args", None), payload)
         request = take_inputs(self, request_id, prompt, params, *args, **kwargs)
         if options is not None:
+            _check_editable(options.edits, self.vllm_config.model_config.hf_config)
             _keep_apart_in_prefix_cache(request, options)
         _refuse_large_attention(request, options, _config_from_json(payload))
         return request
@@ -2003,6 +2051,11 @@ def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int, ranks
             f"{tap.module}: attention patterns are rebuilt from every head's query and key, which tensor parallelism "
             "splits across ranks; read them with tensor_parallel_size=1"
         )
+    if tap.kind == _LATENT:
+        raise ValueError(
+            f"{tap.module}: multi-head latent attention's query, key and value hooks are placed with "
+            "tensor_parallel_size=1 alone (its latents, attn.hook_q_latent and hook_kv_latent, under any)"
+        )
     if tap.kind == _OUTPUT and any(
         type(linear).__name__ == "RowParallelLinear" and not linear.reduce_results
         for linear in (module, *module.children())
@@ -2042,10 +2095,11 @@ def _attention_facts(attention: torch.nn.Module) -> dict[str, Any]:
     none); sinks, a logit per head (or None); alibi, a slope per head (or None)."""
     impl = attention.impl
     sinks, slopes = getattr(impl, "sinks", None), getattr(impl, "alibi_slopes", None)
+    latent = hasattr(attention, "kv_lora_rank")  # multi-head latent attention: a key per head (see _latent_hooks)
     return {
         "heads": attention.num_heads,
-        "kv_heads": attention.num_kv_heads,
-        "head_size": attention.head_size,
+        "kv_heads": attention.num_heads if latent else attention.num_kv_heads,
+        "head_size": attention.qk_head_dim if latent else attention.head_size,
         "scale": float(impl.scale),
         "softcap": float(getattr(impl, "logits_soft_cap", None) or 0),
         "window": int(attention.sliding_window or 0),
@@ -2201,6 +2255,7 @@ class _HookState:
         _refuse_prefix_caching(self.prefix_caching, self.config, edits)
         for name in edits:
             _check_hook_name(name, self.config)
+        _check_editable(edits, self.checkpoint_config)
         tables = {name: _engine_wide_tables(edit, name, self.config) for name, edit in edits.items()}
         for name, target in self.targets.items():  # every edit checked (on every rank) before any table changes
             target.set_engine_wide(tables.get(name))
@@ -2354,7 +2409,10 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
             d_head = row_shape[-1]
             order = torch.arange(columns).view(-1, d_head // 2, 2).transpose(1, 2).reshape(-1)
             order = torch.argsort(order)
-        attention = _attention_facts(module) if tap.kind == _QUERY_KEY else None
+        interleaved = getattr(text_config, "rope_interleave", False)
+        if tap.kind == _LATENT and tap.part in ("q", "k", "rot_q", "rot_k") and interleaved:
+            order = _latent_order(text_config, row_shape, tap.part)
+        attention = _attention_facts(module) if tap.kind == _QUERY_KEY or tap.part == "qk" else None
         if attention is not None:
             chosen = attention["chosen"] = list(config.attention_heads.get(name, ())) or None
             if chosen and max(chosen) >= attention["heads"]:
@@ -2372,6 +2430,15 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
                 f"outputs rows of {output_width}"
             )
     return placed, absent
+
+
+def _latent_order(config: Any, row_shape: tuple[int, ...], part: str) -> torch.Tensor:
+    """vLLM's column of each of TransformerLens's in a row of multi-head latent attention's ``part`` (see
+    _Family.latent_attention): in each head's rotary columns TransformerLens's column h * rope / 2 + a is vLLM's
+    2a + h; its other columns (nope, before them in q and k) are where they are."""
+    rope, nope = config.qk_rope_head_dim, 0 if part.startswith("rot") else config.qk_nope_head_dim
+    head = torch.cat([torch.arange(nope), nope + torch.arange(rope).view(rope // 2, 2).t().reshape(-1)])
+    return (head + torch.arange(row_shape[0])[:, None] * row_shape[1]).reshape(-1)
 
 
 def _resolve_module(model: torch.nn.Module, modules: dict, path: str) -> torch.nn.Module | None:
@@ -2567,13 +2634,15 @@ class _Hook(_EditTables):
         found = [kwargs[n] if n in kwargs else args[at] if at < len(args) else None for n, at in self.tap.inputs]
         return found[0], found[1] if len(found) > 1 else None
 
-    def add(self, hook=None, pre_hook=None) -> None:
+    def add(self, hook=None, pre_hook=None, first=False) -> None:
+        """Register the hooks (first: the pre-hook before those already on the module)."""
         handles, module = self.state.handles, self.module
         if self.tap.direct:
             handles.append(_wrap_forward(module, pre_hook, hook))
             return
         if pre_hook is not None:
-            handles.append(module.register_forward_pre_hook(torch.no_grad()(pre_hook), with_kwargs=True))
+            pre_hook = torch.no_grad()(pre_hook)
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=first))
         if hook is not None:
             handles.append(module.register_forward_hook(torch.no_grad()(hook)))
 
@@ -2773,11 +2842,44 @@ def _query_key_hooks(site: _Hook) -> None:
     site.add(pre_hook=pre_hook)
 
 
+def _latent_hooks(site: _Hook) -> None:
+    """Multi-head latent attention's ``part`` (see _Tap.part) from what vLLM's MLAAttention receives: q ``[tokens,
+    heads, nope + rope]`` after rotary, the normed latent ``[tokens, kv_lora_rank]`` and the rotary key ``[tokens, 1,
+    rope]``. Each head's key is its part of the latent projected up by kv_b_proj beside the rotary key, its value the
+    rest of that projection: vLLM's prefill computes the same, its decode never (it attends in the latent). An edit of
+    q, rot_q or rot_k is what the attention receives; rot_q's and rot_k's pre-hooks run first, as TransformerLens fires
+    hook_rot_q and hook_rot_k before hook_q (a hook_q of rotary columns)."""
+    module, part, nope = site.module, site.tap.part, site.module.qk_nope_head_dim
+
+    def pre_hook(_module, args, kwargs):
+        query, latent, rotary_key = (kwargs[n] if n in kwargs else args[at] for n, at in site.tap.inputs)
+        tokens = query.shape[0]
+        if part in ("k", "v", "qk"):
+            up = module.kv_b_proj(latent)[0].view(tokens, module.num_heads, -1)  # (this rank's heads)
+            keys = torch.cat([up[..., :nope], rotary_key.view(tokens, 1, -1).expand(-1, module.num_heads, -1)], -1)
+            rows = {"k": keys, "v": up[..., nope:], "qk": torch.cat([query, keys], dim=1)}[part]
+            site.keep(rows.reshape(tokens, -1))
+            return None
+        target, argument = (rotary_key, "k_pe") if part == "rot_k" else (query, "q")
+        whole = target.reshape(tokens, -1, target.shape[-1])  # [tokens, heads, columns]
+        rows = (whole[..., nope:] if part == "rot_q" else whole).reshape(tokens, -1)
+        row_scale, row_bias = site.edit_of(rows)
+        edited = rows * row_scale + row_bias
+        site.steer(edited, edited)
+        site.keep(edited)
+        if part == "rot_q":
+            edited = torch.cat([whole[..., :nope], edited.view(tokens, whole.shape[1], -1)], dim=-1)
+        inputs = [(name, at) for name, at in site.tap.inputs if name == argument]
+        return _with_arguments(args, kwargs, inputs, [edited.view_as(target)])
+
+    site.add(pre_hook=pre_hook, first=part in ("rot_q", "rot_k"))
+
+
 # fmt: off
 _HOOK_BUILDERS = {  # tap kind -> the builder of its hooks
     _OUTPUT: _output_hooks, _OUTPUT_PAIR: _output_pair_hooks, _INPUT: _input_hooks, _INPUT_PAIR: _input_hooks,
     _NORM_INPUT: _norm_hooks, _NORM_SCALE: _norm_hooks, _NORMALIZED: _norm_hooks, _ROUTER: _router_hooks,
-    _QUERY_KEY: _query_key_hooks,
+    _QUERY_KEY: _query_key_hooks, _LATENT: _latent_hooks,
 }
 # fmt: on
 

@@ -905,6 +905,16 @@ _TINY_MODELS = {
              n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
              use_qk_norm=True, attention_bias=True, pad_token_id=0, eos_token_id=1),
         random_buffers=("e_score_correction_bias",)),
+    # GLM-4.7-Flash: vLLM's CPU attends with multi-head latent attention in bf16 alone, and only where the latent and
+    # the rotary key together are 576 wide (kv_lora_rank 512, qk_rope_head_dim 64, as released); vLLM reads the dense
+    # first layers from first_k_dense_replace, transformers from mlp_layer_types.
+    "glm4_moe_lite": _TinyModel(
+        dict(num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+             v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+             n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8, first_k_dense_replace=1,
+             mlp_layer_types=["dense", "sparse", "sparse"], tie_word_embeddings=False, pad_token_id=0,
+             eos_token_id=1),
+        random_buffers=("e_score_correction_bias",), bfloat16=True),
     # (vLLM 0.32's CPU router ignores ERNIE 4.5 MoE's correction bias, which stays at 0)
     "ernie4_5_moe": _TinyModel(dict(_KV1, num_hidden_layers=4, moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
                                     moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=3,
