@@ -348,15 +348,62 @@ class Model:
             return hook
 
         hooked = list(dict.fromkeys([*names, *edits]))  # an edited hook runs whether or not its rows are asked for
-        with torch.no_grad():
+        with torch.no_grad(), self.routers_following(routes):
             bridge.run_with_hooks(torch.tensor([token_ids]), fwd_hooks=following + [(n, make_hook(n)) for n in hooked],
                                   **inputs)
         return {name: captured[name] for name in names}
 
     def following(self, routes: dict | None) -> list:
-        """The hooks that make the routers follow routes (see reference), for run_with_hooks or the bridge's hooks()."""
-        return [hook for layer, (indices, weights) in (routes or {}).items()
-                for hook in self._follow(layer, indices, weights)]
+        """The hooks that make the routers follow routes of the engine's choice ({layer: (indices, weights)}, see
+        reference), for run_with_hooks or the bridge's hooks(); routes of its logits, under routers_following."""
+        return [hook for layer, route in (routes or {}).items() if not torch.is_tensor(route)
+                for hook in self._follow(layer, *route)]
+
+    @contextlib.contextmanager
+    def routers_following(self, routes: dict | None):
+        """For the block's length, transformers' routers inside the bridge follow routes of the engine's router logits
+        ({layer: logits [tokens, experts]}, NaN where the engine kept none; see engine_routes), where the bridge runs
+        no expert hooks (DeepSeek V3's, whose router chooses inside its own forward): by the family's rule (sigmoid
+        scores plus the correction bias, within the best groups) from its logits and from the engine's; where the
+        experts differ, the router returns the engine's experts, weighed from the engine's logits."""
+        handles = [self.bridge.blocks[layer].mlp.gate.original_component.register_forward_hook(
+            self._follow_logits(route)) for layer, route in (routes or {}).items() if torch.is_tensor(route)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _follow_logits(self, engine_logits: torch.Tensor):
+        config = self.hf.config
+
+        def choice(router, logits):
+            """(the scores chosen by [tokens, experts], the chosen experts [tokens, top_k]), by the router's rule."""
+            scores = logits.float().sigmoid() + router.e_score_correction_bias.float()
+            grouped = scores.view(len(scores), config.n_group, -1)
+            best = grouped.topk(2, dim=-1).values.sum(-1).topk(config.topk_group, dim=-1).indices
+            kept = torch.zeros_like(grouped[..., 0]).scatter(1, best, 1.0).bool().repeat_interleave(grouped.shape[-1], 1)
+            return scores, scores.masked_fill(~kept, float("-inf")).topk(config.num_experts_per_tok, dim=-1).indices
+
+        def follow(router, _inputs, output):
+            logits, weights, indices = output
+            count = min(len(logits), len(engine_logits))
+            engine_rows = engine_logits[:count].to(logits.device)
+            kept = ~engine_rows.isnan().any(-1)
+            scores = choice(router, logits[:count])[0]
+            engine = choice(router, engine_rows.nan_to_num())[1]
+            own = indices[:count]
+            where = kept & (own.sort(-1).values != engine.sort(-1).values).any(-1)
+            record_followed(self.routing, scores, own, engine, where, int(kept.sum()), config.n_group)
+            engine_weights = engine_rows.nan_to_num().float().sigmoid().gather(1, engine)
+            if config.norm_topk_prob:
+                engine_weights = engine_weights / (engine_weights.sum(-1, keepdim=True) + 1e-20)
+            weights, indices = weights.clone(), indices.clone()
+            weights[:count][where] = (engine_weights[where] * config.routed_scaling_factor).to(weights.dtype)
+            indices[:count][where] = engine[where].to(indices.dtype)
+            return logits, weights, indices
+
+        return follow
 
     def _follow(self, layer: int, indices: torch.Tensor, weights: torch.Tensor) -> list:
         """run_with_hooks' hooks that make layer's router follow the engine's choice (see reference). The bridge's
@@ -769,10 +816,15 @@ class TransformersReference:
 def engine_routes(reference, rows: dict, kept: list[int], length: int) -> dict:
     """reference.reference's routes where it follows a bf16 engine's routing: the engine's expert indices of a request
     (rows: its rows at the positions kept, of a sequence of length tokens), -1 at the others. A TransformersReference's
-    ({hook: indices}), and the bridge's on a family vLLM's CPU runs in bf16 alone ({layer: (indices, weights)}); {} for
-    the bridge on the others, which agree with it in fp32 at every token."""
+    ({hook: indices}), and the bridge's on a family vLLM's CPU runs in bf16 alone ({layer: (indices, weights)}, or
+    {layer: the router's logits} where the bridge runs no expert hooks, from the rows router_logits kept, which are
+    taken out of rows); {} for the bridge on the others, which agree with it in fp32 at every token."""
     routes = {}
     bf16_bridge = isinstance(reference, Model) and tools._TINY_MODELS[reference.family].bfloat16
+    for name in [name for name in rows if name.startswith(ROUTER_LOGITS)]:  # (taken out of rows: see router_logits)
+        logits = torch.full((length, rows[name].shape[-1]), float("nan"))
+        logits[kept] = rows.pop(name).float()
+        routes[int(name.removeprefix(ROUTER_LOGITS))] = logits
     for name, tensor in rows.items():
         if name.endswith("mlp.hook_expert_indices") and (bf16_bridge or isinstance(reference, TransformersReference)):
             indices = torch.full((length, tensor.shape[-1]), -1, dtype=torch.long)
@@ -892,6 +944,20 @@ def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TO
 # --- engines -----------------------------------------------------------------
 
 
+ROUTER_LOGITS = "router_logits."
+
+
+def router_logits(model) -> dict:
+    """For a family vLLM's CPU runs in bf16 alone whose bridge runs no expert hooks (DeepSeek V3's): each MoE layer's
+    router logits, as raw module specs ({ROUTER_LOGITS + layer: (module path, experts)}), kept beside the hooks so that
+    the reference can follow the engine's routing (engine_routes takes them out of the rows it reads)."""
+    record, config = tlh.FAMILIES[model.family], model.hf.config.get_text_config()
+    if not (tools._TINY_MODELS[model.family].bfloat16 and record.moe and not record.moe.router):
+        return {}
+    return {f"{ROUTER_LOGITS}{i}": (record.layer.format(i=i) + record.moe.block + ".gate", config.n_routed_experts)
+            for i in range(config.num_hidden_layers) if tlh._moe_layer(record, config, i)}
+
+
 def engine_arguments(dtype="float32"):
     """The LLM arguments of every test engine beside the config's llm_kwargs: few requests
     a step (with MAX_TOKENS_PER_FORWARD tokens, prompts are chunked and steps mix requests).
@@ -954,7 +1020,7 @@ def engine(
 
     specs = tlh.capture_specs(model.hf.config, sites=sites or model.classic_sites)
     config = tlh.configure(
-        specs,
+        {**specs, **router_logits(model)},
         rows,
         getattr(torch, dtype),
         enable_batching=batching,
@@ -1401,6 +1467,11 @@ def test_capture_specs_refuse_what_the_architecture_lacks():
     with pytest.raises(ValueError, match=r"Mamba2ForCausalLM with n_groups=2: .* describes Mamba2ForCausalLM with "
                        r"n_groups=1 only: .* TransformerLens's bridge computes them otherwise than vLLM"):
         tlh.capture_specs(mamba2)
+    deepseek_v3 = tools.tiny_config("deepseek_v3")
+    del deepseek_v3.scoring_func  # (vLLM then routes by softmax, without the correction bias transformers adds)
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM with scoring_func=None: .* describes "
+                       r"DeepseekV3ForCausalLM with scoring_func='sigmoid' only"):
+        tlh.capture_specs(deepseek_v3)
     zamba2 = tools.tiny_config("zamba2")  # a Mamba-2 layer, a hybrid one (the stream alone), a Mamba-2 layer
     no_mixer = re.escape("Zamba2ForCausalLM has no ['blocks.{i}.mixer.hook_out'] (layers [1])")
     with pytest.raises(ValueError, match=no_mixer):
@@ -1807,7 +1878,7 @@ def check_logit_lens(llm, model: Model, prompt: list[int], tolerance) -> None:
     output = generate(llm, [prompt])[0]
     rows = tlh.read_batched(llm, [output.request_id])[output.request_id]
     routes = engine_routes(model, rows, list(range(len(prompt))), len(prompt)).get("routes")
-    with torch.no_grad(), model.bridge.hooks(fwd_hooks=model.following(routes)):
+    with torch.no_grad(), model.bridge.hooks(fwd_hooks=model.following(routes)), model.routers_following(routes):
         logits, cache = model.bridge.run_with_cache(torch.tensor([prompt]))
         # (the bridge stacks no resid_mid where it calls blocks hybrid: Falcon-H1's attention beside a Mamba mixer)
         lens = logit_lens(cache, positions=None, incl_mid="resid_mid" in model.sites and not hybrid_block_types(
@@ -3844,9 +3915,10 @@ BF16_TOLERANCE = PerRow(1e-1)
 # 8.7e-2 (against the typical row, see TYPICAL_ROWS), where the bridge's own bf16 run is up to 5.9e-2 and 1.3e-1 off
 # its fp32 run (2026-12-05, TestFamilies' requests, edits included): the delta rule carries bf16's rounding from token
 # to token. Every row of the six records (multimodal ones' text models), both flavours, edits included: within 1.0e-1
-# (Qwen 3.5 MoE's layer-2 mlp.hook_post; 2026-12-05). GLM-4.7-Flash's (multi-head latent attention, bf16 alone too;
-# 2026-12-05, every site, both flavours, edits included): whole hooks within 2.1e-2, rows within 5.3e-2, the reference
-# following 62 of 7,354 routings at choice-score gaps up to 1.6e-2. A semantic error is ~1 in the row it hits.
+# (Qwen 3.5 MoE's layer-2 mlp.hook_post; 2026-12-05). GLM-4.7-Flash's and DeepSeek V3's (multi-head latent attention,
+# bf16 alone too; 2026-12-05, every site, both flavours, edits included): whole hooks within 2.1e-2 and 2.7e-2, rows
+# within 5.3e-2 and 6.4e-2, the reference following 66 and 62 of 7,354 routings at choice-score gaps up to 1.6e-2 and
+# 1.0e-2. A semantic error is ~1 in the row it hits.
 BF16_ALONE_ON_CPU = PerRow(1.5e-1)
 
 

@@ -565,6 +565,11 @@ FAMILIES = {family.name: family for family in (
     _Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", latent_attention=True, rotary_3d=True,
             moe=_MoE(layers="first_k_dense_replace", scoring="sigmoid", correction_bias="e_score_correction_bias",
                      groups=True, scale="routed_scaling_factor")),
+    # DeepSeek V3: the same, with no expert hooks in TransformerLens; vLLM routes as transformers does only where the
+    # config names its sigmoid scoring and correction bias (else by softmax, without the bias).
+    _Family("deepseek_v3", "DeepseekV3ForCausalLM", latent_attention=True, rotary_3d=True,
+            moe=_MoE(router="", layers="first_k_dense_replace"),
+            settings={"topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
     # ERNIE 4.5 MoE: dense and MoE layers; TransformerLens names no expert hooks here.
     _Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", moe=_MoE(router="", layers="moe_layer_interval")),
     # AFMoE: a norm before and after each branch; no rotary or expert hooks in TransformerLens.
@@ -701,10 +706,9 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                     "scoring only, not its sigmoid routing (AssertionError: assert self.scoring_func == 'softmax')"),
     "HrmTextForCausalLM": "TransformerLens names its layers L_blocks and H_blocks and runs each several times a "
                           "forward, keeping the last; vLLM's prefill attends both ways over the prompt",
-    **dict.fromkeys(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
-                    "not yet described: its multi-head latent attention is GLM-4.7-Flash's, but its mixture of "
-                    "experts is unchecked: vLLM's CPU runs it in bf16 alone, and TransformerLens 4.3's DeepSeek "
-                    "adapters run no expert hooks, so the reference cannot follow the engine's choice at near-ties"),
+    "DeepseekV2ForCausalLM": "not yet described: its multi-head latent attention is DeepSeek V3's, but its mixture "
+                             "of experts (softmax scores, groups by their best expert, no renormalization) is "
+                             "unchecked",
     "GlmMoeDsaForCausalLM": "sparse multi-head latent attention: 'Sparse Attention is not supported on CPU'",
     "DeepseekV4ForCausalLM": "compressed sparse attention with hyper-connection streams; vLLM 0.32 refuses its "
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",
@@ -751,9 +755,10 @@ def _family(hf_config: Any) -> _Family:
             "(vLLM's module path; the README's 'Any module, under a name of your own')"
         )
     for setting, value in family.settings.items():
-        if getattr(hf_config, setting) != value:
+        found = getattr(hf_config, setting, None)
+        if found != value:
             raise ValueError(
-                f"architecture {architecture} with {setting}={getattr(hf_config, setting)!r}: this module's record "
+                f"architecture {architecture} with {setting}={found!r}: this module's record "
                 f"describes {architecture} with {setting}={value!r} only: otherwise its tensors sit elsewhere, or "
                 "TransformerLens's bridge computes them otherwise than vLLM (the record's comment says which)"
             )

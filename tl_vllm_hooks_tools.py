@@ -915,6 +915,15 @@ _TINY_MODELS = {
              mlp_layer_types=["dense", "sparse", "sparse"], tie_word_embeddings=False, pad_token_id=0,
              eos_token_id=1),
         random_buffers=("e_score_correction_bias",), bfloat16=True),
+    # DeepSeek V3: GLM-4.7-Flash's shapes; vLLM routes by sigmoid scores with the correction bias only where the config
+    # says so (topk_method noaux_tc, scoring_func sigmoid, as released).
+    "deepseek_v3": _TinyModel(
+        dict(num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+             v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+             n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
+             topk_method="noaux_tc", scoring_func="sigmoid", tie_word_embeddings=False, pad_token_id=0,
+             eos_token_id=1),
+        random_buffers=("e_score_correction_bias",), bfloat16=True),
     # (vLLM 0.32's CPU router ignores ERNIE 4.5 MoE's correction bias, which stays at 0)
     "ernie4_5_moe": _TinyModel(dict(_KV1, num_hidden_layers=4, moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
                                     moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=3,
@@ -1354,6 +1363,9 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
                     parameter.mul_(0.2)
             for parameter in model.parameters():
                 parameter.copy_(parameter.to(torch.bfloat16))
+            for name, buffer in model.named_buffers():
+                if name.rpartition(".")[2] in tiny.random_buffers:
+                    buffer.copy_(buffer.to(torch.bfloat16))
     architectures = config.architectures
     model.save_pretrained(directory)
     if model.config.architectures != architectures:  # as checkpoints name it, where transformers' class does not
