@@ -947,12 +947,12 @@ def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TO
 ROUTER_LOGITS = "router_logits."
 
 
-def router_logits(model) -> dict:
+def router_logits(family: str, hf_config) -> dict:
     """For a family vLLM's CPU runs in bf16 alone whose bridge runs no expert hooks (DeepSeek V3's): each MoE layer's
     router logits, as raw module specs ({ROUTER_LOGITS + layer: (module path, experts)}), kept beside the hooks so that
     the reference can follow the engine's routing (engine_routes takes them out of the rows it reads)."""
-    record, config = tlh.FAMILIES[model.family], model.hf.config.get_text_config()
-    if not (tools._TINY_MODELS[model.family].bfloat16 and record.moe and not record.moe.router):
+    record, config = tlh.FAMILIES[family], hf_config.get_text_config()
+    if not (tools._TINY_MODELS[family].bfloat16 and record.moe and not record.moe.router):
         return {}
     return {f"{ROUTER_LOGITS}{i}": (record.layer.format(i=i) + record.moe.block + ".gate", config.n_routed_experts)
             for i in range(config.num_hidden_layers) if tlh._moe_layer(record, config, i)}
@@ -1020,7 +1020,7 @@ def engine(
 
     specs = tlh.capture_specs(model.hf.config, sites=sites or model.classic_sites)
     config = tlh.configure(
-        {**specs, **router_logits(model)},
+        {**specs, **router_logits(model.family, model.hf.config)},
         rows,
         getattr(torch, dtype),
         enable_batching=batching,

@@ -2414,8 +2414,7 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
             d_head = row_shape[-1]
             order = torch.arange(columns).view(-1, d_head // 2, 2).transpose(1, 2).reshape(-1)
             order = torch.argsort(order)
-        interleaved = getattr(text_config, "rope_interleave", False)
-        if tap.kind == _LATENT and tap.part in ("q", "k", "rot_q", "rot_k") and interleaved:
+        if tap.kind == _LATENT and tap.part in ("q", "k", "rot_q", "rot_k"):
             order = _latent_order(text_config, row_shape, tap.part)
         attention = _attention_facts(module) if tap.kind == _QUERY_KEY or tap.part == "qk" else None
         if attention is not None:
@@ -2437,10 +2436,13 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
     return placed, absent
 
 
-def _latent_order(config: Any, row_shape: tuple[int, ...], part: str) -> torch.Tensor:
+def _latent_order(config: Any, row_shape: tuple[int, ...], part: str) -> torch.Tensor | None:
     """vLLM's column of each of TransformerLens's in a row of multi-head latent attention's ``part`` (see
-    _Family.latent_attention): in each head's rotary columns TransformerLens's column h * rope / 2 + a is vLLM's
-    2a + h; its other columns (nope, before them in q and k) are where they are."""
+    _Family.latent_attention), or None where they are the same (no rope_interleave): in each head's rotary columns
+    TransformerLens's column h * rope / 2 + a is vLLM's 2a + h; its other columns (nope, before them in q and k) are
+    where they are."""
+    if not getattr(config, "rope_interleave", False):
+        return None
     rope, nope = config.qk_rope_head_dim, 0 if part.startswith("rot") else config.qk_nope_head_dim
     head = torch.cat([torch.arange(nope), nope + torch.arange(rope).view(rope // 2, 2).t().reshape(-1)])
     return (head + torch.arange(row_shape[0])[:, None] * row_shape[1]).reshape(-1)

@@ -29,7 +29,9 @@ import tl_vllm_hooks as tlh  # noqa: E402
 import tl_vllm_hooks_tools as tools  # noqa: E402
 from hook_errors import placed  # noqa: E402  (this folder is on sys.path when run as a script)
 # The tests' prompts, their edit oracle and their TransformerLens reference, not copies.
-from test_tl_vllm_hooks import BATCH, BF16_TOLERANCE, PROMPT, ROUTER_TIE, Model, row_errors, site_edits  # noqa: E402
+from test_tl_vllm_hooks import (  # noqa: E402
+    BATCH, BF16_TOLERANCE, PROMPT, ROUTER_LOGITS, ROUTER_TIE, Model, router_logits, row_errors, site_edits,
+)
 
 
 def every_placed_site(hf_config):
@@ -65,7 +67,8 @@ def capture(directory, out, eager):
         path = os.path.join(directory, family)
         hf_config = AutoConfig.from_pretrained(path)
         specs = every_placed_site(hf_config)
-        edits = site_edits(specs)
+        edits = site_edits(specs, family)
+        specs = {**specs, **router_logits(family, hf_config)}  # (where the bridge runs no expert hooks)
         records = []
         for flavour in ("batched", "one-prompt"):
             config = tlh.configure(specs, 128, torch.bfloat16, enable_batching=flavour == "batched",
@@ -134,12 +137,14 @@ def compare(directory, out, tolerance):
             flavour, key, tokens = record["file"], record["key"], record["tokens"]
             edits = {h: edit_from_json(e) for h, e in record["edits"].items()}
             names = [n.split("/", 1)[1] for n in rows[flavour] if n.startswith(f"{key}/")]
-            names.sort(key=forward_order.index)  # as vLLM runs hooks that share a tensor
+            logits = [n for n in names if n.startswith(ROUTER_LOGITS)]
+            names = sorted(set(names) - set(logits), key=forward_order.index)  # as vLLM runs hooks sharing a tensor
             routes = {
                 int(n.split(".")[1]): (rows[flavour][f"{key}/{n}"].long(), rows[flavour][f"{key}/{n[: -len('indices')]}weights"])
                 for n in names
                 if n.endswith("mlp.hook_expert_indices")
             }
+            routes.update({int(n.removeprefix(ROUTER_LOGITS)): rows[flavour][f"{key}/{n}"].float() for n in logits})
             expected = model.reference(tokens, names, edits, routes)
             for hook in names:
                 actual = rows[flavour][f"{key}/{hook}"]
