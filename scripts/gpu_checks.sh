@@ -6,6 +6,8 @@
 #                                         # expression); all at once, spread over the GPUs (the tests' engines take
 #                                         # their KV cache in bytes, so several share a GPU); TestCudaRay (Ray's
 #                                         # executor, staged by scripts/stage_ray.sh) only when named
+#   bash scripts/gpu_checks.sh families DIR  # scripts/gpu_families.py capture of the tiny models in DIR (made here
+#                                         # with its `models` command and carried), compared here with its `compare`
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
 #                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code", or
@@ -47,6 +49,9 @@ case "$what" in
     done
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     cat "$out"/gpu-tests-*-summary.txt ;;
+  families)
+    python3 scripts/gpu_families.py capture "$2" "$out/families" > "$out/families.log" 2>&1 || status=1
+    grep -E "tensors|FAILED" "$out/families.log" ;;
   parallel)
     tests gpu-tests-parallel "parallel_layout" || status=1
     cat "$out/gpu-tests-parallel-summary.txt" ;;
@@ -58,7 +63,7 @@ case "$what" in
       > "$out/bench-tp.log" 2>&1 || status=1
     tail -n 12 "$out/bench-tp.log" ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh tests|parallel|bench|bench-tp [flags]" >&2
+    echo "usage: bash scripts/gpu_checks.sh tests|families|parallel|bench|bench-tp [flags]" >&2
     exit 2 ;;
 esac
 exit $status

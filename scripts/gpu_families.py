@@ -56,60 +56,73 @@ def make_models(directory, families):
 
 
 def capture(directory, out, eager):
+    """Each family in directory (capture_family), the others still where one fails; 1 if any failed."""
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    os.makedirs(out, exist_ok=True)
+    failed = []
+    for family in sorted(os.listdir(directory)):
+        try:
+            capture_family(directory, out, eager, family)
+        except Exception as error:  # (the others still run: device time is scarce)
+            print(f"{family}: FAILED: {type(error).__name__}: {error}", flush=True)
+            failed.append(family)
+    return 1 if failed else 0
+
+
+def capture_family(directory, out, eager, family):
+    """One family's rows in both flavours, unedited and under an edit at each site of layer 1, to out."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-    os.makedirs(out, exist_ok=True)
-    for family in sorted(os.listdir(directory)):
-        path = os.path.join(directory, family)
-        hf_config = AutoConfig.from_pretrained(path)
-        specs = every_placed_site(hf_config)
-        edits = site_edits(specs, family)
-        specs = {**specs, **router_logits(family, hf_config)}  # (where the bridge runs no expert hooks)
-        records = []
-        for flavour in ("batched", "one-prompt"):
-            config = tlh.configure(specs, 128, torch.bfloat16, enable_batching=flavour == "batched",
-                                   enable_position_interventions=True)
-            llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True,
-                      gpu_memory_utilization=0.3, seed=0, enforce_eager=eager, **config.llm_kwargs)
-            rows = {}
-            if flavour == "batched":
-                requests = [(p, None) for p in BATCH] + [
-                    ([(3 * i + 5 * n) % 512 for i in range(32)], {hook: edit}) for n, (hook, edit) in enumerate(edits.items())
-                ]
-                params = [SamplingParams(max_tokens=3, temperature=0.0, detokenize=False, ignore_eos=True,
-                                         extra_args=tlh.request_args(config, "all", e)) for _p, e in requests]
-                outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _e in requests], params, use_tqdm=False)
-                read = tlh.read_batched(llm, [o.request_id for o in outputs])
-                for k, (output, (prompt, edit)) in enumerate(zip(outputs, requests)):
-                    sequence = list(prompt) + list(output.outputs[0].token_ids)[:-1]
-                    part = "batched-edited" if edit else "batched-unedited"  # files of 16 MiB at most come back
-                    records.append({"file": part, "key": k, "tokens": sequence,
-                                    "edits": {h: edit_to_json(e) for h, e in (edit or {}).items()}})
-                    rows.setdefault(part, {}).update(
-                        {f"{k}/{name}": t.contiguous() for name, t in read[output.request_id].items()}
-                    )
-            else:
-                for k, (hook, edit) in enumerate([(None, None), *edits.items()]):
-                    tlh.set_edits(llm, {hook: edit} if hook else {})
-                    tlh.open_capture(llm)
-                    llm.generate(TokensPrompt(prompt_token_ids=PROMPT), SamplingParams(max_tokens=1, temperature=0.0,
-                                 detokenize=False), use_tqdm=False)
-                    read = tlh.read_captures(llm, len(PROMPT))
-                    records.append({"file": "one-prompt", "key": k, "tokens": PROMPT,
-                                    "edits": {hook: edit_to_json(edit)} if hook else {}})
-                    rows.setdefault("one-prompt", {}).update({f"{k}/{name}": t.contiguous() for name, t in read.items()})
-                tlh.reset_edits(llm)
-            for part, tensors in rows.items():
-                save_file(tensors, os.path.join(out, f"{family}-{part}.safetensors"))
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            print(f"{family} {flavour}: {sum(map(len, rows.values()))} tensors", flush=True)
-        with open(os.path.join(out, f"{family}.json"), "w") as file:
-            json.dump({"records": records, "versions": tools.versions(), "device": torch.cuda.get_device_name()}, file)
+    path = os.path.join(directory, family)
+    hf_config = AutoConfig.from_pretrained(path)
+    specs = every_placed_site(hf_config)
+    edits = site_edits(specs, family)
+    specs = {**specs, **router_logits(family, hf_config)}  # (where the bridge runs no expert hooks)
+    records = []
+    for flavour in ("batched", "one-prompt"):
+        config = tlh.configure(specs, 128, torch.bfloat16, enable_batching=flavour == "batched",
+                               enable_position_interventions=True)
+        llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True,
+                  gpu_memory_utilization=0.05, kv_cache_memory_bytes=1 << 30, seed=0, enforce_eager=eager,
+                  **config.llm_kwargs)  # (the KV cache in bytes: no memory profile, so it shares the GPU)
+        rows = {}
+        if flavour == "batched":
+            requests = [(p, None) for p in BATCH] + [
+                ([(3 * i + 5 * n) % 512 for i in range(32)], {hook: edit}) for n, (hook, edit) in enumerate(edits.items())
+            ]
+            params = [SamplingParams(max_tokens=3, temperature=0.0, detokenize=False, ignore_eos=True,
+                                     extra_args=tlh.request_args(config, "all", e)) for _p, e in requests]
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _e in requests], params, use_tqdm=False)
+            read = tlh.read_batched(llm, [o.request_id for o in outputs])
+            for k, (output, (prompt, edit)) in enumerate(zip(outputs, requests)):
+                sequence = list(prompt) + list(output.outputs[0].token_ids)[:-1]
+                part = "batched-edited" if edit else "batched-unedited"  # files of 16 MiB at most come back
+                records.append({"file": part, "key": k, "tokens": sequence,
+                                "edits": {h: edit_to_json(e) for h, e in (edit or {}).items()}})
+                rows.setdefault(part, {}).update(
+                    {f"{k}/{name}": t.contiguous() for name, t in read[output.request_id].items()}
+                )
+        else:
+            for k, (hook, edit) in enumerate([(None, None), *edits.items()]):
+                tlh.set_edits(llm, {hook: edit} if hook else {})
+                tlh.open_capture(llm)
+                llm.generate(TokensPrompt(prompt_token_ids=PROMPT), SamplingParams(max_tokens=1, temperature=0.0,
+                             detokenize=False), use_tqdm=False)
+                read = tlh.read_captures(llm, len(PROMPT))
+                records.append({"file": "one-prompt", "key": k, "tokens": PROMPT,
+                                "edits": {hook: edit_to_json(edit)} if hook else {}})
+                rows.setdefault("one-prompt", {}).update({f"{k}/{name}": t.contiguous() for name, t in read.items()})
+            tlh.reset_edits(llm)
+        for part, tensors in rows.items():
+            save_file(tensors, os.path.join(out, f"{family}-{part}.safetensors"))
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        print(f"{family} {flavour}: {sum(map(len, rows.values()))} tensors", flush=True)
+    with open(os.path.join(out, f"{family}.json"), "w") as file:
+        json.dump({"records": records, "versions": tools.versions(), "device": torch.cuda.get_device_name()}, file)
 
 
 def compare(directory, out, tolerance):
@@ -178,6 +191,6 @@ if __name__ == "__main__":
     if args.command == "models":
         make_models(args.directory, args.families.split(","))
     elif args.command == "capture":
-        capture(args.directory, args.out, args.eager)
+        sys.exit(capture(args.directory, args.out, args.eager))
     else:
         sys.exit(compare(args.directory, args.out, args.tolerance))
