@@ -363,9 +363,9 @@ class Model:
     def routers_following(self, routes: dict | None):
         """For the block's length, transformers' routers inside the bridge follow routes of the engine's router logits
         ({layer: logits [tokens, experts]}, NaN where the engine kept none; see engine_routes), where the bridge runs
-        no expert hooks (DeepSeek V3's, whose router chooses inside its own forward): by the family's rule (sigmoid
-        scores plus the correction bias, within the best groups) from its logits and from the engine's; where the
-        experts differ, the router returns the engine's experts, weighed from the engine's logits."""
+        no expert hooks (DeepSeek's, whose router chooses inside its own forward): by the family's rule (see choice)
+        from its logits and from the engine's; where the experts differ, the router returns the engine's experts,
+        weighed from the engine's logits."""
         handles = [self.bridge.blocks[layer].mlp.gate.original_component.register_forward_hook(
             self._follow_logits(route)) for layer, route in (routes or {}).items() if torch.is_tensor(route)]
         try:
@@ -377,9 +377,15 @@ class Model:
     def _follow_logits(self, engine_logits: torch.Tensor):
         config = self.hf.config
 
+        def weighed(router, logits):
+            """The router's scores [tokens, experts]: V3's sigmoid, V2's softmax."""
+            biased = hasattr(router, "e_score_correction_bias")
+            return logits.float().sigmoid() if biased else logits.float().softmax(-1)
+
         def choice(router, logits):
-            """(the scores chosen by [tokens, experts], the chosen experts [tokens, top_k]), by the router's rule."""
-            scores = logits.float().sigmoid() + router.e_score_correction_bias.float()
+            """(the scores chosen by [tokens, experts], the chosen experts [tokens, top_k]), by the router's rule: V3's
+            sigmoid plus its correction bias within the best groups (each scored by its two best), V2's softmax."""
+            scores = weighed(router, logits) + getattr(router, "e_score_correction_bias", torch.zeros(())).float()
             grouped = scores.view(len(scores), config.n_group, -1)
             best = grouped.topk(2, dim=-1).values.sum(-1).topk(config.topk_group, dim=-1).indices
             kept = torch.zeros_like(grouped[..., 0]).scatter(1, best, 1.0).bool().repeat_interleave(grouped.shape[-1], 1)
@@ -395,7 +401,7 @@ class Model:
             own = indices[:count]
             where = kept & (own.sort(-1).values != engine.sort(-1).values).any(-1)
             record_followed(self.routing, scores, own, engine, where, int(kept.sum()), config.n_group)
-            engine_weights = engine_rows.nan_to_num().float().sigmoid().gather(1, engine)
+            engine_weights = weighed(router, engine_rows.nan_to_num()).gather(1, engine)
             if config.norm_topk_prob:
                 engine_weights = engine_weights / (engine_weights.sum(-1, keepdim=True) + 1e-20)
             weights, indices = weights.clone(), indices.clone()
@@ -3915,10 +3921,11 @@ BF16_TOLERANCE = PerRow(1e-1)
 # 8.7e-2 (against the typical row, see TYPICAL_ROWS), where the bridge's own bf16 run is up to 5.9e-2 and 1.3e-1 off
 # its fp32 run (2026-12-05, TestFamilies' requests, edits included): the delta rule carries bf16's rounding from token
 # to token. Every row of the six records (multimodal ones' text models), both flavours, edits included: within 1.0e-1
-# (Qwen 3.5 MoE's layer-2 mlp.hook_post; 2026-12-05). GLM-4.7-Flash's and DeepSeek V3's (multi-head latent attention,
-# bf16 alone too; 2026-12-05, every site, both flavours, edits included): whole hooks within 2.1e-2 and 2.7e-2, rows
-# within 5.3e-2 and 6.4e-2, the reference following 66 and 62 of 7,354 routings at choice-score gaps up to 1.6e-2 and
-# 1.0e-2. A semantic error is ~1 in the row it hits.
+# (Qwen 3.5 MoE's layer-2 mlp.hook_post; 2026-12-05). GLM-4.7-Flash's, DeepSeek V3's and V2's (multi-head latent
+# attention, bf16 alone too; 2026-12-05, every site, both flavours, edits included): whole hooks within 2.1e-2, 2.7e-2
+# and 3.4e-2, rows within 5.3e-2, 6.4e-2 and 1.0e-1 (V2's layer-2 hook_pattern), the reference following 66 and 62 of
+# 7,354 and 85 of 6,966 routings at choice-score gaps up to 1.6e-2, 1.0e-2 and 7.3e-3. A semantic error is ~1 in the
+# row it hits.
 BF16_ALONE_ON_CPU = PerRow(1.5e-1)
 
 

@@ -570,6 +570,11 @@ FAMILIES = {family.name: family for family in (
     _Family("deepseek_v3", "DeepseekV3ForCausalLM", latent_attention=True, rotary_3d=True,
             moe=_MoE(router="", layers="first_k_dense_replace"),
             settings={"topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
+    # DeepSeek V2: softmax scores, weights not renormalized; vLLM chooses within the config's groups where transformers
+    # does so for topk_method group_limited_greedy alone (greedy, with one group, is V2-Lite's).
+    _Family("deepseek_v2", "DeepseekV2ForCausalLM", latent_attention=True, rotary_3d=True,
+            moe=_MoE(router="", layers="first_k_dense_replace"),
+            settings={"topk_method": "greedy", "n_group": 1, "norm_topk_prob": False}),
     # ERNIE 4.5 MoE: dense and MoE layers; TransformerLens names no expert hooks here.
     _Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", moe=_MoE(router="", layers="moe_layer_interval")),
     # AFMoE: a norm before and after each branch; no rotary or expert hooks in TransformerLens.
@@ -706,9 +711,6 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                     "scoring only, not its sigmoid routing (AssertionError: assert self.scoring_func == 'softmax')"),
     "HrmTextForCausalLM": "TransformerLens names its layers L_blocks and H_blocks and runs each several times a "
                           "forward, keeping the last; vLLM's prefill attends both ways over the prompt",
-    "DeepseekV2ForCausalLM": "not yet described: its multi-head latent attention is DeepSeek V3's, but its mixture "
-                             "of experts (softmax scores, groups by their best expert, no renormalization) is "
-                             "unchecked",
     "GlmMoeDsaForCausalLM": "sparse multi-head latent attention: 'Sparse Attention is not supported on CPU'",
     "DeepseekV4ForCausalLM": "compressed sparse attention with hyper-connection streams; vLLM 0.32 refuses its "
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",

@@ -924,6 +924,13 @@ _TINY_MODELS = {
              topk_method="noaux_tc", scoring_func="sigmoid", tie_word_embeddings=False, pad_token_id=0,
              eos_token_id=1),
         random_buffers=("e_score_correction_bias",), bfloat16=True),
+    # DeepSeek V2-Lite's layout: no query latent (q_proj), softmax scores, the top experts of all (one group).
+    "deepseek_v2": _TinyModel(
+        dict(num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+             v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+             topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5,
+             first_k_dense_replace=1, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1),
+        bfloat16=True),
     # (vLLM 0.32's CPU router ignores ERNIE 4.5 MoE's correction bias, which stays at 0)
     "ernie4_5_moe": _TinyModel(dict(_KV1, num_hidden_layers=4, moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
                                     moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=3,
