@@ -1761,13 +1761,11 @@ def register() -> None:
             _install(self, config)
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
-        payload = _engine_payload(self.vllm_config)
-        options = _request_options(getattr(params, "extra_args", None), payload)
+        options = _checked_options(getattr(params, "extra_args", None), self.vllm_config)
         request = take_inputs(self, request_id, prompt, params, *args, **kwargs)
         if options is not None:
-            _check_editable(options.edits, self.vllm_config.model_config.hf_config)
             _keep_apart_in_prefix_cache(request, options)
-        _refuse_large_attention(request, options, _config_from_json(payload))
+        _refuse_large_attention(request, options, _config_from_json(_engine_payload(self.vllm_config)))
         return request
 
     _patch(Worker, "load_model", load_model)
@@ -1782,12 +1780,21 @@ def register() -> None:
             engine = getattr(self, "engine_client", None)  # the servings that generate have one
             if error is None and engine is not None:
                 try:
-                    _request_options(getattr(request, "vllm_xargs", None), _engine_payload(engine.vllm_config))
+                    _checked_options(getattr(request, "vllm_xargs", None), engine.vllm_config)
                 except ValueError as refusal:
                     return self.create_error_response(str(refusal))
             return error
 
         _patch(serving, "_check_model", check_request)
+
+
+def _checked_options(extra_args: dict[str, Any] | None, vllm_config: Any) -> _RequestOptions | None:
+    """A request's options (None without) as the front end checks them before it runs: parsed for the engine's config
+    (see _request_options), with no edit of a hook the model makes read-only (see _check_editable)."""
+    options = _request_options(extra_args, _engine_payload(vllm_config))
+    if options is not None:
+        _check_editable(options.edits, vllm_config.model_config.hf_config)
+    return options
 
 
 def unregister() -> None:
