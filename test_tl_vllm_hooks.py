@@ -1859,6 +1859,8 @@ class TestFamilies:
         for name in [name for name in llm.hook_names if read_only(name, llm.model.family)]:  # refused before it runs
             with pytest.raises(ValueError, match=re.escape(name) + ".*read-only"):
                 generate(llm, [PROMPT], extra_args=[tlh.request_args(llm.config, "all", {name: {"op": "suppress"}})])
+            with pytest.raises(ValueError, match=re.escape(name) + ".*read-only"):
+                tlh.set_edits(llm, {name: {"op": "suppress"}})
 
     def test_edits_of_one_layers_sites_compose_as_in_transformer_lens(self, family_llm):
         """One request editing every editable site of layer 1 at once: each edit sees the
