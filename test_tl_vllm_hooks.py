@@ -1373,6 +1373,20 @@ def test_a_mamba_mixers_split_tensors_are_refused_under_tensor_parallelism():
 
 
 @NO_ENGINE
+def test_latent_attentions_head_hooks_are_refused_under_tensor_parallelism():
+    """DeepSeek V3's attention hooks on what its MLAAttention receives are refused under tensor parallelism, where
+    the hooks are placed (a worker's placement); its latents, each rank's whole, are placed."""
+    config = tools.tiny_config("deepseek_v3")
+    taps = tlh._taps(tlh.FAMILIES["deepseek_v3"], config, 1)
+    for site in ("attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k", "attn_scores", "pattern"):
+        with pytest.raises(ValueError, match=re.escape(taps[site].module) + ": multi-head latent attention's .* "
+                           "tensor_parallel_size=1"):
+            tlh._tensor_parallel_share(torch.nn.Identity(), taps[site], 192, tlh._Ranks(0, 2, 0))
+    for site in ("attn_q_latent", "attn_kv_latent"):
+        assert tlh._tensor_parallel_share(torch.nn.Identity(), taps[site], 64, tlh._Ranks(0, 2, 0)) is None
+
+
+@NO_ENGINE
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision imports here")
 def test_the_vision_environments_text_families_are_those_vllm_needs_it_for():
     """VISION_TEXT_FAMILIES are exactly the text families whose vLLM module does not import without torchvision."""

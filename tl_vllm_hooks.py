@@ -2067,8 +2067,9 @@ def _tensor_parallel_share(module: torch.nn.Module, tap: _Tap, width: int, ranks
         )
     if tap.kind == _LATENT:
         raise ValueError(
-            f"{tap.module}: multi-head latent attention's query, key and value hooks are placed with "
-            "tensor_parallel_size=1 alone (its latents, attn.hook_q_latent and hook_kv_latent, under any)"
+            f"{tap.module}: multi-head latent attention's query, key, value and pattern hooks split by heads under "
+            "tensor parallelism are not checked against TransformerLens: they are placed with tensor_parallel_size=1 "
+            "alone (its latents, attn.hook_q_latent and hook_kv_latent, under any)"
         )
     if tap.kind == _OUTPUT and any(
         type(linear).__name__ == "RowParallelLinear" and not linear.reduce_results
