@@ -138,6 +138,8 @@ LATENT_READ_ONLY = ("attn.hook_k", "attn.hook_v")  # and these under multi-head 
 def read_only(name: str, family: str) -> bool:
     """Whether the module refuses edits of the hook on the family."""
     return name.endswith(READ_ONLY) or tlh.FAMILIES[family].latent_attention and name.endswith(LATENT_READ_ONLY)
+
+
 UNSEEN = -1e30  # below: a key the query does not see
 # Multi-head latent attention (tlh._Family.latent_attention): TransformerLens 4.3's bridge fires hook_q, hook_k and
 # hook_v heads first, [batch, heads, pos, d_head], compared here position by position; and it splits hook_z, the
@@ -153,6 +155,8 @@ def latent_rows(config) -> dict[str, tuple[int, ...]]:
     qk = config.qk_nope_head_dim + config.qk_rope_head_dim
     return {"attn.hook_z": (config.num_attention_heads, config.v_head_dim),
             **dict.fromkeys(ATTENTION, (2 * config.num_attention_heads, qk))}
+
+
 # A query-key dot product's relative error is not bounded by its inputs' where it cancels (query 0 sees one key: in
 # bf16, Mixtral's score there, near 0, came 32 % off). Under a row bound (PerRow, the bf16 checks) each row of
 # attention scores is measured against the larger of its norm and the request's mean row norm; a wrong scale, softcap
@@ -327,7 +331,6 @@ class Model:
         edits = edits or {}
         captured = {}
         following = self.following(routes)
-
         latent = tlh.FAMILIES[self.family].latent_attention
 
         def make_hook(name):
