@@ -829,6 +829,13 @@ _LFM2 = dict(num_key_value_heads=1, layer_types=["conv", "full_attention", "conv
 _GATED_DELTANET = dict(head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
                        linear_num_value_heads=2, linear_conv_kernel_dim=4,
                        layer_types=["linear_attention", "full_attention", "linear_attention"])
+# Multi-head latent attention (DeepSeek's), with its mixture of experts after a dense first layer: vLLM's CPU runs it in
+# bf16 alone, and only where the latent and the rotary key together are 576 wide (kv_lora_rank 512, qk_rope_head_dim
+# 64, as released).
+_LATENT_ATTENTION = dict(num_key_value_heads=2, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+                         v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+                         n_shared_experts=1, first_k_dense_replace=1, tie_word_embeddings=False, pad_token_id=0,
+                         eos_token_id=1)
 
 # fmt: off
 _TINY_MODELS = {
@@ -905,31 +912,21 @@ _TINY_MODELS = {
              n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
              use_qk_norm=True, attention_bias=True, pad_token_id=0, eos_token_id=1),
         random_buffers=("e_score_correction_bias",)),
-    # GLM-4.7-Flash: vLLM's CPU attends with multi-head latent attention in bf16 alone, and only where the latent and
-    # the rotary key together are 576 wide (kv_lora_rank 512, qk_rope_head_dim 64, as released); vLLM reads the dense
-    # first layers from first_k_dense_replace, transformers from mlp_layer_types.
+    # GLM-4.7-Flash: vLLM reads the dense first layers from first_k_dense_replace, transformers from mlp_layer_types.
     "glm4_moe_lite": _TinyModel(
-        dict(num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
-             v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-             n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8, first_k_dense_replace=1,
-             mlp_layer_types=["dense", "sparse", "sparse"], tie_word_embeddings=False, pad_token_id=0,
-             eos_token_id=1),
+        dict(_LATENT_ATTENTION, q_lora_rank=64, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,
+             mlp_layer_types=["dense", "sparse", "sparse"]),
         random_buffers=("e_score_correction_bias",), bfloat16=True),
-    # DeepSeek V3: GLM-4.7-Flash's shapes; vLLM routes by sigmoid scores with the correction bias only where the config
-    # says so (topk_method noaux_tc, scoring_func sigmoid, as released).
+    # DeepSeek V3: vLLM routes by sigmoid scores with the correction bias only where the config says so (topk_method
+    # noaux_tc, scoring_func sigmoid, as released).
     "deepseek_v3": _TinyModel(
-        dict(num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
-             v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-             n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
-             topk_method="noaux_tc", scoring_func="sigmoid", tie_word_embeddings=False, pad_token_id=0,
-             eos_token_id=1),
+        dict(_LATENT_ATTENTION, q_lora_rank=64, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+             topk_method="noaux_tc", scoring_func="sigmoid"),
         random_buffers=("e_score_correction_bias",), bfloat16=True),
     # DeepSeek V2-Lite's layout: no query latent (q_proj), softmax scores, the top experts of all (one group).
     "deepseek_v2": _TinyModel(
-        dict(num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
-             v_head_dim=32, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-             topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5,
-             first_k_dense_replace=1, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1),
+        dict(_LATENT_ATTENTION, q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+             routed_scaling_factor=1.5),
         bfloat16=True),
     # (vLLM 0.32's CPU router ignores ERNIE 4.5 MoE's correction bias, which stays at 0)
     "ernie4_5_moe": _TinyModel(dict(_KV1, num_hidden_layers=4, moe_num_experts=4, moe_k=2, moe_intermediate_size=64,
@@ -1364,15 +1361,14 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
         for name, buffer in model.named_buffers():
             if name.rpartition(".")[2] in tiny.random_buffers:
                 buffer.add_(0.2 * torch.randn_like(buffer))
+                if tiny.bfloat16:  # (as the weights below)
+                    buffer.copy_(buffer.to(torch.bfloat16))
         if tiny.bfloat16:
             for name, parameter in model.named_parameters():
                 if name.endswith(_BRANCH_OUTPUTS):
                     parameter.mul_(0.2)
             for parameter in model.parameters():
                 parameter.copy_(parameter.to(torch.bfloat16))
-            for name, buffer in model.named_buffers():
-                if name.rpartition(".")[2] in tiny.random_buffers:
-                    buffer.copy_(buffer.to(torch.bfloat16))
     architectures = config.architectures
     model.save_pretrained(directory)
     if model.config.architectures != architectures:  # as checkpoints name it, where transformers' class does not
