@@ -2117,7 +2117,7 @@ def _attention_facts(attention: torch.nn.Module) -> dict[str, Any]:
         "head_size": attention.qk_head_dim if latent else attention.head_size,
         "scale": float(impl.scale),
         "softcap": float(getattr(impl, "logits_soft_cap", None) or 0),
-        "window": int(attention.sliding_window or 0),
+        "window": int(getattr(attention, "sliding_window", None) or 0),  # (vLLM 0.24's MLA has none)
         "chunk": int(getattr(attention, "attention_chunk_size", None) or 0),
         "sinks": None if sinks is None else torch.as_tensor(sinks).float().tolist(),
         "alibi": None if slopes is None else torch.as_tensor(slopes).float().tolist(),
@@ -2555,7 +2555,7 @@ class _Hook(_EditTables):
     row_shape: tuple[int, ...]
     columns: tuple[int, int]
     part_columns: tuple[int, int] | None = None  # a part's columns in the module's tensor
-    order: torch.Tensor | None = None  # vLLM's column of each of TransformerLens's, where they differ (int64)
+    column_order: torch.Tensor | None = None  # vLLM's column of each of TransformerLens's, where they differ (int64)
     attention: dict[str, Any] | None = None  # for attn_scores and pattern: see _attention_facts
     transcoder: _SAE | None = None  # the transcoder that writes this hook, once bound
 
@@ -2574,8 +2574,10 @@ class _Hook(_EditTables):
         self.bias = torch.zeros_like(self.scale)
         self.tables, self.identity = (self.scale, self.bias), (1, 0)
         self.row_index = state.row_index(index)
+        # (set here, as row_index is, not held in a field: with a tensor in the field, torch 2.11's Dynamo failed to
+        # build its guard on the GPU, "Unexpected type <class 'torch.Tensor'>" in a CONSTANT_MATCH)
+        self.order = None if self.column_order is None else self.column_order.to(device)
         if self.order is not None:
-            self.order = self.order.to(device)
             self.inverse = torch.argsort(self.order)  # TransformerLens's column of each of vLLM's
         if self.tap.norm:  # the rows (fp32) a norm's pre-hook leaves its hook, and which changed (see _norm_hooks)
             width = self.module.weight.shape[-1] if self.tap.kind == _NORM_SCALE else self.width
@@ -2660,7 +2662,14 @@ class _Hook(_EditTables):
         if pre_hook is not None:
             pre_hook = torch.no_grad()(pre_hook)
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=first))
-        if hook is not None:
+        if hook is not None and "output" in inspect.signature(module.forward).parameters:
+            # (vLLM 0.24's Qwen3-Next and Qwen 3.5 attention write their result into an ``output`` argument and
+            # return None: the hook reads and edits that tensor)
+            def hook_written(module, args, kwargs, output, hook=hook):
+                return hook(module, args, kwargs.get("output") if output is None else output)
+
+            handles.append(module.register_forward_hook(torch.no_grad()(hook_written), with_kwargs=True))
+        elif hook is not None:
             handles.append(module.register_forward_hook(torch.no_grad()(hook)))
 
 
