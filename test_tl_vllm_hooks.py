@@ -1990,6 +1990,17 @@ class TestFamiliesOnePromptFlavour:
         assert_matches(baseline, llm.model.reference(PROMPT, llm.hook_names, **routes), llm.model.family, llm.tolerance)
         check_every_site_edit(llm, llm.model, baseline, tolerance=llm.tolerance)
 
+    def test_top_k_logits_taken_in_chunks_match_the_whole_logits(self, one_prompt_flavour_llm, monkeypatch):
+        """unembed's top k, which a worker takes over chunks of at most _UNEMBED_CHUNK_BYTES of logits (set here, in
+        the engine's own process, to 2 rows a chunk: 5 rows in 3 chunks), against the top k of the whole logits."""
+        llm = one_prompt_flavour_llm
+        rows = next(t for name, t in capture(llm, PROMPT).items() if name.endswith("hook_resid_post"))[:5]
+        whole = tlh.unembed(llm, rows)
+        monkeypatch.setattr(tlh, "_UNEMBED_CHUNK_BYTES", 4 * whole.shape[-1] * 2)
+        best, expected = tlh.unembed(llm, rows, top_k=3), whole.topk(3)
+        assert torch.equal(best.indices, expected.indices)
+        assert_matches({"top 3": best.values}, {"top 3": expected.values}, llm.model.family)
+
 
 # The multimodal records checked here too, where their tiny checkpoint is built and the bridge boots without
 # torchvision; test_tl_vllm_hooks_vision.py checks every one.

@@ -2160,6 +2160,9 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
+_UNEMBED_CHUNK_BYTES = 1 << 30  # the most float32 logits a worker holds at once for unembed's top k
+
+
 class _Source(typing.NamedTuple):
     """One thing a forward keeps: its name, its device buffer [max_rows, width] and one row's shape."""
 
@@ -2296,14 +2299,19 @@ class _HookState:
             return None
         with torch.inference_mode():
             hidden = decode_tensor(rows).to(self.device, self.edit_dtype)
-            logits = _readout(self.model, final_norm, hidden, apply_ln, bias)
-            if logits is None:
-                return None
-            logits = logits.float()
-            if not top_k:
-                return {"logits": encode_tensor(logits)}
-            best = logits.topk(top_k, dim=-1)
-            return {"values": encode_tensor(best.values), "indices": encode_tensor(best.indices)}
+            if not top_k:  # (the driver sends at most _UNEMBED_CALL_BYTES of logits a call)
+                logits = _readout(self.model, final_norm, hidden, apply_ln, bias)
+                return None if logits is None else {"logits": encode_tensor(logits.float())}
+            # top_k: rows in chunks of at most _UNEMBED_CHUNK_BYTES of float32 logits (every rank the same chunks)
+            step = max(1, _UNEMBED_CHUNK_BYTES // (4 * self.hf_config.vocab_size))
+            best = []
+            for chunk in hidden.split(step):
+                logits = _readout(self.model, final_norm, chunk, apply_ln, bias)
+                if logits is None:
+                    return None
+                best.append(logits.float().topk(top_k, dim=-1))
+            values, indices = (torch.cat(parts) for parts in zip(*best))
+            return {"values": encode_tensor(values), "indices": encode_tensor(indices)}
 
     def reset_fire_counts(self) -> None:
         self.fire_counts.zero_()
