@@ -4206,7 +4206,7 @@ class TestCudaRay:
 @CUDA
 class TestCudaFamilies:
     """Families beside Llama on the GPU (a Mamba-2 hybrid and a short-convolution one among them): both flavours,
-    Model Runner V2, vLLM's default FULL_AND_PIECEWISE graphs (Mixtral eager), where vLLM's fused add+norm kernels
+    Model Runner V2 (V1 for the hybrids), vLLM's default FULL_AND_PIECEWISE graphs (Mixtral eager), where vLLM's fused add+norm kernels
     work in place; every site the bridge runs for the family (TRANSFORMERS_TAPS places each, a CPU test checks),
     unedited and under an edit at each site, against transformers on the bf16-rounded weights, row by row.
     Mixtral's expert indices in the router's order, highest first; where the engine routes
@@ -4227,8 +4227,11 @@ class TestCudaFamilies:
         # Mixtral's hooked engine stops at start under torch.compile on vLLM 0.24 CUDA (Dynamo specializes the token
         # count: docs/moe-compile-on-cuda.md; again on 2026-12-05): eager there, as the README says to run it.
         eager = family == "mixtral"
+        # The hybrids under Model Runner V1: vLLM 0.24's V2 stops at start on them, plain vLLM too (its Mamba
+        # metadata's `assert seq_lens_cpu is not None`, in the warm-up's dummy run; measured 2026-12-05, H100).
+        runner = "v1" if family in ("falcon_h1", "lfm2") else "v2"
         with engine(models[family], sites=transformers_sites(family), in_process=False, eager=eager,
-                    batching=flavour == "batched", dtype="bfloat16", environment=RUNNERS["v2"]) as llm:
+                    batching=flavour == "batched", dtype="bfloat16", environment=RUNNERS[runner]) as llm:
             llm.model, llm.reference_model = models[family], bf16_reference(models[family])
             yield llm
 
