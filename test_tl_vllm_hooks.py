@@ -3381,17 +3381,18 @@ def fired(oracle: SAEOracle, hook: str, count: int) -> list[int]:
     return torch.cat(oracle.features[hook]).sum(0).topk(count).indices.tolist()
 
 
-def assert_features(indices, values, expected, k, context):
-    """A read's features (int32 indices and values, [rows, k]) are sae-lens's k highest, highest first: the same
-    values, at the features they name. A relative error as the rows': features are relu(rows @ W_enc + b_enc)."""
-    assert indices.dtype == torch.int32 and values.dtype == torch.float32, context
+def assert_features(indices, values, expected, k, context, tolerance=TOLERANCE, dtype=torch.float32):
+    """A read's features (int32 indices and values in the capture dtype, [rows, k]) are sae-lens's k highest, highest
+    first: the same values, at the features they name. A relative error as the rows' (a tolerance as assert_matches
+    takes): features are relu(rows @ W_enc + b_enc)."""
+    assert indices.dtype == torch.int32 and values.dtype == dtype, context
+    values = values.float()
     assert indices.shape == values.shape == (len(expected), k), f"{context}: {tuple(indices.shape)}"
     assert bool((values[:, :-1] >= values[:, 1:]).all()), f"{context}: highest first"
-    top = expected.topk(k, dim=-1).values
-    assert relative_error(values, top) <= TOLERANCE, f"{context}: values {relative_error(values, top):.2e}"
-    named = expected.gather(1, indices.long())
-    assert relative_error(values, named) <= TOLERANCE, f"{context}: indices {relative_error(values, named):.2e}"
-    return max(relative_error(values, top), relative_error(values, named))
+    top, named = expected.topk(k, dim=-1).values, expected.gather(1, indices.long())
+    return max(assert_matches({"values": values}, {"values": top}, context, tolerance),
+               assert_matches({"the values of the features named": values}, {"the values of the features named": named},
+                              context, tolerance))
 
 
 @pytest.fixture(scope="module")
@@ -3554,6 +3555,47 @@ def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_
         assert_matches({n: rows[n] for n in llm.hook_names}, expected, f"request {i}")
     plain = model.reference(SAE_PROMPTS[1], llm.hook_names)["blocks.2.hook_resid_post"]
     assert relative_error(read[outputs[1].request_id]["blocks.2.hook_resid_post"], plain) > 1e-3
+
+
+# Latent attention's families (bf16 alone on vLLM's CPU) route their tokens from the second layer on: SAEs on the
+# first layer's MLP output and residual stream, which no routing decides.
+LATENT_SAES = ("blocks.0.hook_mlp_out", "blocks.0.hook_resid_post")
+
+
+@pytest.mark.parametrize("family", ("deepseek_v3", "deepseek_v2"))
+def test_saes_read_and_edit_a_latent_attention_familys_hooks(sae_lens_python, models, tmp_path, family):
+    """SAEs on DeepSeek's hooks, as on any family's: each request's top features are sae-lens's encode of
+    TransformerLens's rows (fp32, on the bf16-rounded weights: the family's per-row bound), and a feature edit of the
+    MLP output moves the residual stream after it as run_with_hooks does with the SAE's decoder. Eager, in this
+    process."""
+    mlp_out, resid_post = LATENT_SAES
+    model, tolerance = models[family], family_tolerance(family)
+    # (standard SAEs, whose features are continuous in the rows: a topk or jumprelu SAE's cut-off turns bf16's near-ties
+    # into features 0 in one and not the other)
+    oracle = SAEOracle(sae_lens_python, model, tmp_path, dict.fromkeys(LATENT_SAES, ("standard", 256, None)))
+    edit = {features(mlp_out): {"op": "scale", "features": fired(oracle, mlp_out, 3), "value": 4.0}}
+    with engine(model, sites=("mlp_out", "resid_post"), in_process=True, eager=True, batching=True,
+                saes=oracle.saes(), sae_top_k=SAE_TOP_K, **family_engine_arguments(family)) as llm:
+        extra = [None, tlh.request_args(llm.config, edits=edit), None]
+        outputs = generate(llm, SAE_PROMPTS, 1, extra)
+        read = tlh.read_batched(llm, [o.request_id for o in outputs])
+    worst_features = worst_rows = 0.0
+    for i, output in enumerate(outputs):
+        rows = read[output.request_id]
+        if i != 1:  # (the edit leaves its own SAE's features as they were, and moves the later SAE's)
+            for hook in LATENT_SAES:
+                got = rows[features(hook) + ".indices"], rows[features(hook) + ".values"]
+                worst_features = max(worst_features, assert_features(
+                    *got, oracle.features[hook][i], SAE_TOP_K, f"request {i} {hook}", tolerance, torch.bfloat16))
+        steering = oracle.steered(i, mlp_out, edit[features(mlp_out)]) if i == 1 else None
+        expected = model.reference(SAE_PROMPTS[i], list(LATENT_SAES), steering)
+        worst_rows = max(worst_rows, assert_matches({n: rows[n] for n in LATENT_SAES}, expected, f"request {i}",
+                                                    tolerance))
+    plain = model.reference(SAE_PROMPTS[1], [resid_post])[resid_post]
+    moved = float(row_errors(read[outputs[1].request_id][resid_post], plain).max())
+    assert moved > 2 * tolerance, f"the edit moves no row past the tolerance ({moved:.1e})"
+    print(f"\n{family}: SAE features worst {worst_features:.2e}, rows {worst_rows:.2e} (whole hook), the edit moved "
+          f"a row by {moved:.2e}")
 
 
 class TestSAEsOnePrompt:
