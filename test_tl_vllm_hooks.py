@@ -4245,6 +4245,15 @@ class TestCudaRay:
                 assert torch.equal(by_mp[name], by_ray[name]), f"request {i}, {name}: Ray's rows differ"
 
 
+# On vLLM 0.24's CUDA build (the GPU machine's), what the GPU tests and scripts/gpu_families.py run a family with:
+# eager where the hooked engine stops at start under torch.compile (Dynamo specializes the token count to 128:
+# docs/moe-compile-on-cuda.md; Mixtral and OLMoE, and Qwen3-Next on 2026-12-05); Model Runner V1 where V2 stops at
+# start, plain vLLM too (its Mamba metadata's `assert seq_lens_cpu is not None` in the warm-up's dummy run; Falcon-H1
+# and LFM2 on 2026-12-05, an H100).
+CUDA_EAGER = ("mixtral", "olmoe", "qwen3_next")
+CUDA_RUNNER_V1 = ("falcon_h1", "lfm2")
+
+
 @CUDA
 class TestCudaFamilies:
     """Families beside Llama on the GPU (a Mamba-2 hybrid and a short-convolution one among them): both flavours,
@@ -4266,13 +4275,8 @@ class TestCudaFamilies:
         for family in ("gemma2", "mixtral", "falcon_h1", "lfm2") for flavour in ("one-prompt", "batched")])
     def llm(self, request, models):
         family, flavour = request.param
-        # Mixtral's hooked engine stops at start under torch.compile on vLLM 0.24 CUDA (Dynamo specializes the token
-        # count: docs/moe-compile-on-cuda.md; again on 2026-12-05): eager there, as the README says to run it.
-        eager = family == "mixtral"
-        # The hybrids under Model Runner V1: vLLM 0.24's V2 stops at start on them, plain vLLM too (its Mamba
-        # metadata's `assert seq_lens_cpu is not None`, in the warm-up's dummy run; measured 2026-12-05, H100).
-        runner = "v1" if family in ("falcon_h1", "lfm2") else "v2"
-        with engine(models[family], sites=transformers_sites(family), in_process=False, eager=eager,
+        runner = "v1" if family in CUDA_RUNNER_V1 else "v2"
+        with engine(models[family], sites=transformers_sites(family), in_process=False, eager=family in CUDA_EAGER,
                     batching=flavour == "batched", dtype="bfloat16", environment=RUNNERS[runner]) as llm:
             llm.model, llm.reference_model = models[family], bf16_reference(models[family])
             yield llm

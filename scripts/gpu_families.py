@@ -6,7 +6,8 @@
 
 `models` saves tiny random fp32 models (tiny_model) to DIR, so that both machines use the
 same weights. `capture` runs each in bf16 under CUDA graphs (vLLM's default
-FULL_AND_PIECEWISE; Model Runner V2 unless VLLM_USE_V2_MODEL_RUNNER=0), both flavours,
+FULL_AND_PIECEWISE; Model Runner V2 unless VLLM_USE_V2_MODEL_RUNNER=0; eager and V1 for the
+families the GPU tests run so, CUDA_EAGER and CUDA_RUNNER_V1), both flavours,
 every site of every layer: the batched flavour serves one generate of a 9-, a 300-
 (chunked, 128 tokens a forward) and a 57-token prompt unedited and one request per site of layer 1 with an edit
 there; the one-prompt flavour captures one prompt unedited and under each edit alone. It
@@ -30,7 +31,8 @@ import tl_vllm_hooks_tools as tools  # noqa: E402
 from hook_errors import placed  # noqa: E402  (this folder is on sys.path when run as a script)
 # The tests' prompts, their edit oracle and their TransformerLens reference, not copies.
 from test_tl_vllm_hooks import (  # noqa: E402
-    BATCH, BF16_TOLERANCE, PROMPT, ROUTER_LOGITS, ROUTER_TIE, Model, router_logits, row_errors, site_edits,
+    BATCH, BF16_TOLERANCE, CUDA_EAGER, CUDA_RUNNER_V1, PROMPT, ROUTER_LOGITS, ROUTER_TIE, Model, router_logits,
+    row_errors, site_edits,
 )
 
 
@@ -57,12 +59,13 @@ def make_models(directory, families):
 
 def capture(directory, out, eager):
     """Each family in directory (capture_family), the others still where one fails; 1 if any failed."""
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "1")
     os.makedirs(out, exist_ok=True)
     failed = []
     for family in sorted(os.listdir(directory)):
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if family in CUDA_RUNNER_V1 else runner  # (read as engines start)
         try:
-            capture_family(directory, out, eager, family)
+            capture_family(directory, out, eager or family in CUDA_EAGER, family)
         except Exception as error:  # (the others still run: device time is scarce)
             print(f"{family}: FAILED: {type(error).__name__}: {error}", flush=True)
             failed.append(family)
@@ -122,7 +125,8 @@ def capture_family(directory, out, eager, family):
         del llm
         print(f"{family} {flavour}: {sum(map(len, rows.values()))} tensors", flush=True)
     with open(os.path.join(out, f"{family}.json"), "w") as file:
-        json.dump({"records": records, "versions": tools.versions(), "device": torch.cuda.get_device_name()}, file)
+        json.dump({"records": records, "versions": tools.versions(), "device": torch.cuda.get_device_name(),
+                   "eager": eager, "model_runner": "V1" if os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" else "V2"}, file)
 
 
 def compare(directory, out, tolerance):
@@ -167,7 +171,8 @@ def compare(directory, out, tolerance):
         for flavour, (error, hook) in worst.items():
             verdict = "ok" if error <= tolerance else "FAILED"
             failed |= error > tolerance
-            print(f"{family} {flavour} ({meta['device']}, vLLM {meta['versions']['vllm']}): "
+            how = f"{'eager' if meta.get('eager') else 'CUDA graphs'}, Model Runner {meta.get('model_runner', '?')}"
+            print(f"{family} {flavour} ({meta['device']}, vLLM {meta['versions']['vllm']}, {how}): "
                   f"worst row's relative error {error:.2e} at {hook}: {verdict}", flush=True)
         routing = model.routing
         if routing["choices"]:
