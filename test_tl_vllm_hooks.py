@@ -3527,13 +3527,15 @@ class TestSAEs:
 
 
 # Beyond attention, an SAE on each family's own mixing output and one on the residual stream after it.
-MIXING_SAES = {"mamba2": "blocks.1.mixer.hook_out", "lfm2": "blocks.2.conv.hook_out"}
+MIXING_SAES = {"mamba2": "blocks.1.mixer.hook_out", "lfm2": "blocks.2.conv.hook_out",
+               "falcon_h1": "blocks.1.mamba.hook_out", "zamba2": "blocks.2.mixer.hook_out",
+               "granitemoehybrid": "blocks.2.mixer.hook_out"}
 
 
 @pytest.mark.parametrize("family", MIXING_SAES)
 def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_python, models, tmp_path, family):
-    """SAEs on Mamba-2's mixer output and LFM2's short convolution's, and on the residual stream, as on any family's
-    hooks: each request's top features are sae-lens's encode of TransformerLens's rows, and a feature edit of the
+    """SAEs on the mixer output of Mamba-2 and the hybrids (Falcon-H1's, Zamba2's, Granite 4.0's) and on LFM2's short
+    convolution's, and on the residual stream, as on any family's hooks: each request's top features are sae-lens's encode of TransformerLens's rows, and a feature edit of the
     mixing output moves every later row as run_with_hooks does with the SAE's decoder. Eager, in this process."""
     mixing, model = MIXING_SAES[family], models[family]
     kinds = {mixing: ("standard", 256, None), "blocks.2.hook_resid_post": ("topk", 256, 12)}
@@ -3559,7 +3561,7 @@ def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_
 
 # Latent attention's families (bf16 alone on vLLM's CPU) route their tokens from the second layer on: SAEs on the
 # first layer's MLP output and residual stream, which no routing decides.
-LATENT_SAES = ("blocks.0.hook_mlp_out", "blocks.0.hook_resid_post")
+FIRST_LAYER_SAES = ("blocks.0.hook_mlp_out", "blocks.0.hook_resid_post")
 
 
 @pytest.mark.parametrize("family", ("deepseek_v3", "deepseek_v2"))
@@ -3568,11 +3570,11 @@ def test_saes_read_and_edit_a_latent_attention_familys_hooks(sae_lens_python, mo
     TransformerLens's rows (fp32, on the bf16-rounded weights: the family's per-row bound), and a feature edit of the
     MLP output moves the residual stream after it as run_with_hooks does with the SAE's decoder. Eager, in this
     process."""
-    mlp_out, resid_post = LATENT_SAES
+    mlp_out, resid_post = FIRST_LAYER_SAES
     model, tolerance = models[family], family_tolerance(family)
     # (standard SAEs, whose features are continuous in the rows: a topk or jumprelu SAE's cut-off turns bf16's near-ties
     # into features 0 in one and not the other)
-    oracle = SAEOracle(sae_lens_python, model, tmp_path, dict.fromkeys(LATENT_SAES, ("standard", 256, None)))
+    oracle = SAEOracle(sae_lens_python, model, tmp_path, dict.fromkeys(FIRST_LAYER_SAES, ("standard", 256, None)))
     edit = {features(mlp_out): {"op": "scale", "features": fired(oracle, mlp_out, 3), "value": 4.0}}
     with engine(model, sites=("mlp_out", "resid_post"), in_process=True, eager=True, batching=True,
                 saes=oracle.saes(), sae_top_k=SAE_TOP_K, **family_engine_arguments(family)) as llm:
@@ -3583,13 +3585,13 @@ def test_saes_read_and_edit_a_latent_attention_familys_hooks(sae_lens_python, mo
     for i, output in enumerate(outputs):
         rows = read[output.request_id]
         if i != 1:  # (the edit leaves its own SAE's features as they were, and moves the later SAE's)
-            for hook in LATENT_SAES:
+            for hook in FIRST_LAYER_SAES:
                 got = rows[features(hook) + ".indices"], rows[features(hook) + ".values"]
                 worst_features = max(worst_features, assert_features(
                     *got, oracle.features[hook][i], SAE_TOP_K, f"request {i} {hook}", tolerance, torch.bfloat16))
         steering = oracle.steered(i, mlp_out, edit[features(mlp_out)]) if i == 1 else None
-        expected = model.reference(SAE_PROMPTS[i], list(LATENT_SAES), steering)
-        worst_rows = max(worst_rows, assert_matches({n: rows[n] for n in LATENT_SAES}, expected, f"request {i}",
+        expected = model.reference(SAE_PROMPTS[i], list(FIRST_LAYER_SAES), steering)
+        worst_rows = max(worst_rows, assert_matches({n: rows[n] for n in FIRST_LAYER_SAES}, expected, f"request {i}",
                                                     tolerance))
     plain = model.reference(SAE_PROMPTS[1], [resid_post])[resid_post]
     moved = float(row_errors(read[outputs[1].request_id][resid_post], plain).max())
