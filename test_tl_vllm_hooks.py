@@ -3530,33 +3530,46 @@ class TestSAEs:
 MIXING_SAES = {"mamba2": "blocks.1.mixer.hook_out", "lfm2": "blocks.2.conv.hook_out",
                "falcon_h1": "blocks.1.mamba.hook_out", "zamba2": "blocks.2.mixer.hook_out",
                "granitemoehybrid": "blocks.2.mixer.hook_out"}
+MIXING_TRANSCODERS = {"falcon_h1": "blocks.1.mlp.hook_in", "lfm2": "blocks.1.mlp.hook_in"}  # (a dense MLP in layer 1)
 
 
 @pytest.mark.parametrize("family", MIXING_SAES)
 def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_python, models, tmp_path, family):
     """SAEs on the mixer output of Mamba-2 and the hybrids (Falcon-H1's, Zamba2's, Granite 4.0's) and on LFM2's short
-    convolution's, and on the residual stream, as on any family's hooks: each request's top features are sae-lens's encode of TransformerLens's rows, and a feature edit of the
-    mixing output moves every later row as run_with_hooks does with the SAE's decoder. Eager, in this process."""
-    mixing, model = MIXING_SAES[family], models[family]
+    convolution's, and on the residual stream, as on any family's hooks (and a transcoder on the MLP where layer 1
+    has one): each request's top features are sae-lens's encode of TransformerLens's rows, and a feature edit of the
+    mixing output (or of the transcoder, in a fourth request) moves every later row as run_with_hooks does with the
+    SAE's decoder. Eager, in this process."""
+    mixing, transcoder, model = MIXING_SAES[family], MIXING_TRANSCODERS.get(family), models[family]
     kinds = {mixing: ("standard", 256, None), "blocks.2.hook_resid_post": ("topk", 256, 12)}
+    edits = [None, {features(mixing): {"op": "scale", "features": [], "value": 4.0}}, None]
+    if transcoder:
+        kinds[transcoder] = ("transcoder", 192, None)
+        edits.append({features(transcoder): {"op": "scale", "features": [], "value": 3.0}})
     oracle = SAEOracle(sae_lens_python, model, tmp_path, kinds)
-    edit = {features(mixing): {"op": "scale", "features": fired(oracle, mixing, 3), "value": 4.0}}
+    for edit in filter(None, edits):
+        ((name, feature_edit),) = edit.items()
+        feature_edit["features"] = fired(oracle, name.removesuffix(tlh.SAE_FEATURES), 3)
+    prompts = [SAE_PROMPTS[i % len(SAE_PROMPTS)] for i in range(len(edits))]
     with engine(model, sites=("resid_post",), in_process=True, eager=True, batching=True, saes=oracle.saes(),
                 sae_top_k=SAE_TOP_K, **family_engine_arguments(family)) as llm:
-        extra = [None, tlh.request_args(llm.config, edits=edit), None]
-        outputs = generate(llm, SAE_PROMPTS, 1, extra)
+        extra = [edit and tlh.request_args(llm.config, edits=edit) for edit in edits]
+        outputs = generate(llm, prompts, 1, extra)
         read = tlh.read_batched(llm, [o.request_id for o in outputs])
-    for i, output in enumerate(outputs):
-        rows = read[output.request_id]
-        if i != 1:  # (an edit at the mixing output leaves its own features as they were, and moves the later SAE's)
+    for i, (output, edit) in enumerate(zip(outputs, edits)):
+        rows, prompt_index = read[output.request_id], i % len(SAE_PROMPTS)
+        if edit is None:  # (an edit leaves its own SAE's features as they were, and moves the later SAEs')
             for hook in kinds:
                 got = rows[features(hook) + ".indices"], rows[features(hook) + ".values"]
-                assert_features(*got, oracle.features[hook][i], SAE_TOP_K, f"request {i} {hook}")
-        steering = oracle.steered(i, mixing, edit[features(mixing)]) if i == 1 else None
-        expected = model.reference(SAE_PROMPTS[i], llm.hook_names, steering)
+                assert_features(*got, oracle.features[hook][prompt_index], SAE_TOP_K, f"request {i} {hook}")
+            expected = model.reference(prompts[i], llm.hook_names)
+        else:
+            ((name, feature_edit),) = edit.items()
+            steering = oracle.steered(prompt_index, name.removesuffix(tlh.SAE_FEATURES), feature_edit)
+            expected = model.reference(prompts[i], llm.hook_names, steering)
+            plain = model.reference(prompts[i], llm.hook_names)["blocks.2.hook_resid_post"]
+            assert relative_error(rows["blocks.2.hook_resid_post"], plain) > 1e-3, f"request {i}: the edit moves none"
         assert_matches({n: rows[n] for n in llm.hook_names}, expected, f"request {i}")
-    plain = model.reference(SAE_PROMPTS[1], llm.hook_names)["blocks.2.hook_resid_post"]
-    assert relative_error(read[outputs[1].request_id]["blocks.2.hook_resid_post"], plain) > 1e-3
 
 
 # Latent attention's families (bf16 alone on vLLM's CPU) route their tokens from the second layer on: SAEs on the
