@@ -2880,10 +2880,14 @@ def _latent_hooks(site: _Hook) -> None:
     """Multi-head latent attention's ``part`` (see _Tap.part) from what vLLM's MLAAttention receives: q ``[tokens,
     heads, nope + rope]`` after rotary, the normed latent ``[tokens, kv_lora_rank]`` and the rotary key ``[tokens, 1,
     rope]``. Each head's key is its part of the latent projected up by kv_b_proj beside the rotary key, its value the
-    rest of that projection: vLLM's prefill computes the same, its decode never (it attends in the latent). An edit of
+    rest of that projection: vLLM's prefill computes the same, its decode never (it attends in the latent); the first
+    of the module's hooks that keep those (k, v, qk) keeps every one's rows, from one projection a forward. An edit of
     q, rot_q or rot_k is what the attention receives; rot_q's and rot_k's pre-hooks run first, as TransformerLens fires
     hook_rot_q and hook_rot_k before hook_q (a hook_q of rotary columns)."""
     module, part, nope = site.module, site.tap.part, site.module.qk_nope_head_dim
+    projected = [h for h in site.state.placed.values() if h.module is module and h.tap.part in ("k", "v", "qk")]
+    if part in ("k", "v", "qk") and site is not projected[0]:
+        return
 
     def pre_hook(_module, args, kwargs):
         query, latent, rotary_key = (kwargs[n] if n in kwargs else args[at] for n, at in site.tap.inputs)
@@ -2891,8 +2895,12 @@ def _latent_hooks(site: _Hook) -> None:
         if part in ("k", "v", "qk"):
             up = module.kv_b_proj(latent)[0].view(tokens, module.num_heads, -1)  # (this rank's heads)
             keys = torch.cat([up[..., :nope], rotary_key.view(tokens, 1, -1).expand(-1, module.num_heads, -1)], -1)
-            rows = {"k": keys, "v": up[..., nope:], "qk": torch.cat([query, keys], dim=1)}[part]
-            site.keep(rows.reshape(tokens, -1))
+            kept = {}
+            for hook in projected:
+                if hook.tap.part not in kept:
+                    rows = {"k": keys, "v": up[..., nope:]}.get(hook.tap.part)
+                    kept[hook.tap.part] = (torch.cat([query, keys], dim=1) if rows is None else rows).reshape(tokens, -1)
+                hook.keep(kept[hook.tap.part])
             return None
         target, argument = (rotary_key, "k_pe") if part == "rot_k" else (query, "q")
         whole = target.reshape(tokens, -1, target.shape[-1])  # [tokens, heads, columns]
