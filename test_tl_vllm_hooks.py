@@ -3542,14 +3542,11 @@ def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_
     SAE's decoder. Eager, in this process."""
     mixing, transcoder, model = MIXING_SAES[family], MIXING_TRANSCODERS.get(family), models[family]
     kinds = {mixing: ("standard", 256, None), "blocks.2.hook_resid_post": ("topk", 256, 12)}
-    edits = [None, {features(mixing): {"op": "scale", "features": [], "value": 4.0}}, None]
-    if transcoder:
-        kinds[transcoder] = ("transcoder", 192, None)
-        edits.append({features(transcoder): {"op": "scale", "features": [], "value": 3.0}})
+    kinds.update({transcoder: ("transcoder", 192, None)} if transcoder else {})
     oracle = SAEOracle(sae_lens_python, model, tmp_path, kinds)
-    for edit in filter(None, edits):
-        ((name, feature_edit),) = edit.items()
-        feature_edit["features"] = fired(oracle, name.removesuffix(tlh.SAE_FEATURES), 3)
+    edited = [None, mixing, None, *([transcoder] if transcoder else [])]  # the hook each request edits
+    edits = [hook and {features(hook): {"op": "scale", "features": fired(oracle, hook, 3), "value": 4.0}}
+             for hook in edited]
     prompts = [SAE_PROMPTS[i % len(SAE_PROMPTS)] for i in range(len(edits))]
     with engine(model, sites=("resid_post",), in_process=True, eager=True, batching=True, saes=oracle.saes(),
                 sae_top_k=SAE_TOP_K, **family_engine_arguments(family)) as llm:
@@ -3564,8 +3561,7 @@ def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_
                 assert_features(*got, oracle.features[hook][prompt_index], SAE_TOP_K, f"request {i} {hook}")
             expected = model.reference(prompts[i], llm.hook_names)
         else:
-            ((name, feature_edit),) = edit.items()
-            steering = oracle.steered(prompt_index, name.removesuffix(tlh.SAE_FEATURES), feature_edit)
+            steering = oracle.steered(prompt_index, edited[i], edit[features(edited[i])])
             expected = model.reference(prompts[i], llm.hook_names, steering)
             plain = model.reference(prompts[i], llm.hook_names)["blocks.2.hook_resid_post"]
             assert relative_error(rows["blocks.2.hook_resid_post"], plain) > 1e-3, f"request {i}: the edit moves none"
@@ -4272,8 +4268,8 @@ CUDA_RUNNER_V1 = ("falcon_h1", "lfm2")
 @CUDA
 class TestCudaFamilies:
     """Families beside Llama on the GPU (a Mamba-2 hybrid and a short-convolution one among them): both flavours,
-    Model Runner V2 (V1 for the hybrids), vLLM's default FULL_AND_PIECEWISE graphs (Mixtral eager), where vLLM's fused add+norm kernels
-    work in place; every site the bridge runs for the family (TRANSFORMERS_TAPS places each, a CPU test checks),
+    Model Runner V2 and vLLM's default FULL_AND_PIECEWISE graphs (but CUDA_EAGER's eager, CUDA_RUNNER_V1's on V1),
+    where vLLM's fused add+norm kernels work in place; every site the bridge runs for the family (TRANSFORMERS_TAPS places each, a CPU test checks),
     unedited and under an edit at each site, against transformers on the bf16-rounded weights, row by row.
     Mixtral's expert indices in the router's order, highest first; where the engine routes
     otherwise at a near-tie, the reference follows it (bounded and reported: ROUTER_TIE).
