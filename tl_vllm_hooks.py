@@ -2670,7 +2670,7 @@ class _Hook(_EditTables):
         if pre_hook is not None:
             pre_hook = torch.no_grad()(pre_hook)
             handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=first))
-        if hook is not None and "output" in inspect.signature(module.forward).parameters:
+        if hook is not None and "output" in _forward_parameters(module):
             # (vLLM 0.24's Qwen3-Next and Qwen 3.5 attention write their result into an ``output`` argument and
             # return None: the hook reads and edits that tensor)
             def hook_written(module, args, kwargs, output, hook=hook):
