@@ -184,6 +184,8 @@ def family_tolerance(family: str):
     """TOLERANCE, BF16_ALONE_ON_CPU for a family vLLM's CPU runs in bf16 alone, or for the families of LOOSER_FROM a
     function of the hook name."""
     if tools._TINY_MODELS[family].bfloat16:
+        if tlh.FAMILIES[family].linear_attention and GATED_DELTANET_IN_TORCH:
+            return lambda name: LINEAR_ATTENTION_IN_TORCH if name.endswith("linear_attn.hook_out") else BF16_ALONE_ON_CPU
         return BF16_ALONE_ON_CPU
     if family not in LOOSER_FROM:
         return TOLERANCE
@@ -861,12 +863,21 @@ def routing_held_to_ties(reference, context: str) -> None:
 ROUTER_TIE, ROUTER_TIE_SHARE = 1e-1, 0.05
 
 
+def router_tie(family: str) -> float:
+    """ROUTER_TIE, or for a Gated DeltaNet family where vLLM's CPU runs that mixer's convolution in torch,
+    ROUTER_TIE_AFTER_LINEAR_ATTENTION_IN_TORCH."""
+    if tlh.FAMILIES[family].linear_attention and GATED_DELTANET_IN_TORCH:
+        return ROUTER_TIE_AFTER_LINEAR_ATTENTION_IN_TORCH
+    return ROUTER_TIE
+
+
 def assert_routing_ties(reference: TransformersReference, context: str) -> str:
     """The routing the reference followed was at near-ties only, and rarely; returns the report."""
     routing = reference.routing
     said = (f"{routing['followed']} of {routing['choices']} token-layer routings followed the engine's, the widest "
             f"at a router-logit gap of {routing['gap']:.2e}")
-    assert routing["gap"] <= ROUTER_TIE, f"{context}: {said}, wider than a near-tie ({ROUTER_TIE})"
+    tie = router_tie(reference.family)
+    assert routing["gap"] <= tie, f"{context}: {said}, wider than a near-tie ({tie})"
     assert routing["followed"] <= ROUTER_TIE_SHARE * routing["choices"], f"{context}: {said}: too many"
     return said
 
@@ -4010,6 +4021,18 @@ BF16_TOLERANCE = PerRow(1e-1)
 # 7,354 and 85 of 6,966 routings at choice-score gaps up to 1.6e-2, 1.0e-2 and 7.3e-3. A semantic error is ~1 in the
 # row it hits.
 BF16_ALONE_ON_CPU = PerRow(1.5e-1)
+# vLLM 0.32's CPU runs Gated DeltaNet's short convolution in its own kernel where the CPU has AVX-512 BF16, and
+# otherwise in torch, rounding to bf16 between the convolution and its SiLU (its ops/cpu/gdn_attention.py). The tiny
+# models' delta-rule output (rms 1e-5 to 2e-3 a head, transformers in fp32) lies below the gated norm's sqrt(eps) of
+# 1e-3, so that norm scales it rather than normalizing it, and a row where query and key nearly cancel carries
+# bf16's rounding of them in its length. Measured on an AMD EPYC with AVX2 alone (2026-12-05, the vision file's Qwen
+# 3.5 checks, edits included): linear_attn.hook_out rows within 1.6e-1 of a typical row (Qwen 3.5 MoE's layer 2
+# under the edit at blocks.1.hook_resid_pre: length 0.83 of the reference's, cosine 1.000), every other hook's within
+# 1.3e-1, and the reference following routings at gaps up to 1.13e-1 (Qwen 3.5 MoE) where the kernel's run gives
+# 8.7e-2 and 4.8e-2 (above and ROUTER_TIE).
+GATED_DELTANET_IN_TORCH = not torch.cpu._is_avx512_bf16_supported()
+LINEAR_ATTENTION_IN_TORCH = PerRow(2e-1)
+ROUTER_TIE_AFTER_LINEAR_ATTENTION_IN_TORCH = 1.5e-1
 
 
 def report(name: str, worst: float) -> None:
