@@ -1730,29 +1730,39 @@ def test_with_prefix_caching_a_request_keeps_rows_only_if_asked_and_marked():
 
 @NO_ENGINE
 def test_row_files_are_made_ahead_of_the_steps_that_fill_them():
-    """Once a step has shown its size, the next file is made ahead, on a thread of its own, as soon as the file being
-    filled has less room left than the largest step: steps of about that size never make one themselves, even while
-    every file is held (rows not yet read). A step larger than any file makes one of the next power of two itself,
-    and the idle files too small for it, the one made ahead among them, are removed."""
+    """The first file is made ahead when the hooks go in, for the largest step the engine can run, and the next, on a
+    thread of its own, as soon as the file being filled has less room left than that: no step makes one itself, even
+    while every file is held (rows not yet read), and after the idle files are removed one is made ahead again. Only
+    a step larger than that (one past a quarter of /dev/shm's free room) makes a file itself, and the idle files too
+    small for it, the one made ahead among them, are removed."""
     shared = tlh._SharedRows(pin=False, wait=None)
     mb = 1 << 20
     try:
-        first, pages = shared.region(10 * mb)  # the first step makes its 16 MiB file; 6 MiB left: the next is begun
-        assert pages.numel() == 10 * mb and shared.status()["made_in_step"] == 1 and len(shared.next_file) == 1
+        shared.begin(12 * mb)  # each step at most 12 MiB: the 16 MiB file made ahead
+        assert len(shared.next_file) == 1 and shared.status() == {"files": 1, "bytes": 16 * mb, "created": 1,
+                                                                  "made_in_step": 0}
+        first, pages = shared.region(10 * mb)  # 6 MiB left, less than a step: the next is begun
+        assert pages.numel() == 10 * mb and shared.status()["made_in_step"] == 0 and len(shared.next_file) == 1
         held = [first]
         shared.hold(first)
-        for nbytes in [12 * mb, 9 * mb, 12 * mb, 11 * mb] * 4:
+        for nbytes in [12 * mb, 9 * mb, 12 * mb, 11 * mb, 1 * mb] * 4:
             file, pages = shared.region(nbytes)
             shared.hold(file)  # rows of this step, until read
             held.append(file)
             assert pages.numel() == nbytes and pages.data_ptr() % 64 == 0
         status = shared.status()
-        assert status["made_in_step"] == 1 and len(set(held)) >= 4, (status, len(set(held)))
+        assert status["made_in_step"] == 0 and len(set(held)) >= 4, (status, len(set(held)))
         assert status["created"] == len(set(held)) + len(shared.next_file), "the files filled, and any made ahead"
         for file in held:
             shared.drop(file)  # read
-        big, _pages = shared.region(300 * mb)
-        assert shared.status()["made_in_step"] == 2 and big.pages.numel() == 512 * mb
+        shared.trim()
+        assert not shared.files and len(shared.next_file) == 1, "the idle files removed, one made ahead again"
+        again, _pages = shared.region(12 * mb)
+        assert shared.status()["made_in_step"] == 0 and again.pages.numel() >= 12 * mb
+        shared.hold(again)
+        shared.drop(again)
+        big, _pages = shared.region(300 * mb)  # past begin's bound (a bound /dev/shm's room capped)
+        assert shared.status()["made_in_step"] == 1 and big.pages.numel() == 300 * mb
         assert list(shared.files.values()) == [big], "the idle files too small for it are removed"
     finally:
         shared.close()
@@ -2768,14 +2778,15 @@ class TestBatched:
             outputs = generate(llm, BATCH)
             rows = tlh.read_batched(llm, [output.request_id for output in outputs])
             (now,) = tlh.status(llm)["row_files"]
-            assert len(rows) == len(BATCH) and now["made_in_step"] == before["made_in_step"], (before, now)
+            assert len(rows) == len(BATCH) and now["made_in_step"] == 0, (before, now)
             assert now["created"] - before["created"] == now["files"] - before["files"] in (0, 1), (
                 "the same files, none removed, and at most one made ahead", before, now)
             del rows
             gc.collect()
         tlh.reset_batched(llm)
         (after,) = tlh.status(llm)["row_files"]
-        assert after["files"] == after["bytes"] == 0, "reset_batched removes the row files nothing maps"
+        assert after["files"] == 1 and after["created"] == now["created"] + 1, (
+            "reset_batched removes the row files nothing maps, and makes one ahead for the next step", now, after)
         files = {token.rpartition("#")[0] for token in tokens}
         assert not [p for p in glob.glob("/dev/shm/tl_vllm_hooks-*") if p.partition("#")[0] in files], "nor tokens"
 
@@ -3686,7 +3697,7 @@ def test_sink_keeps_features_readable_with_safetensors_alone(models, sae_oracle,
 def test_the_sinks_row_files_are_filled_again_once_written(models, tmp_path):
     """The writer thread gives a row file back once it has written the rows in it, so later steps fill it again
     rather than make (and on CUDA pin) a new one: three rounds of 20 MB of rows each, more than the first row file's
-    16 MiB, of which only the first round's first step makes a file itself (the next is made ahead). Llama eager in
+    16 MiB, where no step makes a file itself (each is made ahead, the first when the hooks go in). Llama eager in
     this process."""
     with engine(models["llama"], in_process=True, eager=True, batching=True, sink_dir=str(tmp_path / "acts")) as llm:
         made = []
@@ -3697,7 +3708,7 @@ def test_the_sinks_row_files_are_filled_again_once_written(models, tmp_path):
             made.append(files["made_in_step"])
         dataset = tlh.CaptureDataset(tmp_path / "acts")
         assert len(dataset) == 15 and all(dataset[r]["blocks.2.hook_resid_post"].shape == (300, 128) for r in dataset)
-    assert made == [1, 1, 1], f"row files steps made themselves by the end of each round: {made}"
+    assert made == [0, 0, 0], f"row files steps made themselves by the end of each round: {made}"
 
 
 def write_sae(directory: Path, hook="blocks.0.hook_resid_post", d_in=128, d_sae=64, architecture="standard", **cfg):

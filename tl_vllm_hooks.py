@@ -3320,6 +3320,7 @@ class _Batched(_HookState):
         super().attach(worker)
         if self.config.sink_dir is not None:
             self.sink = _companion("RankSink")(self, worker)
+        self.shared.begin(sum(-(-source.buffer.nbytes // 64) * 64 for source in self.sources))  # a step of every row
 
     def forget_warm_up(self) -> None:
         super().forget_warm_up()
@@ -3707,12 +3708,16 @@ def decode_tensor(message: dict[str, Any]) -> torch.Tensor:
 # file over under a token (``path#number``), and once no tensor holds the driver's mapping the driver creates a file
 # of that name, by which the worker knows it may fill the file again. A worker removes its files when its hooks go
 # (and at exit), and the next engine to install hooks removes those of processes that died. Making and pinning a file
-# takes longer than a step's forward, so the next file is made ahead on a thread of its own, once the file being
-# filled has less room left than the largest step so far: a step makes a file itself only when none fits it.
+# takes longer than a step's forward, so files are made ahead on a thread of its own, each holding the largest step
+# the engine can run (every kept hook's rows at max_num_batched_tokens): the first when the hooks go in, the next once
+# the file being filled has less room left than that, and one again after the idle files are removed. A step makes a
+# file itself only where that step is larger than a quarter of /dev/shm's free room when the hooks went in (the most
+# one file is made to hold ahead).
 
 _SHARED_DIR = "/dev/shm"
 _SHARED_PREFIX = "tl_vllm_hooks-"
 _SHARED_FILE_BYTES = (16 << 20, 256 << 20)  # a worker's first row file, and the most one grows to (doubling)
+_SHARED_FILE_ROUNDING = 1 << 20  # a file's bytes, a multiple of this
 _shared_file_numbers = itertools.count()
 
 
@@ -3758,11 +3763,20 @@ class _SharedRows:
         self.usable = os.path.isdir(_SHARED_DIR)
         self.created = 0  # files made so far
         self.made_in_step = 0  # of those, the files a step made itself
+        self.step_bytes = 0  # the largest step a file made ahead holds (see begin)
         self.largest = 0  # the most bytes one step took
         self.maker: concurrent.futures.ThreadPoolExecutor | None = None  # makes the next file, off the steps
         self.next_file: list[concurrent.futures.Future] = []  # the file being made ahead (at most one)
         # An engine shut down without removing its hooks still leaves no file once its worker's state is collected.
         weakref.finalize(self, _remove_row_files, self.files, pin, self.next_file)
+
+    def begin(self, step_bytes: int) -> None:
+        """Make the first file ahead, for steps of up to step_bytes (the most one step's rows can take), at most a
+        quarter of /dev/shm's free room."""
+        if self.usable and step_bytes:
+            room = os.statvfs(_SHARED_DIR)
+            self.step_bytes = min(step_bytes, room.f_bavail * room.f_frsize // 4)
+            self._make_ahead()
 
     def region(self, nbytes: int) -> tuple[_RowFile | None, torch.Tensor]:
         """(its file, uint8 [nbytes]) of host memory for one step's rows, 64-byte aligned."""
@@ -3773,17 +3787,22 @@ class _SharedRows:
         if file is None:
             return None, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         start, file.used = file.used, file.used + -(-nbytes // 64) * 64
-        if file.used + self.largest > file.pages.numel() and not self.next_file:  # the next step may not fit
-            self.maker = self.maker or concurrent.futures.ThreadPoolExecutor(1, "tl_vllm_hooks-row-files")
-            self.next_file.append(self.maker.submit(_make_row_file, self._begun_file_size(), self.device))
+        if file.used + max(self.step_bytes, self.largest) > file.pages.numel():  # the next step may not fit
+            self._make_ahead()
         return file, file.pages[start : start + nbytes]
 
+    def _make_ahead(self) -> None:
+        """Begin making the next file on the maker's thread, unless one is being made."""
+        if not self.next_file:
+            self.maker = self.maker or concurrent.futures.ThreadPoolExecutor(1, "tl_vllm_hooks-row-files")
+            self.next_file.append(self.maker.submit(_make_row_file, self._begun_file_size(), self.device))
+
     def _begun_file_size(self) -> int:
-        """A new file's bytes, counted as made: a power of two that holds the largest step so far, and, while files
-        are few, the next of the sizes doubling from _SHARED_FILE_BYTES' first to its most."""
+        """A new file's bytes, counted as made: room for the largest step (begin's, or a larger one seen), and, while
+        files are few, the next of the sizes doubling from _SHARED_FILE_BYTES' first to its most."""
         growing = min(_SHARED_FILE_BYTES[0] << self.created, _SHARED_FILE_BYTES[1])
         self.created += 1
-        return max(1 << (self.largest - 1).bit_length(), growing)
+        return max(-(-max(self.step_bytes, self.largest) // _SHARED_FILE_ROUNDING) * _SHARED_FILE_ROUNDING, growing)
 
     def _refill(self, nbytes: int) -> _RowFile | None:
         """A file with room for nbytes: an idle one emptied, else the one made ahead, else a new one made now (None
@@ -3852,9 +3871,11 @@ class _SharedRows:
         return [file for file in self.files.values() if not file.held and not file.lent]
 
     def trim(self) -> None:
-        """Remove every file nothing holds (kept until then, to be filled again)."""
+        """Remove every file nothing holds (kept until then, to be filled again); one is made ahead again."""
         for file in self._idle_files():
             self._remove(file)
+        if self.usable and self.step_bytes:
+            self._make_ahead()
 
     def close(self) -> None:
         self.filling = None
