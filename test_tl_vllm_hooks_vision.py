@@ -142,3 +142,13 @@ def test_an_image_prompt_matches_transformer_lens_at_every_position(models):
     text_input = captured["blocks.0.hook_resid_pre"][image_positions]
     assert base.relative_error(text_input, captured["hook_embed"][image_positions]) > 0.1, "no image features"
     print(f"\nimage prompt: {len(token_ids)} positions ({len(image_positions)} image), worst relative error {worst:.2e}")
+
+
+sae_lens_python = base.sae_lens_python  # (the fixture, here too)
+
+
+def test_saes_read_and_edit_a_linear_attention_familys_hooks(sae_lens_python, models, tmp_path):
+    """SAEs on Qwen 3.5's first layer (Gated DeltaNet, then a dense MLP), as base.check_first_layer_saes checks them on
+    DeepSeek's."""
+    base.check_first_layer_saes(sae_lens_python, models["qwen3_5"], tmp_path, tolerance("qwen3_5"),
+                                engine_arguments("qwen3_5"))
