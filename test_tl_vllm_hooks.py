@@ -3590,14 +3590,15 @@ def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_
         assert_matches({n: rows[n] for n in llm.hook_names}, expected, f"request {i}")
 
 
-# Latent attention's families (bf16 alone on vLLM's CPU) route their tokens from the second layer on, and Qwen 3.5's
-# dense model runs its first layer's Gated DeltaNet and MLP in bf16 alone (test_tl_vllm_hooks_vision.py): SAEs on the
-# first layer's MLP output and residual stream, which no routing decides.
+# Latent attention's families and Qwen3-Next (bf16 alone on vLLM's CPU) route their tokens from the second layer on
+# (Qwen3-Next's first layer a Gated DeltaNet before a dense MLP), and Qwen 3.5's dense model runs its first layer's
+# Gated DeltaNet and MLP in bf16 alone too (test_tl_vllm_hooks_vision.py): SAEs on the first layer's MLP output and
+# residual stream, which no routing decides.
 FIRST_LAYER_SAES = ("blocks.0.hook_mlp_out", "blocks.0.hook_resid_post")
 
 
-@pytest.mark.parametrize("family", ("deepseek_v3", "deepseek_v2"))
-def test_saes_read_and_edit_a_latent_attention_familys_hooks(sae_lens_python, models, tmp_path, family):
+@pytest.mark.parametrize("family", ("deepseek_v3", "deepseek_v2", "qwen3_next"))
+def test_saes_read_and_edit_a_latent_or_linear_attention_familys_hooks(sae_lens_python, models, tmp_path, family):
     check_first_layer_saes(sae_lens_python, models[family], tmp_path, family_tolerance(family),
                            family_engine_arguments(family))
 
