@@ -184,7 +184,7 @@ def family_tolerance(family: str):
     """TOLERANCE, BF16_ALONE_ON_CPU for a family vLLM's CPU runs in bf16 alone, or for the families of LOOSER_FROM a
     function of the hook name."""
     if tools._TINY_MODELS[family].bfloat16:
-        if tlh.FAMILIES[family].linear_attention and GATED_DELTANET_IN_TORCH:
+        if linear_attention_in_torch(family):
             return lambda name: LINEAR_ATTENTION_IN_TORCH if name.endswith("linear_attn.hook_out") else BF16_ALONE_ON_CPU
         return BF16_ALONE_ON_CPU
     if family not in LOOSER_FROM:
@@ -866,9 +866,7 @@ ROUTER_TIE, ROUTER_TIE_SHARE = 1e-1, 0.05
 def router_tie(family: str) -> float:
     """ROUTER_TIE, or for a Gated DeltaNet family where vLLM's CPU runs that mixer's convolution in torch,
     ROUTER_TIE_AFTER_LINEAR_ATTENTION_IN_TORCH."""
-    if tlh.FAMILIES[family].linear_attention and GATED_DELTANET_IN_TORCH:
-        return ROUTER_TIE_AFTER_LINEAR_ATTENTION_IN_TORCH
-    return ROUTER_TIE
+    return ROUTER_TIE_AFTER_LINEAR_ATTENTION_IN_TORCH if linear_attention_in_torch(family) else ROUTER_TIE
 
 
 def assert_routing_ties(reference: TransformersReference, context: str) -> str:
@@ -4048,9 +4046,13 @@ BF16_ALONE_ON_CPU = PerRow(1.5e-1)
 # under the edit at blocks.1.hook_resid_pre: length 0.83 of the reference's, cosine 1.000), every other hook's within
 # 1.3e-1, and the reference following routings at gaps up to 1.13e-1 (Qwen 3.5 MoE) where the kernel's run gives
 # 8.7e-2 and 4.8e-2 (above and ROUTER_TIE).
-GATED_DELTANET_IN_TORCH = not torch.cpu._is_avx512_bf16_supported()
 LINEAR_ATTENTION_IN_TORCH = PerRow(2e-1)
 ROUTER_TIE_AFTER_LINEAR_ATTENTION_IN_TORCH = 1.5e-1
+
+
+def linear_attention_in_torch(family: str) -> bool:
+    """Whether the family has Gated DeltaNet layers that vLLM's CPU runs on its torch path here (see above)."""
+    return bool(tlh.FAMILIES[family].linear_attention) and not torch.cpu._is_avx512_bf16_supported()
 
 
 def report(name: str, worst: float) -> None:

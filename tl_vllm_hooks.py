@@ -3787,7 +3787,7 @@ class _SharedRows:
         if file is None:
             return None, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         start, file.used = file.used, file.used + -(-nbytes // 64) * 64
-        if file.used + max(self.step_bytes, self.largest) > file.pages.numel():  # the next step may not fit
+        if file.used + self._step_room() > file.pages.numel():  # the next step may not fit
             self._make_ahead()
         return file, file.pages[start : start + nbytes]
 
@@ -3802,7 +3802,11 @@ class _SharedRows:
         files are few, the next of the sizes doubling from _SHARED_FILE_BYTES' first to its most."""
         growing = min(_SHARED_FILE_BYTES[0] << self.created, _SHARED_FILE_BYTES[1])
         self.created += 1
-        return max(-(-max(self.step_bytes, self.largest) // _SHARED_FILE_ROUNDING) * _SHARED_FILE_ROUNDING, growing)
+        return max(-(-self._step_room() // _SHARED_FILE_ROUNDING) * _SHARED_FILE_ROUNDING, growing)
+
+    def _step_room(self) -> int:
+        """The bytes a file keeps free for the next step: begin's largest step, or a larger one seen."""
+        return max(self.step_bytes, self.largest)
 
     def _refill(self, nbytes: int) -> _RowFile | None:
         """A file with room for nbytes: an idle one emptied, else the one made ahead, else a new one made now (None
