@@ -3338,7 +3338,7 @@ class _Batched(_HookState):
         self.shared.close()
 
     def reset_batched(self) -> None:
-        """Drop every row not yet read, and the row files nothing maps."""
+        """Drop every row not yet read, and the row files nothing maps (one is made ahead again, empty)."""
         self._wait_for_copies()
         for record in self.records.values():
             self.release(record.files)
@@ -4475,7 +4475,8 @@ def flush_sink(engine: Any) -> Any:
 
 @_driver_helper
 def reset_batched(engine: Any) -> None:
-    """Drop every batched row not yet read (and the workers' row files nothing maps)."""
+    """Drop every batched row not yet read (and the workers' row files nothing maps; each batched worker makes one
+    empty file ahead again, for the next step)."""
     yield "reset_batched", ()
 
 
