@@ -185,7 +185,8 @@ def family_tolerance(family: str):
     function of the hook name."""
     if tools._TINY_MODELS[family].bfloat16:
         if linear_attention_in_torch(family):
-            return lambda name: LINEAR_ATTENTION_IN_TORCH if name.endswith("linear_attn.hook_out") else BF16_ALONE_ON_CPU
+            return lambda name: (LINEAR_ATTENTION_IN_TORCH if name.endswith(".linear_attn.hook_out")
+                                 else BF16_ALONE_ON_CPU)
         return BF16_ALONE_ON_CPU
     if family not in LOOSER_FROM:
         return TOLERANCE
@@ -3317,7 +3318,7 @@ SAE_KINDS = {
     "blocks.1.mlp.hook_in": ("jumprelu_skip_transcoder", 256, None),
     "blocks.2.mlp.hook_in": ("transcoder", 192, None),
 }
-TRANSCODES = {"blocks.1.mlp.hook_in": "blocks.1.hook_mlp_out", "blocks.2.mlp.hook_in": "blocks.2.hook_mlp_out"}
+TRANSCODES = {f"blocks.{layer}.mlp.hook_in": f"blocks.{layer}.hook_mlp_out" for layer in range(3)}
 SAE_TOP_K = 16  # fewer than the standard and jumprelu SAEs fire here (a third of their features); more than topk's 12
 SAE_PROMPTS = [PROMPT[:23], PROMPT[5:36], PROMPT[11:19]]
 
@@ -3591,8 +3592,9 @@ def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_
 # Latent attention's families and Qwen3-Next (bf16 alone on vLLM's CPU) route their tokens from the second layer on
 # (Qwen3-Next's first layer a Gated DeltaNet before a dense MLP), and Qwen 3.5's dense model runs its first layer's
 # Gated DeltaNet and MLP in bf16 alone too (test_tl_vllm_hooks_vision.py): SAEs on the first layer's MLP output and
-# residual stream, which no routing decides.
+# residual stream, and a transcoder on that MLP, which no routing decides.
 FIRST_LAYER_SAES = ("blocks.0.hook_mlp_out", "blocks.0.hook_resid_post")
+FIRST_LAYER_TRANSCODER = "blocks.0.mlp.hook_in"
 
 
 @pytest.mark.parametrize("family", ("deepseek_v3", "deepseek_v2", "qwen3_next"))
@@ -3602,38 +3604,46 @@ def test_saes_read_and_edit_a_latent_or_linear_attention_familys_hooks(sae_lens_
 
 
 def check_first_layer_saes(sae_lens_python, model: Model, tmp_path: Path, tolerance, engine_arguments: dict) -> None:
-    """SAEs on FIRST_LAYER_SAES of a family vLLM's CPU runs in bf16 alone, as on any family's: each request's top
-    features are sae-lens's encode of TransformerLens's rows (fp32, on the bf16-rounded weights: the family's per-row
-    bound), and a feature edit of the MLP output moves the residual stream after it as run_with_hooks does with the
-    SAE's decoder. Eager, in this process."""
+    """SAEs on FIRST_LAYER_SAES of a family vLLM's CPU runs in bf16 alone, and a transcoder on that layer's MLP, as on
+    any family's: each request's top features are sae-lens's encode of TransformerLens's rows (fp32, on the
+    bf16-rounded weights: the family's per-row bound), and a feature edit of the MLP output's SAE (the second request)
+    or of the transcoder (the fourth) moves the rows after it as run_with_hooks does with the decoder. Eager, in this
+    process."""
     mlp_out, resid_post = FIRST_LAYER_SAES
-    # (standard SAEs, whose features are continuous in the rows: a topk or jumprelu SAE's cut-off turns bf16's near-ties
-    # into features 0 in one and not the other)
-    oracle = SAEOracle(sae_lens_python, model, tmp_path, dict.fromkeys(FIRST_LAYER_SAES, ("standard", 256, None)))
-    edit = {features(mlp_out): {"op": "scale", "features": fired(oracle, mlp_out, 3), "value": 4.0}}
+    # (standard SAEs and a plain transcoder, whose features are continuous in the rows: a topk or jumprelu SAE's cut-off
+    # turns bf16's near-ties into features 0 in one and not the other)
+    kinds = dict.fromkeys(FIRST_LAYER_SAES, ("standard", 256, None))
+    kinds[FIRST_LAYER_TRANSCODER] = ("transcoder", 192, None)
+    oracle = SAEOracle(sae_lens_python, model, tmp_path, kinds)
+    edited = [None, mlp_out, None, FIRST_LAYER_TRANSCODER]  # the hook each request edits
+    edits = [hook and {features(hook): {"op": "scale", "features": fired(oracle, hook, 3), "value": 4.0}}
+             for hook in edited]
+    prompts = [SAE_PROMPTS[i % len(SAE_PROMPTS)] for i in range(len(edits))]
     with engine(model, sites=("mlp_out", "resid_post"), in_process=True, eager=True, batching=True,
                 saes=oracle.saes(), sae_top_k=SAE_TOP_K, **engine_arguments) as llm:
-        extra = [None, tlh.request_args(llm.config, edits=edit), None]
-        outputs = generate(llm, SAE_PROMPTS, 1, extra)
+        extra = [edit and tlh.request_args(llm.config, edits=edit) for edit in edits]
+        outputs = generate(llm, prompts, 1, extra)
         read = tlh.read_batched(llm, [o.request_id for o in outputs])
     worst_features = worst_rows = 0.0
-    for i, output in enumerate(outputs):
-        rows = read[output.request_id]
-        if i != 1:  # (the edit leaves its own SAE's features as they were, and moves the later SAE's)
-            for hook in FIRST_LAYER_SAES:
+    moved = []  # the edited requests' largest row change at resid_post
+    for i, (output, edit) in enumerate(zip(outputs, edits)):
+        rows, prompt_index = read[output.request_id], i % len(SAE_PROMPTS)
+        if edit is None:  # (an edit leaves its own SAE's features as they were, and moves the later ones')
+            for hook in kinds:
                 got = rows[features(hook) + ".indices"], rows[features(hook) + ".values"]
-                worst_features = max(worst_features, assert_features(
-                    *got, oracle.features[hook][i], SAE_TOP_K, f"request {i} {hook}", tolerance, torch.bfloat16))
-        steering = oracle.steered(i, mlp_out, edit[features(mlp_out)]) if i == 1 else None
-        expected = model.reference(SAE_PROMPTS[i], list(FIRST_LAYER_SAES), steering)
+                worst_features = max(worst_features, assert_features(*got, oracle.features[hook][prompt_index],
+                                     SAE_TOP_K, f"request {i} {hook}", tolerance, torch.bfloat16))
+        steering = edit and oracle.steered(prompt_index, edited[i], edit[features(edited[i])])
+        expected = model.reference(prompts[i], list(FIRST_LAYER_SAES), steering)
         worst_rows = max(worst_rows, assert_matches({n: rows[n] for n in FIRST_LAYER_SAES}, expected, f"request {i}",
                                                     tolerance))
-    plain = model.reference(SAE_PROMPTS[1], [resid_post])[resid_post]
-    moved = float(row_errors(read[outputs[1].request_id][resid_post], plain).max())
+        if edit is not None:
+            plain = model.reference(prompts[i], [resid_post])[resid_post]
+            moved.append(float(row_errors(rows[resid_post], plain).max()))
     bound = tolerance(resid_post) if callable(tolerance) else tolerance
-    assert moved > 2 * bound, f"the edit moves no row past the tolerance ({moved:.1e})"
-    print(f"\n{model.family}: SAE features worst {worst_features:.2e}, rows {worst_rows:.2e} (whole hook; worst row so "
-          f"far {PerRow.worst_row:.2e}), the edit moved a row by {moved:.2e}")
+    assert min(moved) > 2 * bound, f"an edit moves no row past the tolerance ({moved})"
+    print(f"\n{model.family}: SAE and transcoder features worst {worst_features:.2e}, rows {worst_rows:.2e} (whole "
+          f"hook; worst row so far {PerRow.worst_row:.2e}), the edits moved a row by {moved[0]:.2e} and {moved[1]:.2e}")
 
 
 class TestSAEsOnePrompt:

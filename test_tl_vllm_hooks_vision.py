@@ -148,7 +148,7 @@ sae_lens_python = base.sae_lens_python  # (the fixture, here too)
 
 
 def test_saes_read_and_edit_a_linear_attention_familys_hooks(sae_lens_python, models, tmp_path):
-    """SAEs on Qwen 3.5's first layer (Gated DeltaNet, then a dense MLP), as base.check_first_layer_saes checks them on
-    DeepSeek's."""
+    """SAEs and a transcoder on Qwen 3.5's first layer (Gated DeltaNet, then a dense MLP), as
+    base.check_first_layer_saes checks them on DeepSeek's."""
     base.check_first_layer_saes(sae_lens_python, models["qwen3_5"], tmp_path, tolerance("qwen3_5"),
                                 engine_arguments("qwen3_5"))
