@@ -3318,7 +3318,7 @@ SAE_KINDS = {
     "blocks.1.mlp.hook_in": ("jumprelu_skip_transcoder", 256, None),
     "blocks.2.mlp.hook_in": ("transcoder", 192, None),
 }
-TRANSCODES = {f"blocks.{layer}.mlp.hook_in": f"blocks.{layer}.hook_mlp_out" for layer in range(3)}
+TRANSCODES = {f"blocks.{layer}.mlp.hook_in": f"blocks.{layer}.hook_mlp_out" for layer in range(3)}  # what each writes
 SAE_TOP_K = 16  # fewer than the standard and jumprelu SAEs fire here (a third of their features); more than topk's 12
 SAE_PROMPTS = [PROMPT[:23], PROMPT[5:36], PROMPT[11:19]]
 
@@ -3498,13 +3498,13 @@ class TestSAEs:
     def test_transcoder_feature_edits_change_hook_mlp_out_as_in_transformer_lens(self, llm, sae_oracle):
         """A transcoder's feature edit, per request, at some positions or all: its layer's hook_mlp_out gets (new_f -
         old_f) @ W_dec[f], old_f sae-lens's features of the MLP's input; a third request, unedited, as without."""
-        hooks = list(TRANSCODES)
+        hooks = [hook for hook in SAE_KINDS if hook in TRANSCODES]  # the Llama's two transcoders
         edits = [
             {features(hooks[0]): {"op": "set", "features": fired(sae_oracle, hooks[0], 2), "value": [5.0, 0.0], "positions": [1, 6]}},
             {features(hooks[1]): {"op": "scale", "features": fired(sae_oracle, hooks[1], 3), "value": 3.0}},
             None,
         ]
-        names = [*llm.hook_names, *TRANSCODES.values()]
+        names = [*llm.hook_names, *(TRANSCODES[hook] for hook in hooks)]
         outputs = generate(llm, SAE_PROMPTS, 1, [e and tlh.request_args(llm.config, edits=e) for e in edits])
         read = tlh.read_batched(llm, [o.request_id for o in outputs])
         for i, (output, edit) in enumerate(zip(outputs, edits)):
