@@ -3320,7 +3320,7 @@ class _Batched(_HookState):
         super().attach(worker)
         if self.config.sink_dir is not None:
             self.sink = _companion("RankSink")(self, worker)
-        self.shared.begin(sum(-(-source.buffer.nbytes // 64) * 64 for source in self.sources))  # a step of every row
+        self.shared.begin(sum(self._region_sizes(self.config.max_num_batched_tokens)))  # the largest step
 
     def forget_warm_up(self) -> None:
         super().forget_warm_up()
@@ -3512,7 +3512,7 @@ class _Batched(_HookState):
         memory. On the CPU they are gathered straight into it; on CUDA gathered on the compute stream (the next
         forward rewrites the buffers), then copied on a side stream, which only a read waits for."""
         num_rows = kept_rows.size
-        sizes = [-(-num_rows * buffer[0].nbytes // 64) * 64 for _name, buffer, _shape in self.sources]
+        sizes = self._region_sizes(num_rows)
         file, region = self.shared.region(sum(sizes))
         index = None
         if num_rows != kept_rows[-1] + 1:  # not rows 0..n-1
@@ -3535,6 +3535,10 @@ class _Batched(_HookState):
                     host_rows[name].copy_(rows, non_blocking=True)
                     rows.record_stream(self.copy_stream)
         return file, host_rows
+
+    def _region_sizes(self, num_rows: int) -> list[int]:
+        """The bytes each source's num_rows rows take in a step's region of host memory, each 64-byte aligned."""
+        return [-(-num_rows * source.buffer[0].nbytes // 64) * 64 for source in self.sources]
 
     def _accumulate(self, request_id: str, expected: int, first_position: int, chunk: _RowChunk) -> None:
         """Add one step's chunk of a request whose rows ran from first_position; expected
