@@ -4322,7 +4322,8 @@ CUDA_RUNNER_V1 = ("falcon_h1", "lfm2")
 class TestCudaFamilies:
     """Families beside Llama on the GPU (a Mamba-2 hybrid and a short-convolution one among them): both flavours,
     Model Runner V2 and vLLM's default FULL_AND_PIECEWISE graphs (but CUDA_EAGER's eager, CUDA_RUNNER_V1's on V1),
-    where vLLM's fused add+norm kernels work in place; every site the bridge runs for the family (TRANSFORMERS_TAPS places each, a CPU test checks),
+    where vLLM's fused add+norm kernels work in place; every site the bridge runs for the family (TRANSFORMERS_TAPS
+    places each, a CPU test checks),
     unedited and under an edit at each site, against transformers on the bf16-rounded weights, row by row.
     Mixtral's expert indices in the router's order, highest first; where the engine routes
     otherwise at a near-tie, the reference follows it (bounded and reported: ROUTER_TIE).
