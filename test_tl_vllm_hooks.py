@@ -1516,6 +1516,14 @@ def test_capture_specs_refuse_what_the_architecture_lacks():
     with pytest.raises(ValueError, match=r"Zamba2ForCausalLM: layer 1 is of kind 'attention' \(layers_block_type\); "
                        r"this module's record knows \['hybrid', 'linear_attention'\]"):
         tlh.capture_specs(zamba2)
+    nemotron_h = tools.tiny_config("nemotron_h")  # Mamba-2, attention, MLP, Mamba-2: the mixer's ends alone on 1 and 2
+    assert list(tlh.capture_specs(nemotron_h, sites=("mixer_in", "mixer_in_proj", "mixer_out"), layers=[0, 1, 2])) == [
+        "blocks.0.mixer.hook_in", "blocks.0.mixer.hook_in_proj", "blocks.0.mixer.hook_out", "blocks.1.mixer.hook_in",
+        "blocks.1.mixer.hook_out", "blocks.2.mixer.hook_in", "blocks.2.mixer.hook_out"]
+    nemotron_h.layers_block_type = ["linear_attention", "full_attention", "moe", "linear_attention"]
+    with pytest.raises(ValueError, match=r"NemotronHForCausalLM: layer 2 is of kind 'moe' \(layers_block_type\); "
+                       r"this module's record knows \['full_attention', 'linear_attention', 'mlp'\]"):
+        tlh.capture_specs(nemotron_h)
     mixtral = MixtralConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=96)
     mixtral.architectures = ["MixtralForCausalLM"]
     assert tlh.capture_specs(mixtral, sites=("mlp_pre", "mlp_post"), layers=[1]) == {
@@ -3550,15 +3558,15 @@ class TestSAEs:
 # Beyond attention, an SAE on each family's own mixing output and one on the residual stream after it.
 MIXING_SAES = {"mamba2": "blocks.1.mixer.hook_out", "lfm2": "blocks.2.conv.hook_out",
                "falcon_h1": "blocks.1.mamba.hook_out", "zamba2": "blocks.2.mixer.hook_out",
-               "granitemoehybrid": "blocks.2.mixer.hook_out"}
+               "granitemoehybrid": "blocks.2.mixer.hook_out", "nemotron_h": "blocks.0.mixer.hook_out"}
 MIXING_TRANSCODERS = {"falcon_h1": "blocks.1.mlp.hook_in", "lfm2": "blocks.1.mlp.hook_in"}  # (a dense MLP in layer 1)
 
 
 @pytest.mark.parametrize("family", MIXING_SAES)
 def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_python, models, tmp_path, family):
-    """SAEs on the mixer output of Mamba-2 and the hybrids (Falcon-H1's, Zamba2's, Granite 4.0's) and on LFM2's short
-    convolution's, and on the residual stream, as on any family's hooks (and a transcoder on the MLP where layer 1
-    has one): each request's top features are sae-lens's encode of TransformerLens's rows, and a feature edit of the
+    """SAEs on the mixer output of Mamba-2 and the hybrids (Falcon-H1's, Zamba2's, Granite 4.0's, Nemotron-H's) and
+    on LFM2's short convolution's, and on the residual stream, as on any family's hooks (and a transcoder on the MLP
+    where layer 1 has one): each request's top features are sae-lens's encode of TransformerLens's rows, and a feature edit of the
     mixing output (or of the transcoder, in a fourth request) moves every later row as run_with_hooks does with the
     SAE's decoder. Eager, in this process."""
     mixing, transcoder, model = MIXING_SAES[family], MIXING_TRANSCODERS.get(family), models[family]

@@ -329,13 +329,16 @@ class _Family:
         the config's use_double_wide_mlp says (Gemma 4's). k_as_v: the config attribute that says full-attention
         layers use the keys as values: no hook_v, and an edit of hook_k reaches V (Gemma 4's attention_k_eq_v).
     layer_kinds: the config attribute naming each layer's kind, and kind_sites, what a layer of each kind holds beside
-        the stream: the sites of its ``attention``, ``linear`` attention, ``conv`` or ``mixer`` alone, or ``stream``
-        (the stream's sites alone, where TransformerLens hooks nothing inside the layer); kind_layer_inputs, the
-        layer_inputs of a kind whose layers take them elsewhere (LFM2's convolution layers, hidden_states first).
-    taps: taps replacing those the fields give. renamed: {site: the site TransformerLens names that tensor as on this
-        family} (Falcon-H1's mixer is mamba, Mamba-2's ln1 norm).
-    refused: {site: why it is not placed} for sites TransformerLens runs
-        on the family. settings: {config attribute: the value the record describes}; other values are refused.
+        the stream: the sites of its ``attention``, ``linear`` attention, ``conv`` or ``mixer`` alone, ``mixer_ends``
+        (a mixer's input and output alone, where TransformerLens hooks nothing inside it), or ``stream`` (the
+        stream's sites alone, where TransformerLens hooks nothing inside the layer); kind_layer_inputs, by the
+        config's kind, the layer_inputs of a kind whose layers take them elsewhere (LFM2's convolution layers,
+        hidden_states first).
+    taps: taps replacing those the fields give; kind_taps, by the config's kind, on that kind's layers (Nemotron-H's
+        MLP takes x where its other mixers take hidden_states). renamed: {site: the site TransformerLens names that
+        tensor as on this family} (Falcon-H1's mixer is mamba, Mamba-2's ln1 norm).
+    refused: {site: why it is not placed} for sites TransformerLens runs on the family. settings: {config attribute:
+        the value the record describes}; other values are refused.
     direct_attention: vLLM calls its Attention modules' forward itself (see _Tap.direct).
     lm_head_bias: the output layer has a bias that vLLM's compute_logits leaves out (PhiMoE's: vLLM samples without
         it), which unembed adds, as TransformerLens's hook_unembed does.
@@ -380,6 +383,7 @@ class _Family:
     kind_sites: dict[str, str] = dataclasses.field(default_factory=dict)
     kind_layer_inputs: dict[str, tuple[tuple[str, int], ...]] = dataclasses.field(default_factory=dict)
     taps: dict[str, _Tap] = dataclasses.field(default_factory=dict)
+    kind_taps: dict[str, dict[str, _Tap]] = dataclasses.field(default_factory=dict)
     renamed: dict[str, str] = dataclasses.field(default_factory=dict)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -465,7 +469,8 @@ FAMILIES = {family.name: family for family in (
     _Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", residual="stream", embed_at_layer0=True,
             multiplier="residual_multiplier", rotary=False, mixer=".mamba", layer_kinds="layer_types",
             kind_sites={"linear_attention": "mixer", "full_attention": "attention"},
-            kind_layer_inputs={"mixer": _HIDDEN_INPUT}, settings=dict(position_embedding_type="nope", mamba_n_groups=1),
+            kind_layer_inputs={"linear_attention": _HIDDEN_INPUT},
+            settings=dict(position_embedding_type="nope", mamba_n_groups=1),
             moe=_MoE(".block_sparse_moe", renormalize="always"),
             renamed={"mlp_in": "moe_in", "mlp_pre": "moe_pre", "expert_weights": "moe_expert_weights",
                      "expert_indices": "moe_expert_indices", "mlp_post": "moe_post"},
@@ -481,6 +486,17 @@ FAMILIES = {family.name: family for family in (
     _Family("zamba2", "Zamba2ForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT, ln2="", attention="",
             mlp_up="", mixer=".mamba", final_norm="model.final_layernorm", layer_kinds="layers_block_type",
             kind_sites={"linear_attention": "mixer", "hybrid": "stream"},  # (transformers' names; "mamba" in the file)
+            renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
+    # Nemotron-H: one pre-norm (TransformerLens's norm) and one mixer a layer: a Mamba-2 mixer, attention without
+    # positions, or a dense MLP (relu2, not gated). TransformerLens hooks each mixer's input and output, and inside
+    # only the Mamba-2 mixer's parts (its gated norm per group, as vLLM's). vLLM's scan takes no floor under dt
+    # (transformers' clamps dt at time_step_min). Experts (layers of kind moe) are left out: vLLM's CPU cannot run
+    # their relu2 ('is_act_and_mul=False is supported only for CUDA, XPU and ROCm').
+    _Family("nemotron_h", "NemotronHForCausalLM", final_norm="model.norm_f", ln1=".norm", ln2="", attention="",
+            mlp_up="", mixer=".mixer", layer_kinds="layers_block_type",
+            kind_sites={"linear_attention": "mixer", "full_attention": "mixer_ends", "mlp": "mixer_ends"},
+            kind_layer_inputs=dict.fromkeys(("linear_attention", "mlp"), (("hidden_states", 0), ("residual", 1))),
+            kind_taps={"mlp": {"mixer_in": _Tap("model.layers.{i}.mixer", _INPUT, _X_INPUT)}},
             renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
     # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers;
     # mamba.hook_in is the mixer's input before ssm_in_multiplier, hook_attn_out and mamba.hook_out the branches'
@@ -716,8 +732,6 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",
     **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), "Mamba-1 layers, which vLLM "
                     "0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"),
-    "NemotronHForCausalLM": "Mamba-2 layers, and relu2 experts vLLM CPU cannot run ('is_act_and_mul=False is "
-                            "supported only for CUDA, XPU and ROCm')",
     "OlmoHybridForCausalLM": "Gated DeltaNet linear attention; vLLM 0.32 CPU fails to build it (module 'triton' has "
                              "no attribute 'set_allocator')",
     "Glm4vForConditionalGeneration": "vLLM's text model of it differs from transformers' (greedy tokens from the "
@@ -775,12 +789,13 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     """Each site the family has on ``layer`` (None: the sites outside the layers) -> its tap, in forward order; the
     sites in ``family.refused`` are left out. config: the (text) model's transformers config."""
     f, at = family, family.layer
-    pair, held = f.residual == "pair", _layer_kind(family, config, layer)
+    pair, kind = f.residual == "pair", _layer_kind(family, config, layer)
+    held = f.kind_sites[kind] if kind else ""
 
     def inputs_of(kind: str) -> tuple[tuple[str, int], ...]:  # a layer's of that kind
         return f.kind_layer_inputs.get(kind) or f.layer_inputs or (_LAYER_PAIR if pair else _LAYER_INPUT)
 
-    layer_inputs = inputs_of(held)
+    layer_inputs = inputs_of(kind)
     norm_inputs = f.norm_inputs or (_NORM_PAIR if pair else _X_INPUT)
     attention, gated = at + f.attention, f.mlp_up in _GATED_UP
     mid_norm = at + f.ln2 if f.ln2 else None
@@ -859,6 +874,7 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         "final_norm_scale": norm(f.final_norm, _NORM_SCALE),
         "final_norm": norm(f.final_norm),
         **f.taps,
+        **f.kind_taps.get(kind, {}),
     }  # fmt: skip
     if layer is not None and _kv_shared(f, config, layer):
         taps.update(attn_q=_Tap(attention + ".q_proj", _OUTPUT), attn_k=None, attn_v=None)
@@ -867,9 +883,11 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     absent = (*(_ATTENTION_SITES if not f.attention else ()), *(_MLP_SITES if not f.mlp_up else ()))
     if held == "stream":
         absent = tuple(site for site in taps if site not in ("resid_pre", "resid_post"))
-    inner = {"attention": _ATTENTION_SITES, "linear": _LINEAR_SITES, "conv": _CONV_SITES, "mixer": _MIXER_SITES}
+    inner = {"attention": _ATTENTION_SITES, "linear": _LINEAR_SITES, "conv": _CONV_SITES, "mixer": _MIXER_SITES,
+             "mixer_ends": _MIXER_ENDS}
     if held in inner:  # the other kinds' sites
-        absent += tuple(site for kind, sites in inner.items() if kind != held for site in sites)
+        absent += tuple(site for kind, sites in inner.items() if kind != held for site in sites
+                        if site not in inner[held])
     taps = {f.renamed.get(site, site): None if site in absent else tap for site, tap in taps.items()}
     return {
         site: taps[site]
@@ -883,12 +901,13 @@ _ATTENTION_SITES = ("attn_q_latent", "attn_kv_latent", "attn_q", "attn_k", "attn
 _LINEAR_SITES = ("linear_attn_in", "linear_attn_out")
 _CONV_SITES = ("conv_in", "conv_in_proj", "conv_gated", "conv_out")
 _MIXER_SITES = ("mixer_in", "mixer_in_proj", "mixer_norm_in", "mixer_norm_gate", "mixer_norm", "mixer_out")
+_MIXER_ENDS = ("mixer_in", "mixer_out")  # a mixer's input and output alone (Nemotron-H's attention and MLP layers)
 _MLP_SITES = ("resid_mid", "mlp_in", "mlp_pre", "mlp_pre_linear", "mlp_post", "mlp_out")  # (and ln2's, where ln2 is)
 
 
 def _layer_kind(family: _Family, config: Any, layer: int | None) -> str:
-    """What ``layer`` holds beside the stream (see _Family.kind_sites; "" where layers do not differ); ValueError
-    naming a kind the record does not know."""
+    """``layer``'s kind as its config names it (a key of _Family.kind_sites; "" where layers do not differ);
+    ValueError naming a kind the record does not know."""
     if not family.layer_kinds or layer is None:
         return ""
     kind = getattr(config, family.layer_kinds)[layer]
@@ -897,7 +916,7 @@ def _layer_kind(family: _Family, config: Any, layer: int | None) -> str:
             f"{family.architecture}: layer {layer} is of kind {kind!r} ({family.layer_kinds}); this module's record "
             f"knows {sorted(family.kind_sites)}"
         )
-    return family.kind_sites[kind]
+    return kind
 
 
 def _kv_shared(family: _Family, config: Any, layer: int) -> bool:
@@ -956,8 +975,12 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
             return next(value for value in (getattr(config, name, None) for name in names) if value is not None)
 
         d_inner = getattr(config, "mamba_d_ssm", None) or setting("mamba_expand", "expand") * d_model
-        groups_state = setting("mamba_n_groups", "mamba_ngroups", "n_groups") * setting("mamba_d_state", "state_size")
-        d_in_proj = 2 * d_inner + 2 * groups_state + setting("mamba_n_heads", "n_mamba_heads", "num_heads")
+        if getattr(config, "mamba_head_dim", None):  # Nemotron-H's: its heads' width, whatever its expand says
+            d_inner = config.mamba_num_heads * config.mamba_head_dim
+        groups_state = setting("mamba_n_groups", "mamba_ngroups", "n_groups") * setting(
+            "mamba_d_state", "state_size", "ssm_state_size")
+        d_in_proj = 2 * d_inner + 2 * groups_state + setting("mamba_n_heads", "n_mamba_heads", "mamba_num_heads",
+                                                              "num_heads")
         shapes.update(mixer_in_proj=(d_in_proj,), mixer_norm_in=(d_inner,), mixer_norm_gate=(d_inner,),
                       mixer_norm=(d_inner,))
     shapes.update({renamed: shapes[site] for site, renamed in family.renamed.items()})

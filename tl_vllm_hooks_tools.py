@@ -881,6 +881,11 @@ _TINY_MODELS = {
                               chunk_size=256, num_mem_blocks=1, use_shared_attention_adapter=False, adapter_rank=8,
                               use_mem_rope=True, use_mamba_kernels=False, tie_word_embeddings=True,
                               time_step_min=1e-9)),  # (vLLM's scan takes no floor under dt: see the record)
+    # (mamba_head_dim times mamba_num_heads is not expand times hidden_size, as in Nemotron Nano 9B v2)
+    "nemotron_h": _TinyModel(dict(_UNTIED, num_hidden_layers=4, head_dim=64, layers_block_type=[
+        "linear_attention", "full_attention", "mlp", "linear_attention"], mamba_num_heads=6, mamba_head_dim=32,
+        n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=256, mlp_bias=True,
+        time_step_min=1e-9)),  # (vLLM's scan takes no floor under dt: see the record)
     "falcon_h1": _TinyModel(dict(_UNTIED, head_dim=64, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
                                  mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
                                  mamba_chunk_size=256, mamba_rms_norm=True, mamba_norm_before_gate=False,
