@@ -406,7 +406,7 @@ class Model:
             engine = choice(router, engine_rows.nan_to_num())[1]
             own = indices[:count]
             where = kept & (own.sort(-1).values != engine.sort(-1).values).any(-1)
-            record_followed(self.routing, scores, own, engine, where, int(kept.sum()), config.n_group)
+            record_followed(self.routing, scores, own, engine, where, kept, config.n_group)
             engine_weights = weighed(router, engine_rows.nan_to_num()).gather(1, engine)
             if config.norm_topk_prob:
                 engine_weights = engine_weights / (engine_weights.sum(-1, keepdim=True) + 1e-20)
@@ -438,7 +438,7 @@ class Model:
             engine = indices.to(mine.device)
             where = seen["where"] = (mine != engine).any(-1) & (engine >= 0).all(-1)  # (-1: a row the engine kept not)
             groups = getattr(self.hf.config, "n_group", None) or 1 if bias is not None else 1
-            record_followed(self.routing, choice[: len(where)], mine, engine, where, len(where), groups)
+            record_followed(self.routing, choice[: len(where)], mine, engine, where, torch.ones_like(where), groups)
             rows = rows.clone()
             rows[: len(where)][where] = weights[where].to(rows.dtype)
             return rows.view_as(tensor)
@@ -600,14 +600,17 @@ TRANSFORMERS_TAPS = {
 }
 
 
-def record_followed(routing: dict, logits, own, engine, differs, choices: int, groups: int = 1) -> None:
-    """Both references' account of following an engine's routing: choices seen, tokens followed (differs, bool
-    [tokens]), and the widest router-logit gap between their own experts and the engine's, rank by rank (own and
-    engine: int [tokens, top_k]; logits [tokens, experts], or the scores the router chooses by). groups: where the
-    router chooses among the best of that many groups of experts, each scored by its two best (GLM's), a token whose
-    experts come from other groups is measured by the gap between those groups' scores, which decided it."""
-    routing["choices"] += choices
-    routing["followed"] += int(differs.sum())
+def record_followed(routing: dict, logits, own, engine, differs, counted, groups: int = 1) -> None:
+    """Both references' account of following an engine's routing: choices seen (counted, bool [tokens]: the tokens
+    the engine routed), choices followed (differs, bool [tokens]), and the widest router-logit gap between their own
+    experts and the engine's, rank by rank (own and engine: int [tokens, top_k]; logits [tokens, experts], or the
+    scores the router chooses by). Tokens whose logits are the same (an edit that sets or zeroes a layer's stream
+    makes every token's so) are one choice, made and followed once: choices and followed count distinct logits.
+    groups: where the router chooses among the best of that many groups of experts, each scored by its two best
+    (GLM's), a token whose experts come from other groups is measured by the gap between those groups' scores, which
+    decided it."""
+    routing["choices"] += len(torch.unique(logits[counted], dim=0))
+    routing["followed"] += len(torch.unique(logits[differs], dim=0))
     if differs.any():
         scores, own, engine = logits[differs], own[differs], engine[differs]
         gap = (scores.gather(1, own) - scores.gather(1, engine)).abs().amax(-1)
@@ -730,7 +733,7 @@ class TransformersReference:
             if engine_indices is not None:
                 known = (engine_indices >= 0).all(-1)
                 differs = known & (engine_indices != indices).any(-1)
-                record_followed(self.routing, logits, indices, engine_indices.to(indices.dtype), differs, int(known.sum()))
+                record_followed(self.routing, logits, indices, engine_indices.to(indices.dtype), differs, known)
                 if differs.any():
                     chosen = engine_indices[differs].to(indices.dtype)
                     probabilities = logits[differs].float().softmax(-1).gather(1, chosen)
@@ -860,7 +863,11 @@ def routing_held_to_ties(reference, context: str) -> None:
 # The widest router-logit gap at which the engine may choose other experts than transformers, and the share of
 # token-layer choices it may do so at: bf16 compute moves the tiny models' router logits (~N(0, 1)) by up to ~5e-2
 # (Mixtral on vLLM 0.32's CPU in bf16: 19 of 1,134 routings followed, the widest at a gap of 4.6e-2; TestFamilies' and
-# TestFamiliesOnePromptFlavour's Qwen3-Next, 69 of 7,354 at 3.2e-2, and Qwen 3.5 MoE, 90 of 11,031 at 4.8e-2).
+# TestFamiliesOnePromptFlavour's Qwen3-Next, 69 of 7,354 at 3.2e-2, and Qwen 3.5 MoE, 90 of 11,031 at 4.8e-2; on an
+# H100 under CUDA graphs, Mixtral's unedited rows 18 of 1,134 at 4.9e-2 and DeepSeek V3's edited ones 14 of 2,035 at
+# 4.3e-3). A choice is counted once per distinct router logits (record_followed): an edit that sets a layer's stream
+# gives every token the same, and Mixtral's one-prompt edits on that H100 followed 190 of 2,640 when each such token
+# counted apart.
 ROUTER_TIE, ROUTER_TIE_SHARE = 1e-1, 0.05
 
 
@@ -2115,6 +2122,20 @@ def test_transformers_taps_read_what_transformer_lens_reads(models, family):
         edits = {hook: edit} if hook else {}
         expected = model.reference(PROMPT, names, edits)
         assert_matches(transformers_reference.reference(PROMPT, names, edits), expected, f"{family} {hook} {edit}")
+
+
+@NO_ENGINE
+def test_tokens_with_the_same_router_logits_are_one_routing_choice():
+    """An edit that sets or zeroes a layer's stream gives every token the same router logits, so an engine that routes
+    one of them otherwise at a near-tie routes them all so: one choice, followed once, not one per token (which would
+    hold ROUTER_TIE_SHARE to correlated tokens as if each were a near-tie of its own)."""
+    routing = {"choices": 0, "followed": 0, "gap": 0.0}
+    logits = torch.tensor([[1.0, 0.98, 0.1, 0.0]] * 5 + [[0.0, 1.0, 0.5, 0.2], [0.3, 0.9, 0.8, 0.1]])
+    own = torch.tensor([[0, 1]] * 5 + [[1, 2], [1, 2]])
+    engine = torch.tensor([[1, 0]] * 5 + [[1, 2], [1, 2]])  # the five same tokens' two experts in the other order
+    record_followed(routing, logits, own, engine, (own != engine).any(-1), torch.ones(7, dtype=torch.bool))
+    assert (routing["choices"], routing["followed"]) == (3, 1), routing
+    assert routing["gap"] == pytest.approx(0.02), routing
 
 
 @NO_ENGINE
