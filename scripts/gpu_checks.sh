@@ -7,7 +7,8 @@
 #                                         # their KV cache in bytes, so several share a GPU); TestCudaRay (Ray's
 #                                         # executor, staged by scripts/stage_ray.sh) only when named
 #   bash scripts/gpu_checks.sh families DIR  # scripts/gpu_families.py capture of the tiny models in DIR (made here
-#                                         # with its `models` command and carried), compared here with its `compare`
+#                                         # with its `models` command and carried), packed as families.tar.xz.*,
+#                                         # unpacked and compared here with its `compare`
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
 #                                                # --cases plain,b --repeats 1 --compiled-code "$OUT/code", or
@@ -49,9 +50,12 @@ case "$what" in
     done
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     cat "$out"/gpu-tests-*-summary.txt ;;
-  families)
-    python3 scripts/gpu_families.py capture "$2" "$out/families" > "$out/families.log" 2>&1 || status=1
-    grep -E "tensors|FAILED" "$out/families.log" ;;
+  families)  # FAMILIES_TIMEOUT (seconds) cuts the capture short and still packs what it wrote
+    timeout "${FAMILIES_TIMEOUT:-3600}" python3 scripts/gpu_families.py capture "$2" "$out/families" \
+      > "$out/families.log" 2>&1 || status=1
+    grep -E "tensors|FAILED" "$out/families.log"
+    # packed in parts of 15 MiB (a device machine returns few files); unpack with: cat families.tar.xz.* | tar xJ
+    tar -C "$out" -cf - families | xz -T0 | split -b 15M - "$out/families.tar.xz." && rm -rf "$out/families" ;;
   parallel)
     tests gpu-tests-parallel "parallel_layout" || status=1
     cat "$out/gpu-tests-parallel-summary.txt" ;;

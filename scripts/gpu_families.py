@@ -121,12 +121,13 @@ def capture_family(directory, out, eager, family):
             tlh.reset_edits(llm)
         for part, tensors in rows.items():
             save_file(tensors, os.path.join(out, f"{family}-{part}.safetensors"))
+        with open(os.path.join(out, f"{family}.json"), "w") as file:  # each flavour's as it ends: a cut run keeps it
+            json.dump({"records": records, "versions": tools.versions(), "device": torch.cuda.get_device_name(),
+                       "eager": eager, "model_runner": "V1" if os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" else "V2"},
+                      file)
         llm.llm_engine.engine_core.shutdown()
         del llm
         print(f"{family} {flavour}: {sum(map(len, rows.values()))} tensors", flush=True)
-    with open(os.path.join(out, f"{family}.json"), "w") as file:
-        json.dump({"records": records, "versions": tools.versions(), "device": torch.cuda.get_device_name(),
-                   "eager": eager, "model_runner": "V1" if os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" else "V2"}, file)
 
 
 def compare(directory, out, tolerance):
