@@ -792,8 +792,8 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     pair, kind = f.residual == "pair", _layer_kind(family, config, layer)
     held = f.kind_sites[kind] if kind else ""
 
-    def inputs_of(kind: str) -> tuple[tuple[str, int], ...]:  # a layer's of that kind
-        return f.kind_layer_inputs.get(kind) or f.layer_inputs or (_LAYER_PAIR if pair else _LAYER_INPUT)
+    def inputs_of(layer_kind: str) -> tuple[tuple[str, int], ...]:  # a layer's of that kind
+        return f.kind_layer_inputs.get(layer_kind) or f.layer_inputs or (_LAYER_PAIR if pair else _LAYER_INPUT)
 
     layer_inputs = inputs_of(kind)
     norm_inputs = f.norm_inputs or (_NORM_PAIR if pair else _X_INPUT)
@@ -886,7 +886,7 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     inner = {"attention": _ATTENTION_SITES, "linear": _LINEAR_SITES, "conv": _CONV_SITES, "mixer": _MIXER_SITES,
              "mixer_ends": _MIXER_ENDS}
     if held in inner:  # the other kinds' sites
-        absent += tuple(site for kind, sites in inner.items() if kind != held for site in sites
+        absent += tuple(site for other, sites in inner.items() if other != held for site in sites
                         if site not in inner[held])
     taps = {f.renamed.get(site, site): None if site in absent else tap for site, tap in taps.items()}
     return {
