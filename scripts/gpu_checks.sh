@@ -7,7 +7,8 @@
 #                                         # their KV cache in bytes, so several share a GPU); TestCudaRay (Ray's
 #                                         # executor, staged by scripts/stage_ray.sh) only when named
 #   bash scripts/gpu_checks.sh families DIR  # scripts/gpu_families.py capture of the tiny models in DIR (made here
-#                                         # with its `models` command and carried), packed as families.tar.xz.*,
+#                                         # with its `models` command and carried), one process a family, all at
+#                                         # once, packed with their logs as families.tar.xz.*,
 #                                         # unpacked and compared here with its `compare`
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
@@ -36,7 +37,7 @@ tests() {  # tests LOG_NAME PYTEST_K [GPU_INDEX]
    python3 -m pytest -q -s -p no:cacheprovider --basetemp="/tmp/pytest-$1" \
      -k "$2" test_tl_vllm_hooks.py > "$out/$1.log" 2>&1)
   local status=$?
-  grep -E "worst relative error|passed|failed|Error" "$out/$1.log" | grep -v "^E  " > "$out/$1-summary.txt"
+  grep -E "worst relative error|routings followed|passed|failed|Error" "$out/$1.log" | grep -v "^E  " > "$out/$1-summary.txt"
   return $status
 }
 status=0
@@ -49,11 +50,23 @@ case "$what" in
       tests "gpu-tests-${classes[i]//[^A-Za-z0-9_]/_}" "${classes[i]}" "$((i % gpus))" & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-    cat "$out"/gpu-tests-*-summary.txt ;;
-  families)  # FAMILIES_TIMEOUT (seconds) cuts the capture short and still packs what it wrote
-    timeout "${FAMILIES_TIMEOUT:-3600}" python3 scripts/gpu_families.py capture "$2" "$out/families" \
-      > "$out/families.log" 2>&1 || status=1
-    grep -E "tensors|FAILED" "$out/families.log"
+    # one summary and one packed file of logs (a device machine returns few files)
+    (cd "$out" && for f in gpu-tests-*-summary.txt; do echo "== ${f%-summary.txt}"; cat "$f"; done \
+       > gpu-tests-summary.txt && rm gpu-tests-*-summary.txt &&
+     tar -cJf gpu-tests-logs.tar.xz gpu-tests-*.log && rm gpu-tests-*.log)
+    cat "$out/gpu-tests-summary.txt" ;;
+  families)  # each family in its own process, all at once; FAMILIES_TIMEOUT (seconds) cuts them short and
+    # still packs what they wrote
+    pids=()
+    for family in $(ls "$2"); do
+      mkdir -p "/tmp/families/$family" && ln -sfn "$(realpath "$2/$family")" "/tmp/families/$family/$family"
+      (export VLLM_CACHE_ROOT="/tmp/vllm-cache-$family"
+       timeout "${FAMILIES_TIMEOUT:-3600}" python3 scripts/gpu_families.py capture "/tmp/families/$family" \
+         "$out/families" > "$out/families-$family.log" 2>&1) & pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    grep -hE "tensors|FAILED" "$out"/families-*.log
+    mkdir -p "$out/families" && (cd "$out" && tar -cf families/logs.tar families-*.log && rm families-*.log)
     # packed in parts of 15 MiB (a device machine returns few files); unpack with: cat families.tar.xz.* | tar xJ
     tar -C "$out" -cf - families | xz -T0 | split -b 15M - "$out/families.tar.xz." && rm -rf "$out/families" ;;
   parallel)

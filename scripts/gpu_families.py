@@ -88,7 +88,9 @@ def capture_family(directory, out, eager, family):
     for flavour in ("batched", "one-prompt"):
         config = tlh.configure(specs, 128, torch.bfloat16, enable_batching=flavour == "batched",
                                enable_position_interventions=True)
-        llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True,
+        # (vLLM 0.24 builds a multimodal checkpoint's processor from its tokenizer: kept there)
+        llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=8,
+                  skip_tokenizer_init=not tlh.FAMILIES[family].text_classes,
                   gpu_memory_utilization=0.05, kv_cache_memory_bytes=1 << 30, seed=0, enforce_eager=eager,
                   **config.llm_kwargs)  # (the KV cache in bytes: no memory profile, so it shares the GPU)
         rows = {}
