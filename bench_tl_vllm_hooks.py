@@ -12,6 +12,7 @@
         --num-prompts 64 --prompt-len 256 --max-tokens 1 --repeats 3   # CPU: rows into the driver (GB/s)
     python bench_tl_vllm_hooks.py --harvest --cases plain,h4,h16,h4s,h16s,sae65 --rounds 2   # prefill only, 1,024
     python bench_tl_vllm_hooks.py --tiny --harvest --cases plain,h4,h4s --num-layers 8      # the same on a CPU
+    python bench_tl_vllm_hooks.py --cases plain,f,g --side-by-side --profile prof/  # where a step's time goes
 
 Each case builds a fresh engine in a fresh subprocess (this file with ``--run-cases``),
 which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
@@ -55,6 +56,12 @@ is read there; vLLM fills ``gpu_memory_utilization`` with KV cache, so what the 
 shows up mostly as fewer KV blocks, not a higher peak. On the CPU the cases keep vLLM's
 separate processes (in-process, vLLM 0.32's CPU backend stalls 1-2 s at random inside a
 generate) and report the process tree's peak RSS.
+
+``--profile DIR`` runs one more generate per engine, after its timed ones, under torch.profiler, with the engine in
+the case's process: ``DIR/round<N>/<case>.txt`` lists the kernels by device time (CPU time on a CPU), the copies, the
+allocator's and the synchronising calls, and the caching allocator's retries (a cudaMalloc that failed, the cache
+freed, device-wide, and tried again) during that generate; ``<case>.trace.json.gz`` is its timeline (chrome://tracing,
+Perfetto), where the compute stream's idle gaps show.
 """
 
 from __future__ import annotations
@@ -476,7 +483,48 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
     for round_index in range(args.repeats):
         runs.append(engine.generate())
         _say_run(f"{name} run {round_index}", runs[-1])
-    return engine.result(runs, alone=True)
+    result = engine.result(runs, alone=True)
+    if args.profile:
+        _profile_generate(engine, args.profile)
+    return result
+
+
+# What a profile summary lists beside the kernels: calls whose name holds one of these.
+_PROFILED_CALLS = ("Memcpy", "cudaMalloc", "cudaFree", "cudaHostRegister", "Synchronize", "cudaStreamWaitEvent")
+
+
+def _profile_generate(engine: _Engine, directory: str) -> None:
+    """One more generate of the engine under torch.profiler: its summary in directory/<case>.txt and its timeline
+    in directory/<case>.trace.json.gz (see the module's docstring)."""
+    import gzip
+    import shutil
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(directory, exist_ok=True)
+    stats = torch.cuda.memory_stats if engine.on_gpu else dict
+    retries = stats().get("num_alloc_retries", 0)
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * engine.on_gpu) as profiler:
+        run = engine.generate()
+    retries = stats().get("num_alloc_retries", 0) - retries
+    events = profiler.key_averages()
+    device = "cuda" if engine.on_gpu else "cpu"
+    calls = [e for e in events if any(part in e.key for part in _PROFILED_CALLS)]
+    lines = [f"{engine.name}: one generate of {run[1]:.3f} s under the profiler; caching allocator retries during "
+             f"it: {retries if engine.on_gpu else 'n/a (CPU)'}",
+             "", f"calls ({', '.join(_PROFILED_CALLS)}): count, CPU ms total, device ms total"]
+    lines += [f"  {e.key}: {e.count}, {e.cpu_time_total / 1e3:.1f}, {e.device_time_total / 1e3:.1f}" for e in calls]
+    lines += ["", events.table(sort_by=f"self_{device}_time_total", row_limit=40, max_name_column_width=90)]
+    with open(os.path.join(directory, f"{engine.name}.txt"), "w") as summary:
+        summary.write("\n".join(lines) + "\n")
+    trace = os.path.join(directory, f"{engine.name}.trace.json")
+    profiler.export_chrome_trace(trace)
+    with open(trace, "rb") as source, gzip.open(trace + ".gz", "wb") as packed:
+        shutil.copyfileobj(source, packed)
+    os.remove(trace)
+    print(f"{_PROGRESS}[{engine.name}] profiled: {run[1]:.3f} s, {retries} allocator retries, "
+          f"{os.path.join(directory, engine.name)}.txt", flush=True)
 
 
 def _run_side_by_side(cases: list[str], args: argparse.Namespace) -> list[dict]:
@@ -511,6 +559,8 @@ def _run_side_by_side(cases: list[str], args: argparse.Namespace) -> list[dict]:
         result = engines[name].result(runs[name], alone=False)
         result["side_by_side"] = True
         results.append(result)
+    for name in cases if args.profile else ():
+        _profile_generate(engines[name], args.profile)
     return results
 
 
@@ -578,9 +628,9 @@ def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if single in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
         env["TL_VLLM_HOOKS_DISABLE"] = "1"
-    if args.on_gpu and args.tensor_parallel_size == 1 and not args.separate_processes:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its CUDA peak readable
-    else:
+    if args.profile or args.on_gpu and args.tensor_parallel_size == 1 and not args.separate_processes:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its CUDA peak readable, profiled
+    if not args.on_gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it CPU start-up fails or crawls
     peers = set(names) & set(_PEER)
     if single == "a" or peers:  # "a": registered in every vLLM process, configured nowhere
@@ -593,6 +643,8 @@ def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -
     command += [f"--{field.replace('_', '-')}={getattr(args, field)}" for field in _WORKLOAD_FIELDS]
     if args.compilation_config:
         command += ["--compilation-config", args.compilation_config]
+    if args.profile:
+        command += ["--profile", os.path.join(os.path.abspath(args.profile), f"round{round_index}")]
     output = []
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:  # each round as it ends, so that a run cut short still says what it measured
@@ -817,6 +869,9 @@ def main() -> None:
                         help="on a GPU too, vLLM's default layout: engine and worker in processes of their own "
                              "(no GPU peak memory then)")
     parser.add_argument("--sink-dir", help="case s writes here (default: a temporary directory); also dd's file")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="one more generate per engine under torch.profiler, in the case's process: a summary and "
+                             "a timeline per engine in DIR/round<N>/")
     parser.add_argument("--peer-plugin", metavar="DIR",
                         help=f"tl-b, tl-e: the folder of TransformerLens's plugin ({', '.join(_PEER_FILES)}); "
                              "default: the installed transformer_lens's model_bridge/sources/vllm")
@@ -842,6 +897,9 @@ def main() -> None:
                 raise ValueError("not a JSON object")
         except ValueError as error:
             parser.error(f"--compilation-config: {error}; give a JSON object of vLLM's CompilationConfig fields")
+    if args.profile and (args.tensor_parallel_size != 1 or args.separate_processes):
+        parser.error("--profile: the engine runs in the case's process, so --tensor-parallel-size 1 and no "
+                     "--separate-processes")
     if args.side_by_side and (args.compiled_code or args.tensor_parallel_size != 1 or "plain" not in cases):
         parser.error("--side-by-side: needs 'plain' among --cases, one device per engine "
                      "(--tensor-parallel-size 1) and no --compiled-code (one process shares one cache)")
@@ -875,7 +933,7 @@ def main() -> None:
     report.update(model=shape, workload={k: getattr(args, k) for k in _WORKLOAD_FIELDS},
                   rounds=args.rounds, side_by_side=args.side_by_side,
                   compilation_config=json.loads(args.compilation_config or "null"), cases=results, disk=disk,
-                  separate_processes=args.separate_processes or not args.on_gpu,
+                  separate_processes=(args.separate_processes or not args.on_gpu) and not args.profile,
                   token_groups=token_groups, peer_plugin=peer_source, copy=copy)
     print(f"\n{report['device']}, vLLM {report['vllm']}, torch {report['torch']}\n"
           f"model {shape}\nworkload {report['workload']}, {args.rounds} engine(s) per case"
