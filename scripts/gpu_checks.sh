@@ -6,7 +6,7 @@
 #                                         # expression); all at once, spread over the GPUs (the tests' engines take
 #                                         # their KV cache in bytes, so several share a GPU); TestCudaRay (Ray's
 #                                         # executor, staged by scripts/stage_ray.sh) only when named
-#   bash scripts/gpu_checks.sh families DIR  # scripts/gpu_families.py capture of the tiny models in DIR (made here
+#   bash scripts/gpu_checks.sh families DIR [--flavours one-prompt]  # scripts/gpu_families.py capture of the tiny models in DIR (made here
 #                                         # with its `models` command and carried), one process a family, all at
 #                                         # once, packed with their logs as families.tar.xz.*,
 #                                         # unpacked and compared here with its `compare`
@@ -62,7 +62,7 @@ case "$what" in
       mkdir -p "/tmp/families/$family" && ln -sfn "$(realpath "$2/$family")" "/tmp/families/$family/$family"
       (export VLLM_CACHE_ROOT="/tmp/vllm-cache-$family"
        timeout "${FAMILIES_TIMEOUT:-3600}" python3 scripts/gpu_families.py capture "/tmp/families/$family" \
-         "$out/families" > "$out/families-$family.log" 2>&1) & pids+=($!)
+         "$out/families" "${@:3}" > "$out/families-$family.log" 2>&1) & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     grep -hE "tensors|FAILED" "$out"/families-*.log

@@ -57,7 +57,7 @@ def make_models(directory, families):
         print(f"saved {family}", flush=True)
 
 
-def capture(directory, out, eager):
+def capture(directory, out, eager, flavours):
     """Each family in directory (capture_family), the others still where one fails; 1 if any failed."""
     runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "1")
     os.makedirs(out, exist_ok=True)
@@ -65,15 +65,15 @@ def capture(directory, out, eager):
     for family in sorted(os.listdir(directory)):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if family in CUDA_RUNNER_V1 else runner  # (read as engines start)
         try:
-            capture_family(directory, out, eager or family in CUDA_EAGER, family)
+            capture_family(directory, out, eager or family in CUDA_EAGER, family, flavours)
         except Exception as error:  # (the others still run: device time is scarce)
             print(f"{family}: FAILED: {type(error).__name__}: {error}", flush=True)
             failed.append(family)
     return 1 if failed else 0
 
 
-def capture_family(directory, out, eager, family):
-    """One family's rows in both flavours, unedited and under an edit at each site of layer 1, to out."""
+def capture_family(directory, out, eager, family, flavours):
+    """One family's rows in the flavours named, unedited and under an edit at each site of layer 1, to out."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
@@ -85,7 +85,7 @@ def capture_family(directory, out, eager, family):
     edits = site_edits(specs, family)
     specs = {**specs, **router_logits(family, hf_config)}  # (where the bridge runs no expert hooks)
     records = []
-    for flavour in ("batched", "one-prompt"):
+    for flavour in flavours:
         config = tlh.configure(specs, 128, torch.bfloat16, enable_batching=flavour == "batched",
                                enable_position_interventions=True)
         # (vLLM 0.24 builds a multimodal checkpoint's processor from its tokenizer: kept there)
@@ -195,10 +195,14 @@ if __name__ == "__main__":
     parser.add_argument("--families", default="qwen3,gemma3,mixtral")
     parser.add_argument("--tolerance", type=float, default=float(BF16_TOLERANCE))
     parser.add_argument("--eager", action="store_true", help="capture: no torch.compile or CUDA graphs")
+    parser.add_argument("--flavours", default="batched,one-prompt", help="capture: these flavours, comma-separated")
     args = parser.parse_args()
     if args.command == "models":
         make_models(args.directory, args.families.split(","))
     elif args.command == "capture":
-        sys.exit(capture(args.directory, args.out, args.eager))
+        flavours = args.flavours.split(",")
+        if set(flavours) - {"batched", "one-prompt"}:
+            parser.error(f"--flavours {args.flavours}: name batched, one-prompt or both")
+        sys.exit(capture(args.directory, args.out, args.eager, flavours))
     else:
         sys.exit(compare(args.directory, args.out, args.tolerance))
