@@ -34,7 +34,7 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 tests() {  # tests LOG_NAME PYTEST_K [GPU_INDEX]
   (if [[ -n ${3:-} ]]; then export CUDA_VISIBLE_DEVICES=$3; fi
    export VLLM_CACHE_ROOT="/tmp/vllm-cache-$1"  # compiled graphs: no two runs write one cache at once
-   python3 -m pytest -q -s -p no:cacheprovider --basetemp="/tmp/pytest-$1" \
+   timeout "${TESTS_TIMEOUT:-3600}" python3 -m pytest -q -s -p no:cacheprovider --basetemp="/tmp/pytest-$1" \
      -k "$2" test_tl_vllm_hooks.py > "$out/$1.log" 2>&1)
   local status=$?
   grep -E "worst relative error|routings followed|passed|failed|Error" "$out/$1.log" | grep -v "^E  " > "$out/$1-summary.txt"
@@ -42,7 +42,8 @@ tests() {  # tests LOG_NAME PYTEST_K [GPU_INDEX]
 }
 status=0
 case "$what" in
-  tests)  # the test classes (or -k expressions) named after "tests", or the four; all at once, GPUs round robin
+  tests)  # the test classes (or -k expressions) named after "tests", or the four; all at once, GPUs round robin;
+    # TESTS_TIMEOUT (seconds) cuts each short and still packs the logs
     classes=("${@:2}")
     [[ ${#classes[@]} -gt 0 ]] || classes=(TestCudaGraphs TestCudaBatched TestCudaFamilies TestCudaSAEs)
     pids=()
