@@ -503,16 +503,16 @@ def _profile_generate(engine: _Engine, directory: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(directory, exist_ok=True)
-    stats = torch.cuda.memory_stats if engine.on_gpu else dict
-    retries = stats().get("num_alloc_retries", 0)
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * engine.on_gpu) as profiler:
+    activities, device = ([ProfilerActivity.CPU, ProfilerActivity.CUDA], "cuda") if engine.on_gpu else (
+        [ProfilerActivity.CPU], "cpu")
+    retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0) if engine.on_gpu else None
+    with profile(activities=activities) as profiler:
         run = engine.generate()
-    retries = stats().get("num_alloc_retries", 0) - retries
+    retries = "n/a (CPU)" if retries_before is None else torch.cuda.memory_stats()["num_alloc_retries"] - retries_before
     events = profiler.key_averages()
-    device = "cuda" if engine.on_gpu else "cpu"
     calls = [e for e in events if any(part in e.key for part in _PROFILED_CALLS)]
     lines = [f"{engine.name}: one generate of {run[1]:.3f} s under the profiler; caching allocator retries during "
-             f"it: {retries if engine.on_gpu else 'n/a (CPU)'}",
+             f"it: {retries}",
              "", f"calls ({', '.join(_PROFILED_CALLS)}): count, CPU ms total, device ms total"]
     lines += [f"  {e.key}: {e.count}, {e.cpu_time_total / 1e3:.1f}, {e.device_time_total / 1e3:.1f}" for e in calls]
     lines += ["", events.table(sort_by=f"self_{device}_time_total", row_limit=40, max_name_column_width=90)]
@@ -523,7 +523,7 @@ def _profile_generate(engine: _Engine, directory: str) -> None:
     with open(trace, "rb") as source, gzip.open(trace + ".gz", "wb") as packed:
         shutil.copyfileobj(source, packed)
     os.remove(trace)
-    print(f"{_PROGRESS}[{engine.name}] profiled: {run[1]:.3f} s, {retries} allocator retries, "
+    print(f"{_PROGRESS}[{engine.name}] profiled: {run[1]:.3f} s, allocator retries {retries}, "
           f"{os.path.join(directory, engine.name)}.txt", flush=True)
 
 

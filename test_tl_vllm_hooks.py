@@ -3587,9 +3587,9 @@ MIXING_TRANSCODERS = {"falcon_h1": "blocks.1.mlp.hook_in", "lfm2": "blocks.1.mlp
 def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_python, models, tmp_path, family):
     """SAEs on the mixer output of Mamba-2 and the hybrids (Falcon-H1's, Zamba2's, Granite 4.0's, Nemotron-H's) and
     on LFM2's short convolution's, and on the residual stream, as on any family's hooks (and a transcoder on the MLP
-    where layer 1 has one): each request's top features are sae-lens's encode of TransformerLens's rows, and a feature edit of the
-    mixing output (or of the transcoder, in a fourth request) moves every later row as run_with_hooks does with the
-    SAE's decoder. Eager, in this process."""
+    where layer 1 has one): each request's top features are sae-lens's encode of TransformerLens's rows, and a
+    feature edit of the mixing output (or of the transcoder, in a fourth request) moves every later row as
+    run_with_hooks does with the SAE's decoder. Eager, in this process."""
     mixing, transcoder, model = MIXING_SAES[family], MIXING_TRANSCODERS.get(family), models[family]
     kinds = {mixing: ("standard", 256, None), "blocks.2.hook_resid_post": ("topk", 256, 12)}
     kinds.update({transcoder: ("transcoder", 192, None)} if transcoder else {})

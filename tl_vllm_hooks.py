@@ -974,9 +974,10 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
         def setting(*names: str) -> int:
             return next(value for value in (getattr(config, name, None) for name in names) if value is not None)
 
-        d_inner = getattr(config, "mamba_d_ssm", None) or setting("mamba_expand", "expand") * d_model
         if getattr(config, "mamba_head_dim", None):  # Nemotron-H's: its heads' width, whatever its expand says
             d_inner = config.mamba_num_heads * config.mamba_head_dim
+        else:
+            d_inner = getattr(config, "mamba_d_ssm", None) or setting("mamba_expand", "expand") * d_model
         groups_state = setting("mamba_n_groups", "mamba_ngroups", "n_groups") * setting(
             "mamba_d_state", "state_size", "ssm_state_size")
         d_in_proj = 2 * d_inner + 2 * groups_state + setting("mamba_n_heads", "n_mamba_heads", "mamba_num_heads",

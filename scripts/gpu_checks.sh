@@ -6,9 +6,9 @@
 #                                         # expression); all at once, spread over the GPUs (the tests' engines take
 #                                         # their KV cache in bytes, so several share a GPU); TestCudaRay (Ray's
 #                                         # executor, staged by scripts/stage_ray.sh) only when named
-#   bash scripts/gpu_checks.sh families DIR [--flavours one-prompt]  # scripts/gpu_families.py capture of the tiny models in DIR (made here
-#                                         # with its `models` command and carried), one process a family, all at
-#                                         # once, packed with their logs as families.tar.xz.*,
+#   bash scripts/gpu_checks.sh families DIR [--flavours one-prompt]  # scripts/gpu_families.py capture of the
+#                                         # tiny models in DIR (made here with its `models` command and carried), one
+#                                         # process a family, all at once, packed with their logs as families.tar.xz.*,
 #                                         # unpacked and compared here with its `compare`
 #   bash scripts/gpu_checks.sh parallel   # tensor and pipeline parallel (two GPUs)
 #   bash scripts/gpu_checks.sh bench [flags]     # benchmark, e.g. --cases plain,f,g --rounds 2, or
@@ -37,7 +37,8 @@ tests() {  # tests LOG_NAME PYTEST_K [GPU_INDEX]
    timeout "${TESTS_TIMEOUT:-3600}" python3 -m pytest -q -s -p no:cacheprovider --basetemp="/tmp/pytest-$1" \
      -k "$2" test_tl_vllm_hooks.py > "$out/$1.log" 2>&1)
   local status=$?
-  grep -E "worst relative error|routings followed|passed|failed|Error" "$out/$1.log" | grep -v "^E  " > "$out/$1-summary.txt"
+  grep -E "worst relative error|routings followed|passed|failed|Error" "$out/$1.log" | grep -v "^E  " \
+    > "$out/$1-summary.txt"
   return $status
 }
 status=0
