@@ -88,11 +88,14 @@ def capture_family(directory, out, eager, family, flavours):
     for flavour in flavours:
         config = tlh.configure(specs, 128, torch.bfloat16, enable_batching=flavour == "batched",
                                enable_position_interventions=True)
-        # (vLLM 0.24 builds a multimodal checkpoint's processor from its tokenizer: kept there)
+        # (vLLM 0.24 builds a multimodal checkpoint's processor from its tokenizer: kept there. On an H100 it prefills
+        # Gated DeltaNet layers with FlashInfer's kernel, compiled at the first forward: Qwen3-Next's engine had not
+        # started 6 minutes later on 2026-12-06; its Triton kernel needs no compiler)
+        linear_attention = {"gdn_prefill_backend": "triton"} if tlh.FAMILIES[family].linear_attention else {}
         llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=8,
                   skip_tokenizer_init=not tlh.FAMILIES[family].text_classes,
                   gpu_memory_utilization=0.05, kv_cache_memory_bytes=1 << 30, seed=0, enforce_eager=eager,
-                  **config.llm_kwargs)  # (the KV cache in bytes: no memory profile, so it shares the GPU)
+                  **linear_attention, **config.llm_kwargs)  # (the KV cache in bytes: no memory profile; shares the GPU)
         rows = {}
         if flavour == "batched":
             requests = [(p, None) for p in BATCH] + [
