@@ -60,8 +60,9 @@ generate) and report the process tree's peak RSS.
 ``--profile DIR`` runs one more generate per engine, after its timed ones, under torch.profiler, with the engine in
 the case's process: ``DIR/round<N>/<case>.txt`` lists the kernels by device time (CPU time on a CPU), the copies, the
 allocator's and the synchronising calls, and the caching allocator's retries (a cudaMalloc that failed, the cache
-freed, device-wide, and tried again) during that generate; ``<case>.trace.json.gz`` is its timeline (chrome://tracing,
-Perfetto), where the compute stream's idle gaps show.
+freed, device-wide, and tried again) during that generate, and on a GPU each stream's busy time and copies to host
+and the host's five longest waits with what each stream ran meanwhile (a small copy the engine waits for, queued
+behind the rows' copies, shows there); ``<case>.trace.json.gz`` is its timeline (chrome://tracing, Perfetto).
 """
 
 from __future__ import annotations
@@ -516,15 +517,61 @@ def _profile_generate(engine: _Engine, directory: str) -> None:
              "", f"calls ({', '.join(_PROFILED_CALLS)}): count, CPU ms total, device ms total"]
     lines += [f"  {e.key}: {e.count}, {e.cpu_time_total / 1e3:.1f}, {e.device_time_total / 1e3:.1f}" for e in calls]
     lines += ["", events.table(sort_by=f"self_{device}_time_total", row_limit=40, max_name_column_width=90)]
-    with open(os.path.join(directory, f"{engine.name}.txt"), "w") as summary:
-        summary.write("\n".join(lines) + "\n")
     trace = os.path.join(directory, f"{engine.name}.trace.json")
     profiler.export_chrome_trace(trace)
+    if engine.on_gpu:
+        with open(trace) as timeline:
+            lines += ["", *_device_timeline(json.load(timeline)["traceEvents"])]
+    with open(os.path.join(directory, f"{engine.name}.txt"), "w") as summary:
+        summary.write("\n".join(lines) + "\n")
     with open(trace, "rb") as source, gzip.open(trace + ".gz", "wb") as packed:
         shutil.copyfileobj(source, packed)
     os.remove(trace)
     print(f"{_PROGRESS}[{engine.name}] profiled: {run[1]:.3f} s, allocator retries {retries}, "
           f"{os.path.join(directory, engine.name)}.txt", flush=True)
+
+
+def _device_timeline(events: list[dict]) -> list[str]:
+    """From a CUDA profile's trace events: each stream's busy time (kernels, copies and sets, their union) and its
+    copies to host, and the host's five longest waits (synchronize calls) with what each stream ran meanwhile, so
+    that a wait for a small copy queued behind large ones shows without opening the timeline."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    device = [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not device:
+        return ["no device activity in the trace"]
+    start = min(e["ts"] for e in spans)
+
+    def busy(intervals: list[tuple[float, float]]) -> float:  # ms of their union
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(intervals):
+            total, end = total + max(0.0, b - max(a, end)), max(end, b)
+        return total / 1e3
+
+    streams: dict = {}
+    for e in device:
+        streams.setdefault(e["args"].get("stream"), []).append(e)
+    lines = [f"device timeline: {(max(e['ts'] + e['dur'] for e in spans) - start) / 1e3:.1f} ms traced",
+             "  stream: busy ms; copies to host: count, MB, ms"]
+    for stream, work in sorted(streams.items(), key=lambda item: -len(item[1])):
+        to_host = [e for e in work if "DtoH" in e["name"]]
+        lines.append(f"  {stream}: {busy([(e['ts'], e['ts'] + e['dur']) for e in work]):.1f}; {len(to_host)}, "
+                     f"{sum(e['args'].get('bytes', 0) for e in to_host) / 1e6:.1f}, "
+                     f"{sum(e['dur'] for e in to_host) / 1e3:.1f}")
+    waits = sorted((e for e in spans if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]),
+                   key=lambda e: -e["dur"])[:5]
+    lines.append("  the host's longest waits: start ms, ms, call; what each stream ran during it (busy ms, copies to "
+                 "host in MB)")
+    for wait in waits:
+        a, b = wait["ts"], wait["ts"] + wait["dur"]
+        during = []
+        for stream, work in streams.items():
+            inside = [e for e in work if e["ts"] < b and e["ts"] + e["dur"] > a]
+            if inside:
+                mb = sum(e["args"].get("bytes", 0) for e in inside if "DtoH" in e["name"]) / 1e6
+                clipped = [(max(e["ts"], a), min(e["ts"] + e["dur"], b)) for e in inside]
+                during.append(f"stream {stream} {busy(clipped):.1f} ms" + (f", {mb:.1f} MB to host" if mb else ""))
+        lines.append(f"    {(a - start) / 1e3:.1f}, {wait['dur'] / 1e3:.2f}, {wait['name']}: {'; '.join(during)}")
+    return lines
 
 
 def _run_side_by_side(cases: list[str], args: argparse.Namespace) -> list[dict]:
