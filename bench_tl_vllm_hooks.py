@@ -664,6 +664,12 @@ def _cpu_name() -> str:
     return f"{names[0] if names else 'CPU'} ({os.cpu_count()} cores)"
 
 
+def _engine_in_process(args: argparse.Namespace) -> bool:
+    """Whether a case's engine and worker run in the case's process (its CUDA peak readable, and profiled there): on
+    one GPU unless --separate-processes, and under --profile; else vLLM's separate processes."""
+    return bool(args.profile) or args.on_gpu and args.tensor_parallel_size == 1 and not args.separate_processes
+
+
 def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -> list[dict]:
     """Run one case (or, side by side, several) in a fresh interpreter; a result per case, or
     errors with the log's tail."""
@@ -675,8 +681,8 @@ def _spawn_cases(names: list[str], round_index: int, args: argparse.Namespace) -
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if single in _PLAIN:  # a pip-installed copy of the plugin loads into every vLLM process: off
         env["TL_VLLM_HOOKS_DISABLE"] = "1"
-    if args.profile or args.on_gpu and args.tensor_parallel_size == 1 and not args.separate_processes:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its CUDA peak readable, profiled
+    if _engine_in_process(args):
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if not args.on_gpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; without it CPU start-up fails or crawls
     peers = set(names) & set(_PEER)
@@ -980,7 +986,7 @@ def main() -> None:
     report.update(model=shape, workload={k: getattr(args, k) for k in _WORKLOAD_FIELDS},
                   rounds=args.rounds, side_by_side=args.side_by_side,
                   compilation_config=json.loads(args.compilation_config or "null"), cases=results, disk=disk,
-                  separate_processes=(args.separate_processes or not args.on_gpu) and not args.profile,
+                  separate_processes=not _engine_in_process(args),
                   token_groups=token_groups, peer_plugin=peer_source, copy=copy)
     print(f"\n{report['device']}, vLLM {report['vllm']}, torch {report['torch']}\n"
           f"model {shape}\nworkload {report['workload']}, {args.rounds} engine(s) per case"
