@@ -79,7 +79,7 @@ def capture_family(directory, out, eager, family, flavours):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    path = os.path.join(directory, family)
+    path, record = os.path.join(directory, family), tlh.FAMILIES[family]
     hf_config = AutoConfig.from_pretrained(path)
     specs = every_placed_site(hf_config)
     edits = site_edits(specs, family)
@@ -91,10 +91,10 @@ def capture_family(directory, out, eager, family, flavours):
         # (vLLM 0.24 builds a multimodal checkpoint's processor from its tokenizer: kept there. On an H100 it prefills
         # Gated DeltaNet layers with FlashInfer's kernel, compiled at the first forward: Qwen3-Next's engine had not
         # started 6 minutes later on 2026-12-06; its Triton kernel needs no compiler)
-        linear_attention = {"gdn_prefill_backend": "triton"} if tlh.FAMILIES[family].linear_attention else {}
+        linear_attention = {"gdn_prefill_backend": "triton"} if record.linear_attention else {}
         llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=8,
-                  skip_tokenizer_init=not tlh.FAMILIES[family].text_classes,
-                  gpu_memory_utilization=0.05, kv_cache_memory_bytes=1 << 30, seed=0, enforce_eager=eager,
+                  skip_tokenizer_init=not record.text_classes, gpu_memory_utilization=0.05,
+                  kv_cache_memory_bytes=1 << 30, seed=0, enforce_eager=eager,
                   **linear_attention, **config.llm_kwargs)  # (the KV cache in bytes: no memory profile; shares the GPU)
         rows = {}
         if flavour == "batched":
