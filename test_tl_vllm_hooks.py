@@ -939,6 +939,22 @@ def row_errors(actual: torch.Tensor, expected: torch.Tensor, typical: bool = Fal
     return torch.where(scale > 0, difference / scale.clamp_min(1e-300), difference)
 
 
+def comparable(name: str, actual: torch.Tensor, expected: torch.Tensor, context: str = "") -> tuple:
+    """One hook's (actual, expected) as its rows are compared: attention's a row per query, the keys it does not see
+    compared as such (asserted alike), not by value."""
+    if not name.endswith(ATTENTION):
+        return actual, expected
+    unseen = expected < UNSEEN
+    assert torch.equal(actual < UNSEEN, unseen), f"{context} {name}: other keys unseen"
+    return tuple(t.masked_fill(unseen, 0).transpose(0, 1) for t in (actual, expected))
+
+
+def hook_row_errors(name: str, actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """row_errors of one hook's comparable rows as the PerRow tolerances hold them (TYPICAL_ROWS against the mean
+    row's norm)."""
+    return row_errors(actual, expected, name.endswith(TYPICAL_ROWS))
+
+
 def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TOLERANCE) -> float:
     """The worst relative error of a whole hook's rows over the hooks; fails naming every hook beyond tolerance (a
     PerRow tolerance: every hook with a row beyond it)."""
@@ -950,14 +966,11 @@ def assert_matches(actual: dict, expected: dict, context: str = "", tolerance=TO
         assert actual[name].shape == expected[name].shape, (
             f"{context} {name}: shape {tuple(actual[name].shape)} != {tuple(expected[name].shape)}"
         )
-        if name.endswith(ATTENTION):  # a row per query; the keys it does not see compared as such, not by value
-            unseen = expected[name] < UNSEEN
-            assert torch.equal(actual[name] < UNSEEN, unseen), f"{context} {name}: other keys unseen"
-            actual[name], expected[name] = (t.masked_fill(unseen, 0).transpose(0, 1) for t in (actual[name], expected[name]))
+        actual[name], expected[name] = comparable(name, actual[name], expected[name], context)
         errors[name] = relative_error(actual[name], expected[name])
         checked[name] = errors[name]
         if isinstance(limit(name), PerRow) and len(expected[name]):
-            checked[name] = float(row_errors(actual[name], expected[name], name.endswith(TYPICAL_ROWS)).max())
+            checked[name] = float(hook_row_errors(name, actual[name], expected[name]).max())
             PerRow.worst_row = max(PerRow.worst_row, checked[name])
     failed = [name for name, error in checked.items() if error > limit(name)]
     assert not failed, f"{context}: relative error past tolerance in " + " | ".join(

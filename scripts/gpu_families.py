@@ -31,8 +31,8 @@ import tl_vllm_hooks_tools as tools  # noqa: E402
 from hook_errors import placed  # noqa: E402  (this folder is on sys.path when run as a script)
 # The tests' prompts, their edit oracle and their TransformerLens reference, not copies.
 from test_tl_vllm_hooks import (  # noqa: E402
-    BATCH, BF16_TOLERANCE, CUDA_EAGER, CUDA_RUNNER_V1, PROMPT, ROUTER_LOGITS, ROUTER_TIE, Model, router_logits,
-    row_errors, site_edits,
+    BATCH, BF16_TOLERANCE, CUDA_EAGER, CUDA_RUNNER_V1, PROMPT, ROUTER_LOGITS, ROUTER_TIE, Model, comparable,
+    hook_row_errors, router_logits, site_edits,
 )
 
 
@@ -139,7 +139,7 @@ def compare(directory, out, tolerance):
     from pathlib import Path
 
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     failed = False
     for name in sorted(os.listdir(out)):
@@ -152,7 +152,8 @@ def compare(directory, out, tolerance):
             for parameter in hf.parameters():
                 parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
         model = Model(family, Path(directory) / family, hf_model=hf)
-        forward_order = list(every_placed_site(hf.config))
+        # the whole checkpoint's config, as capture read it (a multimodal one's text model holds only its part)
+        forward_order = list(every_placed_site(AutoConfig.from_pretrained(os.path.join(directory, family))))
         parts = {record["file"] for record in meta["records"]}
         rows = {part: load_file(os.path.join(out, f"{family}-{part}.safetensors")) for part in parts}
         worst = {}
@@ -171,7 +172,7 @@ def compare(directory, out, tolerance):
             expected = model.reference(tokens, names, edits, routes)
             for hook in names:
                 actual = rows[flavour][f"{key}/{hook}"]
-                error = float(row_errors(actual, expected[hook][: len(actual)]).max())  # the worst row
+                error = float(hook_row_errors(hook, *comparable(hook, actual, expected[hook][: len(actual)])).max())
                 if error >= worst.get(flavour, (0.0, ""))[0]:
                     worst[flavour] = (error, hook)
         for flavour, (error, hook) in worst.items():
