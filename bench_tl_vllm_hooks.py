@@ -264,7 +264,7 @@ class _Engine:
 
         import torch
         from transformers import AutoConfig
-        from vllm import LLM, SamplingParams
+        from vllm import LLM, SamplingParams, envs
         from vllm.inputs import TokensPrompt
         from vllm.v1.worker.gpu_worker import Worker
 
@@ -316,9 +316,13 @@ class _Engine:
                                      detokenize=False, extra_args=extra_args)
         # TransformerLens's batched flavour reads the V1 model runner's input_batch, which vLLM 0.24's default
         # runner (V2) has not; its engine core starts with V1's (an environment variable it reads at start).
+        # An engine core started earlier in this process froze vLLM's environment reads (envs.enable_envs_cache):
+        # without a reset, tl-e's engine beside others would read the first engine's runner.
         runner = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if name == "tl-e" else {}
         saved = {key: os.environ.get(key) for key in runner}
         os.environ.update(runner)
+        if runner:
+            envs.disable_envs_cache()
         try:
             self.llm = LLM(**engine_args)
         finally:
