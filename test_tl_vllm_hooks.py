@@ -84,7 +84,10 @@ MULTIMODAL = tuple(name for name, record in tlh.FAMILIES.items() if record.text_
 # importing torchvision (vLLM's Qwen 3.5 imports its Qwen3-VL module, which imports transformers' image processors),
 # their checks without an engine here (test_the_vision_environments_text_families_are_those_vllm_needs_it_for).
 VISION_TEXT_FAMILIES = ("qwen3_5", "qwen3_5_moe")
-ENGINE_FAMILIES = tuple(family for family in FAMILIES if family not in VISION_TEXT_FAMILIES)
+# Families vLLM's CPU cannot run (their records' gpu_only says why): placed against the bridge here, compared on a GPU
+# alone (scripts/gpu_families.py).
+CUDA_ONLY = tuple(name for name in FAMILIES if tlh.FAMILIES[name].gpu_only)
+ENGINE_FAMILIES = tuple(family for family in FAMILIES if family not in VISION_TEXT_FAMILIES + CUDA_ONLY)
 
 
 def tap_kinds(family: str) -> set:
@@ -372,13 +375,37 @@ class Model:
         no expert hooks (DeepSeek's, whose router chooses inside its own forward): by the family's rule (see choice)
         from its logits and from the engine's; where the experts differ, the router returns the engine's experts,
         weighed from the engine's logits."""
-        handles = [self.bridge.blocks[layer].mlp.gate.original_component.register_forward_hook(
-            self._follow_logits(route)) for layer, route in (routes or {}).items() if torch.is_tensor(route)]
+        handles = []
+        for layer, route in (routes or {}).items():
+            if torch.is_tensor(route):
+                mlp = self.bridge.blocks[layer].mlp
+                router, follow = ((mlp.router, self._follow_router_logits) if hasattr(mlp, "router")
+                                  else (mlp.gate, self._follow_logits))
+                handles.append(router.original_component.register_forward_hook(follow(route)))
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _follow_router_logits(self, engine_logits: torch.Tensor):
+        """For a router whose block takes the top k of the softmax of its logits (Jamba's, a plain linear layer):
+        where the engine's logits choose other experts, the router returns the engine's logits."""
+        top_k = self.hf.config.get_text_config().num_experts_per_tok
+
+        def follow(_router, _inputs, logits):
+            count = min(len(logits), len(engine_logits))
+            engine_rows = engine_logits[:count].to(logits.device)
+            kept = ~engine_rows.isnan().any(-1)
+            own = logits[:count].float().topk(top_k, dim=-1).indices
+            engine = engine_rows.nan_to_num().topk(top_k, dim=-1).indices
+            where = kept & (own.sort(-1).values != engine.sort(-1).values).any(-1)
+            record_followed(self.routing, logits[:count].float(), own, engine, where, kept)
+            logits = logits.clone()
+            logits[:count][where] = engine_rows[where].to(logits.dtype)
+            return logits
+
+        return follow
 
     def _follow_logits(self, engine_logits: torch.Tensor):
         config = self.hf.config
@@ -991,10 +1018,16 @@ def router_logits(family: str, hf_config) -> dict:
     router logits, as raw module specs ({ROUTER_LOGITS + layer: (module path, experts)}), kept beside the hooks so that
     the reference can follow the engine's routing (engine_routes takes them out of the rows it reads)."""
     record, config = tlh.FAMILIES[family], hf_config.get_text_config()
-    if not (tools._TINY_MODELS[family].bfloat16 and record.moe and not record.moe.router):
+    bf16 = tools._TINY_MODELS[family].bfloat16 or family in CUDA_ONLY
+    if not (bf16 and record.moe and not record.moe.router):
         return {}
-    return {f"{ROUTER_LOGITS}{i}": (record.layer.format(i=i) + record.moe.block + ".gate", config.n_routed_experts)
+    router = ROUTER_MODULES.get(family, ".gate")
+    experts = getattr(config, "n_routed_experts", None) or tlh._num_experts(config)
+    return {f"{ROUTER_LOGITS}{i}": (record.layer.format(i=i) + record.moe.block + router, experts)
             for i in range(config.num_hidden_layers) if tlh._moe_layer(record, config, i)}
+
+
+ROUTER_MODULES = {"jamba": ".router"}  # where vLLM's router is not the block's .gate
 
 
 def engine_arguments(dtype="float32"):
@@ -4358,7 +4391,7 @@ class TestCudaRay:
 # `assert seq_lens_cpu is not None` in the warm-up's dummy run; Falcon-H1 and LFM2 on 2026-12-05, an H100; Nemotron-H
 # for its Mamba-2 layers, as Falcon-H1's: both flavours passed so on 2026-12-06).
 CUDA_EAGER = ("mixtral", "olmoe", "qwen3_next", "nemotron_h", "qwen3_5_moe_mm")
-CUDA_RUNNER_V1 = ("falcon_h1", "lfm2", "nemotron_h")
+CUDA_RUNNER_V1 = ("falcon_h1", "lfm2", "nemotron_h", "jamba")  # (Jamba's Mamba-1 layers, as the others': not yet run)
 
 
 @CUDA

@@ -259,6 +259,7 @@ _MOE_LAYERS = {  # the config attribute that says which layers hold the experts 
         (i + 1) % config.moe_layer_interval == 0 and config.moe_layer_start_index <= i <= config.moe_layer_end_index
     ),
     "interleave_moe_layer_step": lambda config, i: (i + 1) % config.interleave_moe_layer_step == 0,  # Llama 4's
+    "layers_num_experts": lambda config, i: config.layers_num_experts[i] > 1,  # Jamba's
 }
 
 
@@ -303,9 +304,11 @@ class _Family:
         the MLP's pre-norms; "" where there are none), ``post_norms`` (each branch's norm before it joins the stream,
         which hook_attn_out and hook_mlp_out follow), ``mlp`` (its ``mlp_up``, gated with the gate first where it is
         one of _GATED_UP, and ``mlp_down``; ``mlp`` "" where its projections sit in the layer, ``mlp_up`` ""
-        where there is no MLP), ``attention`` ("" where there is none), ``linear_attention`` (linear attention),
-        ``conv`` (a short convolution, vLLM's ShortConv), ``mixer`` (a Mamba-2 mixer, vLLM's MambaMixer2; "" where
-        there is none).
+        where there is no MLP), ``attention`` ("" where there is none, "." where its projections and attention sit in
+        the layer itself, hook_attn_out then its o_proj's output), ``linear_attention`` (linear attention), ``conv`` (a
+        short convolution, vLLM's ShortConv), ``mixer`` (a Mamba-2 mixer, vLLM's MambaMixer2; "" where there is
+        none). mamba1: the mixer is Mamba-1's (vLLM's MambaMixer): no inner norm, an input projection of x and z
+        alone, and its output written into an argument, so that mixer.hook_out is its out_proj's output.
     parallel: attention and MLP read the same stream (no hook_resid_mid). embed_at_layer0: hook_embed is what layer 0
         receives (Gemma's sqrt(d_model) scale, Granite's multiplier and BLOOM's norm come after the embedding).
     layer_inputs, norm_inputs, mlp_inputs: (argument, position) of the inputs a layer, a norm and the MLP take; ()
@@ -344,6 +347,8 @@ class _Family:
         it), which unembed adds, as TransformerLens's hook_unembed does.
     text_classes: for a multimodal checkpoint, the vLLM classes of its text model that the record describes, which
         sits under ``text_prefix`` in vLLM's tree and takes the shapes of ``config.get_text_config()``.
+    gpu_only: why vLLM's CPU cannot run the family, which is then compared with TransformerLens on a GPU alone ("":
+        it runs on the CPU, and CI compares it).
     """
 
     name: str
@@ -368,6 +373,7 @@ class _Family:
     linear_attention: str = ""
     conv: str = ""
     mixer: str = ""
+    mamba1: bool = False
     parallel: bool = False
     embed_at_layer0: bool = False
     layer_inputs: tuple[tuple[str, int], ...] = ()
@@ -397,6 +403,7 @@ class _Family:
     text_classes: tuple[str, ...] = ()
     direct_attention: bool = False
     lm_head_bias: bool = False
+    gpu_only: str = ""
 
 
 # vLLM's Transformers backend: transformers' module tree with vLLM's linear layers, norms and attention, whose forward
@@ -498,6 +505,18 @@ FAMILIES = {family.name: family for family in (
             kind_layer_inputs=dict.fromkeys(("linear_attention", "mlp"), (("hidden_states", 0), ("residual", 1))),
             kind_taps={"mlp": {"mixer_in": _Tap("model.layers.{i}.mixer", _INPUT, _X_INPUT)}},
             renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
+    # Jamba: Mamba-1 mixers and attention without positions, whose projections and attention sit in the layer itself;
+    # experts where layers_num_experts gives more than one, on which TransformerLens runs no expert hooks.
+    # TransformerLens's hooks inside the mixer beyond its ends and input projection (x_proj's, the dt, B and C norms')
+    # have no SITES name.
+    _Family("jamba", "JambaForCausalLM", ln2=".pre_ff_layernorm", mlp=".feed_forward",
+            final_norm="model.final_layernorm", attention=".", rotary=False, mixer=".mamba", mamba1=True,
+            layer_kinds="layers_block_type", kind_sites={"mamba": "mixer", "attention": "attention"},
+            kind_layer_inputs={"mamba": (("hidden_states", 0), ("residual", 1))},
+            moe=_MoE(".feed_forward", router="", layers="layers_num_experts", renormalize=""),
+            refused=_SCORES_ARE_PATTERN,
+            gpu_only="Mamba-1 layers, which vLLM 0.32 CPU cannot run ('_C' object has no attribute "
+                     "'selective_scan_fwd')"),
     # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers;
     # mamba.hook_in is the mixer's input before ssm_in_multiplier, hook_attn_out and mamba.hook_out the branches'
     # outputs before theirs.
@@ -730,8 +749,8 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
     "GlmMoeDsaForCausalLM": "sparse multi-head latent attention: 'Sparse Attention is not supported on CPU'",
     "DeepseekV4ForCausalLM": "compressed sparse attention with hyper-connection streams; vLLM 0.32 refuses its "
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",
-    **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM"), "Mamba-1 layers, which vLLM "
-                    "0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"),
+    **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM"), "Mamba-1 layers, which vLLM 0.32 CPU cannot run "
+                    "('_C' object has no attribute 'selective_scan_fwd')"),
     "OlmoHybridForCausalLM": "Gated DeltaNet linear attention; vLLM 0.32 CPU fails to build it (module 'triton' has "
                              "no attribute 'set_allocator')",
     "Glm4vForConditionalGeneration": "vLLM's text model of it differs from transformers' (greedy tokens from the "
@@ -797,7 +816,7 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
 
     layer_inputs = inputs_of(kind)
     norm_inputs = f.norm_inputs or (_NORM_PAIR if pair else _X_INPUT)
-    attention, gated = at + f.attention, f.mlp_up in _GATED_UP
+    attention, gated = at if f.attention == "." else at + f.attention, f.mlp_up in _GATED_UP
     mid_norm = at + f.ln2 if f.ln2 else None
 
     def norm(path: str, kind: str = _NORMALIZED) -> _Tap:
@@ -838,6 +857,7 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         "pattern": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY, direct=f.direct_attention),
         "attn_z": _Tap(attention + f.o_proj, _INPUT, _LINEAR_INPUT),
         "attn_out": _Tap(at + f.post_norms[0], _OUTPUT) if f.post_norms
+        else _Tap(attention + f.o_proj, _OUTPUT) if f.attention == "."
         else _Tap(attention, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
         **({
             "attn_q_latent": _Tap(attention + ".q_a_layernorm", _OUTPUT) if config.q_lora_rank else None,
@@ -859,10 +879,12 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         **({
             "mixer_in": _Tap(at + f.mixer, _INPUT, _HIDDEN_INPUT),
             "mixer_in_proj": _Tap(at + f.mixer + ".in_proj", _OUTPUT),
-            "mixer_norm_in": _Tap(at + f.mixer + ".norm", _INPUT, (("x", 0),)),
-            "mixer_norm_gate": _Tap(at + f.mixer + ".norm", _INPUT, (("gate", 1),)),
-            "mixer_norm": _Tap(at + f.mixer + ".out_proj", _INPUT, _LINEAR_INPUT),
-            "mixer_out": _Tap(at + f.mixer, _OUTPUT),
+            **({
+                "mixer_norm_in": _Tap(at + f.mixer + ".norm", _INPUT, (("x", 0),)),
+                "mixer_norm_gate": _Tap(at + f.mixer + ".norm", _INPUT, (("gate", 1),)),
+                "mixer_norm": _Tap(at + f.mixer + ".out_proj", _INPUT, _LINEAR_INPUT),
+            } if not f.mamba1 else {}),
+            "mixer_out": _Tap(at + f.mixer + ".out_proj", _OUTPUT) if f.mamba1 else _Tap(at + f.mixer, _OUTPUT),
         } if f.mixer else {}),
         # the stream between the branches: ln2's input, or the MLP's where it has no pre-norm
         "resid_mid": None if f.parallel else _Tap(mid_norm, _NORM_INPUT, norm_inputs, f.norm) if mid_norm and pair
@@ -978,10 +1000,13 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
             d_inner = config.mamba_num_heads * config.mamba_head_dim
         else:
             d_inner = getattr(config, "mamba_d_ssm", None) or setting("mamba_expand", "expand") * d_model
-        groups_state = setting("mamba_n_groups", "mamba_ngroups", "n_groups") * setting(
-            "mamba_d_state", "state_size", "ssm_state_size")
-        d_in_proj = 2 * d_inner + 2 * groups_state + setting("mamba_n_heads", "n_mamba_heads", "mamba_num_heads",
-                                                              "num_heads")
+        if family.mamba1:  # x and z
+            d_in_proj = 2 * d_inner
+        else:  # z, x, B, C and dt
+            groups_state = setting("mamba_n_groups", "mamba_ngroups", "n_groups") * setting(
+                "mamba_d_state", "state_size", "ssm_state_size")
+            d_in_proj = 2 * d_inner + 2 * groups_state + setting("mamba_n_heads", "n_mamba_heads", "mamba_num_heads",
+                                                                  "num_heads")
         shapes.update(mixer_in_proj=(d_in_proj,), mixer_norm_in=(d_inner,), mixer_norm_gate=(d_inner,),
                       mixer_norm=(d_inner,))
     shapes.update({renamed: shapes[site] for site, renamed in family.renamed.items()})

@@ -886,6 +886,10 @@ _TINY_MODELS = {
         "linear_attention", "full_attention", "mlp", "linear_attention"], mamba_num_heads=6, mamba_head_dim=32,
         n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=256, mlp_bias=True,
         time_step_min=1e-9)),  # (vLLM's scan takes no floor under dt: see the record)
+    # (layers: Mamba-1 and experts, attention and a dense MLP, Mamba-1 and a dense MLP, attention and experts)
+    "jamba": _TinyModel(dict(_MOE4, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+                             expert_layer_period=3, expert_layer_offset=0, mamba_d_state=8, mamba_d_conv=4,
+                             mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False)),
     "falcon_h1": _TinyModel(dict(_UNTIED, head_dim=64, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
                                  mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
                                  mamba_chunk_size=256, mamba_rms_norm=True, mamba_norm_before_gate=False,
@@ -1413,6 +1417,8 @@ def families_markdown() -> str:
         if record.text_classes:  # a multimodal checkpoint's: where its text model sits
             text_classes = " or ".join(f"`{text_class}`" for text_class in record.text_classes)
             runs.append(f"text model {text_classes} at `{record.text_prefix.rstrip('.') or '(its root)'}`")
+        if record.gpu_only:
+            runs.append("compared on a GPU alone")
         family = f"{name} `{record.architecture}`" + (f" ({'; '.join(runs)})" if runs else "")
         groups.setdefault("; ".join(cells) or "Llama's sites", []).append(family)
     reasons: dict[str, list[str]] = {}
@@ -1420,7 +1426,8 @@ def families_markdown() -> str:
         reasons.setdefault(why, []).append(f"`{architecture}`")
     return "\n".join(
         [
-            f"{len(FAMILIES)} families supported, each compared with TransformerLens in CI, grouped by their sites "
+            f"{len(FAMILIES)} families supported, each compared with TransformerLens in CI (or on a GPU, where vLLM's "
+            "CPU cannot run it), grouped by their sites "
             "beside Llama's; each as its name and architecture (vLLM's class where it is another; a multimodal "
             "checkpoint's text model and where it sits). Llama's sites (those of each layer named without "
             "`blocks.{i}.`):",
