@@ -4391,7 +4391,7 @@ class TestCudaRay:
 # `assert seq_lens_cpu is not None` in the warm-up's dummy run; Falcon-H1 and LFM2 on 2026-12-05, an H100; Nemotron-H
 # for its Mamba-2 layers, as Falcon-H1's: both flavours passed so on 2026-12-06).
 CUDA_EAGER = ("mixtral", "olmoe", "qwen3_next", "nemotron_h", "qwen3_5_moe_mm")
-CUDA_RUNNER_V1 = ("falcon_h1", "lfm2", "nemotron_h", "jamba")  # (Jamba's Mamba-1 layers, as the others': not yet run)
+CUDA_RUNNER_V1 = ("falcon_h1", "lfm2", "nemotron_h", "jamba", "mamba", "falcon_mamba")  # (Mamba-1 ones: not yet run)
 
 
 @CUDA

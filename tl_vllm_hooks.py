@@ -434,6 +434,7 @@ _SCORES_ARE_PATTERN = {"attn_scores": "TransformerLens 4.3's adapter fires hook_
                                       "(what hook_pattern holds), not the scores"}
 
 # fmt: off
+_MAMBA1_ON_CPU = "Mamba-1 layers, which vLLM 0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"
 FAMILIES = {family.name: family for family in (
     _Family("llama", "LlamaForCausalLM"),
     _Family("qwen2", "Qwen2ForCausalLM"),
@@ -461,6 +462,16 @@ FAMILIES = {family.name: family for family in (
             final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer",
             layer_inputs=(("hidden_states", 0), ("residual", 1)), settings=dict(n_groups=1),
             renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
+    # Mamba-1: Mamba-2's layout with Mamba-1 mixers.
+    _Family("mamba", "MambaForCausalLM", layer="backbone.layers.{i}", embed="backbone.embeddings",
+            final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer", mamba1=True,
+            layer_inputs=(("hidden_states", 0), ("residual", 1)),
+            renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}, gpu_only=_MAMBA1_ON_CPU),
+    # Falcon Mamba: Mamba-1's, with weightless RMS norms of the scan's dt, B and C (vLLM runs it as Mamba-1).
+    _Family("falcon_mamba", "FalconMambaForCausalLM", vllm_class="MambaForCausalLM", layer="backbone.layers.{i}",
+            embed="backbone.embeddings", final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="",
+            mixer=".mixer", mamba1=True, layer_inputs=(("hidden_states", 0), ("residual", 1)),
+            renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}, gpu_only=_MAMBA1_ON_CPU),
     _GATED_DELTANET,
     dataclasses.replace(_GATED_DELTANET, name="qwen3_5_moe", architecture="Qwen3_5MoeForCausalLM",
                         moe=_MoE(renormalize="always")),
@@ -514,9 +525,7 @@ FAMILIES = {family.name: family for family in (
             layer_kinds="layers_block_type", kind_sites={"mamba": "mixer", "attention": "attention"},
             kind_layer_inputs={"mamba": (("hidden_states", 0), ("residual", 1))},
             moe=_MoE(".feed_forward", router="", layers="layers_num_experts", renormalize=""),
-            refused=_SCORES_ARE_PATTERN,
-            gpu_only="Mamba-1 layers, which vLLM 0.32 CPU cannot run ('_C' object has no attribute "
-                     "'selective_scan_fwd')"),
+            refused=_SCORES_ARE_PATTERN, gpu_only=_MAMBA1_ON_CPU),
     # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers;
     # mamba.hook_in is the mixer's input before ssm_in_multiplier, hook_attn_out and mamba.hook_out the branches'
     # outputs before theirs.
@@ -749,8 +758,6 @@ REFUSED = {  # architecture -> why no record describes it, as measured with vLLM
     "GlmMoeDsaForCausalLM": "sparse multi-head latent attention: 'Sparse Attention is not supported on CPU'",
     "DeepseekV4ForCausalLM": "compressed sparse attention with hyper-connection streams; vLLM 0.32 refuses its "
                              "config ('mlp_layer_types entries must be in (sparse, dense)')",
-    **dict.fromkeys(("MambaForCausalLM", "FalconMambaForCausalLM"), "Mamba-1 layers, which vLLM 0.32 CPU cannot run "
-                    "('_C' object has no attribute 'selective_scan_fwd')"),
     "OlmoHybridForCausalLM": "Gated DeltaNet linear attention; vLLM 0.32 CPU fails to build it (module 'triton' has "
                              "no attribute 'set_allocator')",
     "Glm4vForConditionalGeneration": "vLLM's text model of it differs from transformers' (greedy tokens from the "
