@@ -84,10 +84,10 @@ MULTIMODAL = tuple(name for name, record in tlh.FAMILIES.items() if record.text_
 # importing torchvision (vLLM's Qwen 3.5 imports its Qwen3-VL module, which imports transformers' image processors),
 # their checks without an engine here (test_the_vision_environments_text_families_are_those_vllm_needs_it_for).
 VISION_TEXT_FAMILIES = ("qwen3_5", "qwen3_5_moe")
-# Families vLLM's CPU cannot run (their records' gpu_only says why): placed against the bridge here, compared on a GPU
-# alone (scripts/gpu_families.py).
+# Families vLLM's CPU cannot run (their records' gpu_only says why: Mamba-1's scan has no CPU kernel). Their engines
+# here run that scan in torch (scan_in_torch); a GPU runs vLLM's kernels (scripts/gpu_families.py).
 CUDA_ONLY = tuple(name for name in FAMILIES if tlh.FAMILIES[name].gpu_only)
-ENGINE_FAMILIES = tuple(family for family in FAMILIES if family not in VISION_TEXT_FAMILIES + CUDA_ONLY)
+ENGINE_FAMILIES = tuple(family for family in FAMILIES if family not in VISION_TEXT_FAMILIES)
 
 
 def tap_kinds(family: str) -> set:
@@ -202,6 +202,80 @@ def family_tolerance(family: str):
         return ATTENTION_LOOSER.get(family, looser) if name.endswith(ATTENTION) else looser
 
     return tolerance
+
+
+# vLLM's CPU has no Mamba-1 scan (selective_scan_fwd): a CUDA_ONLY family's engines here run vLLM's selective_scan_fn
+# and selective_state_update as the torch loops below (fp32, transformers' slow path's recurrence), in an engine in
+# this process, and make out_proj's input contiguous (vLLM concatenates a mixed step's decode and prefill scan outputs,
+# and its CPU GEMM needs the last dimension contiguous). Every hooked tensor is still vLLM's: the mixer's input, its
+# in_proj's and out_proj's outputs, the stream. Measured 2026-12-06: greedy tokens equal transformers' on the tiny
+# Jamba, Mamba and Falcon Mamba, over chunked prefill and mixed steps.
+def _scan_steps(state, u, delta, A, B, C, D, z, delta_bias, softplus):
+    """Mamba-1's recurrence: state [dim, d_state] (fp32); u, delta, z [dim, tokens]; B, C [d_state, tokens]. Returns
+    (the state after the last token, y [dim, tokens] fp32)."""
+    ys = []
+    for t in range(u.shape[-1]):
+        dt = delta[:, t].float() + (0 if delta_bias is None else delta_bias.float())
+        dt = torch.nn.functional.softplus(dt) if softplus else dt
+        x = u[:, t].float()
+        state = torch.exp(dt[:, None] * A.float()) * state + dt[:, None] * B[:, t].float()[None] * x[:, None]
+        y = (state * C[:, t].float()[None]).sum(-1) + (0 if D is None else D.float() * x)
+        ys.append(y if z is None else y * torch.nn.functional.silu(z[:, t].float()))
+    return state, torch.stack(ys, -1)
+
+
+def _selective_scan_in_torch(u, ssm_states, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                             query_start_loc=None, cache_indices=None, has_initial_state=None, **_):
+    """vLLM's selective_scan_fn over a prefill batch ([dim, tokens], requests by query_start_loc), without prefix
+    caching: each request's state read where has_initial_state says, written back; the output written into z."""
+    B, C, out = B.reshape(-1, B.shape[-1]), C.reshape(-1, C.shape[-1]), torch.empty_like(u)
+    for request in range(len(query_start_loc) - 1):
+        start, end, slot = int(query_start_loc[request]), int(query_start_loc[request + 1]), int(cache_indices[request])
+        initial = has_initial_state is not None and bool(has_initial_state[request])
+        state = ssm_states[slot].float() if initial else u.new_zeros(ssm_states.shape[1:], dtype=torch.float32)
+        state, out[:, start:end] = _scan_steps(state, u[:, start:end], delta[:, start:end], A, B[:, start:end],
+                                               C[:, start:end], D, None if z is None else z[:, start:end], delta_bias,
+                                               delta_softplus)
+        ssm_states[slot] = state.to(ssm_states.dtype)
+    return (delta if z is None else z).copy_(out)
+
+
+def _selective_state_update_in_torch(state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False,
+                                     state_batch_indices=None, dst_state_batch_indices=None, out=None, **_):
+    """vLLM's selective_state_update for Mamba-1's decode: one token a request (x, dt, z [requests, dim]; B, C
+    [requests, d_state])."""
+    for request in range(x.shape[0]):
+        new, y = _scan_steps(state[int(state_batch_indices[request])].float(), x[request][:, None],
+                             dt[request][:, None], A, B[request][:, None], C[request][:, None], D,
+                             None if z is None else z[request][:, None], dt_bias, dt_softplus)
+        state[int(dst_state_batch_indices[request])] = new.to(state.dtype)
+        out[request] = y[:, 0].to(out.dtype)
+    return out
+
+
+@contextlib.contextmanager
+def scan_in_torch(family: str):
+    """For the block's length, a CUDA_ONLY family's engines started in this process on the CPU run the Mamba-1 scan in
+    torch (see above); nothing for the others, or on a GPU."""
+    if family not in CUDA_ONLY or torch.cuda.is_available():
+        yield
+        return
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm.model_executor.layers.mamba import mamba_mixer
+
+    saved = mamba_mixer.selective_scan_fn, mamba_mixer.selective_state_update, RowParallelLinear.forward
+    original_forward = RowParallelLinear.forward
+
+    def contiguous_forward(self, input_, *args, **kwargs):
+        return original_forward(self, input_.contiguous(), *args, **kwargs)
+
+    mamba_mixer.selective_scan_fn = _selective_scan_in_torch
+    mamba_mixer.selective_state_update = _selective_state_update_in_torch
+    RowParallelLinear.forward = contiguous_forward
+    try:
+        yield
+    finally:
+        mamba_mixer.selective_scan_fn, mamba_mixer.selective_state_update, RowParallelLinear.forward = saved
 
 
 def family_engine_arguments(family: str) -> dict:
@@ -1932,7 +2006,7 @@ def family_llm(request, models):
     family = request.param
     model = models[family]
     in_process, eager = family not in SEPARATE_FAMILIES, family not in COMPILED_FAMILIES
-    with engine(model, sites=model.sites, in_process=in_process, eager=eager, batching=True,
+    with scan_in_torch(family), engine(model, sites=model.sites, in_process=in_process, eager=eager, batching=True,
                 **family_engine_arguments(family)) as llm:
         llm.model = model
         llm.tolerance = family_tolerance(family)
@@ -2053,7 +2127,8 @@ def check_shorthand(rows, cache, model: Model, tolerance) -> None:
 @pytest.fixture(scope="class", params=ONE_PROMPT_ENGINE_FAMILIES)
 def one_prompt_flavour_llm(request, models):
     model = models[request.param]
-    with engine(model, sites=model.sites, in_process=True, eager=True, **family_engine_arguments(request.param)) as llm:
+    with scan_in_torch(request.param), engine(model, sites=model.sites, in_process=True, eager=True,
+                                               **family_engine_arguments(request.param)) as llm:
         llm.model = model
         llm.tolerance = family_tolerance(request.param)
         yield llm

@@ -347,8 +347,8 @@ class _Family:
         it), which unembed adds, as TransformerLens's hook_unembed does.
     text_classes: for a multimodal checkpoint, the vLLM classes of its text model that the record describes, which
         sits under ``text_prefix`` in vLLM's tree and takes the shapes of ``config.get_text_config()``.
-    gpu_only: why vLLM's CPU cannot run the family, which is then compared with TransformerLens on a GPU alone ("":
-        it runs on the CPU, and CI compares it).
+    gpu_only: why vLLM's CPU cannot run the family, which then runs on a GPU only ("": it runs on either; CI compares
+        every family, running the kernel the CPU lacks in torch).
     """
 
     name: str

@@ -1421,8 +1421,8 @@ def families_markdown() -> str:
         if record.text_classes:  # a multimodal checkpoint's: where its text model sits
             text_classes = " or ".join(f"`{text_class}`" for text_class in record.text_classes)
             runs.append(f"text model {text_classes} at `{record.text_prefix.rstrip('.') or '(its root)'}`")
-        if record.gpu_only:
-            runs.append("compared on a GPU alone")
+        if record.gpu_only:  # (CI runs the missing CPU kernel in torch)
+            runs.append(f"on a GPU only [{notes.setdefault(record.gpu_only, len(notes) + 1)}]")
         family = f"{name} `{record.architecture}`" + (f" ({'; '.join(runs)})" if runs else "")
         groups.setdefault("; ".join(cells) or "Llama's sites", []).append(family)
     reasons: dict[str, list[str]] = {}
@@ -1430,8 +1430,7 @@ def families_markdown() -> str:
         reasons.setdefault(why, []).append(f"`{architecture}`")
     return "\n".join(
         [
-            f"{len(FAMILIES)} families supported, each compared with TransformerLens in CI (or on a GPU, where vLLM's "
-            "CPU cannot run it), grouped by their sites "
+            f"{len(FAMILIES)} families supported, each compared with TransformerLens in CI, grouped by their sites "
             "beside Llama's; each as its name and architecture (vLLM's class where it is another; a multimodal "
             "checkpoint's text model and where it sits). Llama's sites (those of each layer named without "
             "`blocks.{i}.`):",
