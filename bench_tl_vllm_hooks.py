@@ -316,8 +316,8 @@ class _Engine:
                                      detokenize=False, extra_args=extra_args)
         # TransformerLens's batched flavour reads the V1 model runner's input_batch, which vLLM 0.24's default
         # runner (V2) has not; its engine core starts with V1's (an environment variable it reads at start).
-        # An engine core started earlier in this process froze vLLM's environment reads (envs.enable_envs_cache):
-        # without a reset, tl-e's engine beside others would read the first engine's runner.
+        # An engine core started in this process freezes vLLM's environment reads (envs.enable_envs_cache): reset
+        # before tl-e's engine, or it reads the earlier engine's runner, and after it, or later engines read V1.
         runner = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if name == "tl-e" else {}
         saved = {key: os.environ.get(key) for key in runner}
         os.environ.update(runner)
@@ -333,6 +333,8 @@ class _Engine:
                     del os.environ[key]
                 else:
                     os.environ[key] = value
+            if runner:
+                envs.disable_envs_cache()
         # register() had run in this process (configure() or vLLM's plugin loader): False for plain.
         self.load_model_wrapped = hasattr(Worker.load_model, "__wrapped__")
         if name == "d":
