@@ -206,8 +206,8 @@ def family_tolerance(family: str):
 
 # vLLM's CPU has no Mamba-1 scan (selective_scan_fwd): a CUDA_ONLY family's engines here run vLLM's selective_scan_fn
 # and selective_state_update as the torch loops below (fp32, transformers' slow path's recurrence), in an engine in
-# this process, and make out_proj's input contiguous (vLLM concatenates a mixed step's decode and prefill scan outputs,
-# and its CPU GEMM needs the last dimension contiguous). Every hooked tensor is still vLLM's: the mixer's input, its
+# this process, and give every RowParallelLinear a contiguous input (the mixer's out_proj needs it: vLLM concatenates
+# a mixed step's decode and prefill scan outputs, and its CPU GEMM needs the last dimension contiguous). Every hooked tensor is still vLLM's: the mixer's input, its
 # in_proj's and out_proj's outputs, the stream. Measured 2026-12-06: greedy tokens equal transformers' on the tiny
 # Jamba, Mamba and Falcon Mamba, over chunked prefill and mixed steps.
 def _scan_steps(state, u, delta, A, B, C, D, z, delta_bias, softplus):
@@ -263,11 +263,11 @@ def scan_in_torch(family: str):
     from vllm.model_executor.layers.linear import RowParallelLinear
     from vllm.model_executor.layers.mamba import mamba_mixer
 
-    saved = mamba_mixer.selective_scan_fn, mamba_mixer.selective_state_update, RowParallelLinear.forward
-    original_forward = RowParallelLinear.forward
+    linear_forward = RowParallelLinear.forward
+    saved = mamba_mixer.selective_scan_fn, mamba_mixer.selective_state_update, linear_forward
 
     def contiguous_forward(self, input_, *args, **kwargs):
-        return original_forward(self, input_.contiguous(), *args, **kwargs)
+        return linear_forward(self, input_.contiguous(), *args, **kwargs)
 
     mamba_mixer.selective_scan_fn = _selective_scan_in_torch
     mamba_mixer.selective_state_update = _selective_state_update_in_torch
@@ -1088,7 +1088,8 @@ ROUTER_LOGITS = "router_logits."
 
 
 def router_logits(family: str, hf_config) -> dict:
-    """For a family vLLM's CPU runs in bf16 alone whose bridge runs no expert hooks (DeepSeek V3's): each MoE layer's
+    """For a family whose bridge runs no expert hooks and whose engines run in bf16, on vLLM's CPU (DeepSeek V3's) or
+    on a GPU for a CUDA_ONLY family (Jamba's; its fp32 engines here keep them too and follow none): each MoE layer's
     router logits, as raw module specs ({ROUTER_LOGITS + layer: (module path, experts)}), kept beside the hooks so that
     the reference can follow the engine's routing (engine_routes takes them out of the rows it reads)."""
     record, config = tlh.FAMILIES[family], hf_config.get_text_config()
