@@ -1995,10 +1995,12 @@ def check_every_site_edit_per_request(llm, model: Model, reference=None, toleran
 # except: torch.compiled (inductor) for Qwen3, whose graph carries every tap kind the new
 # sites brought beside Llama's (which TestOnePrompt and TestBatched compile): heads of a
 # fused qkv projection, Attention's inputs, ln2 after hook_resid_mid on one norm, the attention
-# matrices' query and key; and SmolLM3, on vLLM's Transformers backend, whose Attention forward the
-# hooks wrap (vLLM calls it past module hooks); and in vLLM's separate processes, the default
-# layout, for OLMo 2 (vLLM's Transformers backend).
+# matrices' query and key; traced by Dynamo and run without inductor's C++ code (VLLM_CPU_CI_ENV, as the
+# examples: ~95 s less) for SmolLM3, on vLLM's Transformers backend, whose Attention forward the
+# hooks wrap (vLLM calls it past module hooks: what Dynamo traces); and in vLLM's separate processes, the
+# default layout, for OLMo 2 (vLLM's Transformers backend).
 COMPILED_FAMILIES = ("qwen3", "smollm3")
+TRACED_ONLY_FAMILIES = ("smollm3",)
 SEPARATE_FAMILIES = ("olmo2",)
 
 
@@ -2007,8 +2009,9 @@ def family_llm(request, models):
     family = request.param
     model = models[family]
     in_process, eager = family not in SEPARATE_FAMILIES, family not in COMPILED_FAMILIES
+    traced_only = (("VLLM_CPU_CI_ENV", "1"),) if family in TRACED_ONLY_FAMILIES else ()
     with scan_in_torch(family), engine(model, sites=model.sites, in_process=in_process, eager=eager, batching=True,
-                **family_engine_arguments(family)) as llm:
+                environment=traced_only, **family_engine_arguments(family)) as llm:
         llm.model = model
         llm.tolerance = family_tolerance(family)
         yield llm
@@ -3493,35 +3496,35 @@ def sae_lens_python():
 class SAEOracle:
     """The SAEs of ``kinds`` (SAE_KINDS on the Llama's hooks) on the model's hooks, made and saved by sae-lens, and
     what sae-lens's own ``SAE.load_from_disk(...).encode`` makes of TransformerLens's rows there for each prompt of
-    SAE_PROMPTS, run in sae-lens's environment (scripts/sae_oracle.py) through safetensors files."""
+    SAE_PROMPTS, run in sae-lens's environment (scripts/sae_oracle.py) through safetensors files: made_by_sae_lens
+    runs the jobs of one or more, then each reads what they wrote."""
 
-    def __init__(self, python: str, model: Model, root: Path, kinds: dict = SAE_KINDS):
-        from safetensors.torch import load_file, save_file
+    def __init__(self, model: Model, root: Path, kinds: dict = SAE_KINDS):
+        from safetensors.torch import save_file
 
-        self.model, self.directories = model, {hook: root / hook for hook in kinds}
+        self.model, self.kinds, self.directories = model, kinds, {hook: root / hook for hook in kinds}
+        self.root = root
         unedited = [model.reference(prompt, list(kinds)) for prompt in SAE_PROMPTS]
-        jobs = []
+        self.jobs = []
         for hook, (architecture, d_sae, k) in kinds.items():
             rows = {f"prompt{i}": rows[hook].reshape(len(rows[hook]), -1).contiguous() for i, rows in enumerate(unedited)}
             save_file(rows, str(root / f"{hook}.rows.safetensors"))
             scale = float(torch.cat(list(rows.values())).std())  # the SAE is scaled for rows of this spread
-            jobs.append(
+            self.jobs.append(
                 ["make", "--architecture", architecture, "--d-in", "128", "--d-sae", str(d_sae), "--hook-name", hook,
                  "--input-scale", str(scale), "--seed", str(d_sae), "--out", str(self.directories[hook])]
                 + (["--k", str(k)] if k else [])
                 + (["--d-out", "128", "--hook-name-out", TRANSCODES[hook]] if hook in TRANSCODES else [])
             )
-            jobs.append(["encode", "--sae", str(self.directories[hook]), "--acts", str(root / f"{hook}.rows.safetensors"),
-                         "--out", str(root / f"{hook}.features.safetensors")])
-        (root / "jobs.json").write_text(json.dumps(jobs))
-        ran = subprocess.run(
-            [python, str(HERE / "scripts" / "sae_oracle.py"), "batch", "--jobs", str(root / "jobs.json")],
-            capture_output=True, text=True,
-        )
-        assert ran.returncode == 0, f"sae_oracle.py failed:\n{ran.stderr[-3000:]}"
+            self.jobs.append(["encode", "--sae", str(self.directories[hook]), "--acts",
+                              str(root / f"{hook}.rows.safetensors"), "--out", str(root / f"{hook}.features.safetensors")])
+
+    def read_what_sae_lens_wrote(self) -> None:
+        from safetensors.torch import load_file
+
         self.features, self.W_dec = {}, {}
-        for hook in kinds:
-            encoded = load_file(str(root / f"{hook}.features.safetensors"))
+        for hook in self.kinds:
+            encoded = load_file(str(self.root / f"{hook}.features.safetensors"))
             self.features[hook] = [encoded[f"prompt{i}"] for i in range(len(SAE_PROMPTS))]
             self.W_dec[hook] = load_file(str(self.directories[hook] / "sae_weights.safetensors"))["W_dec"]
 
@@ -3547,6 +3550,20 @@ class SAEOracle:
         return {TRANSCODES.get(hook, hook): change}
 
 
+def made_by_sae_lens(python: str, oracles: list[SAEOracle], root: Path) -> list[SAEOracle]:
+    """Every oracle's jobs in one run of scripts/sae_oracle.py (importing sae-lens alone takes ~10 s), its job list
+    in ``root``; then each oracle reads its features and decoders."""
+    (root / "jobs.json").write_text(json.dumps([job for oracle in oracles for job in oracle.jobs]))
+    ran = subprocess.run(
+        [python, str(HERE / "scripts" / "sae_oracle.py"), "batch", "--jobs", str(root / "jobs.json")],
+        capture_output=True, text=True,
+    )
+    assert ran.returncode == 0, f"sae_oracle.py failed:\n{ran.stderr[-3000:]}"
+    for oracle in oracles:
+        oracle.read_what_sae_lens_wrote()
+    return oracles
+
+
 def fired(oracle: SAEOracle, hook: str, count: int) -> list[int]:
     """The ``count`` features of the hook's SAE that fire most on SAE_PROMPTS (sae-lens's encode), so that an edit of
     them changes something."""
@@ -3569,7 +3586,8 @@ def assert_features(indices, values, expected, k, context, tolerance=TOLERANCE, 
 
 @pytest.fixture(scope="module")
 def sae_oracle(sae_lens_python, models, tmp_path_factory):
-    return SAEOracle(sae_lens_python, models["llama"], tmp_path_factory.mktemp("saes"))
+    root = tmp_path_factory.mktemp("saes")
+    return made_by_sae_lens(sae_lens_python, [SAEOracle(models["llama"], root)], root)[0]
 
 
 class TestSAEs:
@@ -3703,19 +3721,47 @@ MIXING_SAES = {"mamba2": "blocks.1.mixer.hook_out", "lfm2": "blocks.2.conv.hook_
                "falcon_h1": "blocks.1.mamba.hook_out", "zamba2": "blocks.2.mixer.hook_out",
                "granitemoehybrid": "blocks.2.mixer.hook_out", "nemotron_h": "blocks.0.mixer.hook_out"}
 MIXING_TRANSCODERS = {"falcon_h1": "blocks.1.mlp.hook_in", "lfm2": "blocks.1.mlp.hook_in"}  # (a dense MLP in layer 1)
+# Latent attention's families and Qwen3-Next (bf16 alone on vLLM's CPU) route their tokens from the second layer on
+# (Qwen3-Next's first layer a Gated DeltaNet before a dense MLP), and Qwen 3.5's dense model runs its first layer's
+# Gated DeltaNet and MLP in bf16 alone too (test_tl_vllm_hooks_vision.py): SAEs on the first layer's MLP output and
+# residual stream, and a transcoder on that MLP, which no routing decides (standard SAEs and a plain transcoder, whose
+# features are continuous in the rows: a topk or jumprelu SAE's cut-off turns bf16's near-ties into features 0 in one
+# and not the other).
+FIRST_LAYER_SAES = ("blocks.0.hook_mlp_out", "blocks.0.hook_resid_post")
+FIRST_LAYER_TRANSCODER = "blocks.0.mlp.hook_in"
+FIRST_LAYER_SAE_KINDS = {**dict.fromkeys(FIRST_LAYER_SAES, ("standard", 256, None)),
+                         FIRST_LAYER_TRANSCODER: ("transcoder", 192, None)}
+LATENT_OR_LINEAR_SAE_FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def family_sae_oracles(request, sae_lens_python, models, tmp_path_factory):
+    """{family: SAEOracle} for the SAE tests below of the families this session runs them on (MIXING_SAES' kinds,
+    or FIRST_LAYER_SAE_KINDS), all made in one run of sae-lens."""
+    tests = ("test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks",
+             "test_saes_read_and_edit_a_latent_or_linear_attention_familys_hooks")
+    families = dict.fromkeys(item.callspec.params["family"] for item in request.session.items
+                             if getattr(item, "originalname", None) in tests)
+    root, oracles = tmp_path_factory.mktemp("family-saes"), {}
+    for family in families:
+        (root / family).mkdir()
+        kinds = FIRST_LAYER_SAE_KINDS if family in LATENT_OR_LINEAR_SAE_FAMILIES else {
+            MIXING_SAES[family]: ("standard", 256, None), "blocks.2.hook_resid_post": ("topk", 256, 12),
+            **({MIXING_TRANSCODERS[family]: ("transcoder", 192, None)} if family in MIXING_TRANSCODERS else {})}
+        oracles[family] = SAEOracle(models[family], root / family, kinds)
+    made_by_sae_lens(sae_lens_python, list(oracles.values()), root)
+    return oracles
 
 
 @pytest.mark.parametrize("family", MIXING_SAES)
-def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_python, models, tmp_path, family):
+def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(family_sae_oracles, family):
     """SAEs on the mixer output of Mamba-2 and the hybrids (Falcon-H1's, Zamba2's, Granite 4.0's, Nemotron-H's) and
     on LFM2's short convolution's, and on the residual stream, as on any family's hooks (and a transcoder on the MLP
     where layer 1 has one): each request's top features are sae-lens's encode of TransformerLens's rows, and a
     feature edit of the mixing output (or of the transcoder, in a fourth request) moves every later row as
     run_with_hooks does with the SAE's decoder. Eager, in this process."""
-    mixing, transcoder, model = MIXING_SAES[family], MIXING_TRANSCODERS.get(family), models[family]
-    kinds = {mixing: ("standard", 256, None), "blocks.2.hook_resid_post": ("topk", 256, 12)}
-    kinds.update({transcoder: ("transcoder", 192, None)} if transcoder else {})
-    oracle = SAEOracle(sae_lens_python, model, tmp_path, kinds)
+    mixing, transcoder, oracle = MIXING_SAES[family], MIXING_TRANSCODERS.get(family), family_sae_oracles[family]
+    model, kinds = oracle.model, oracle.kinds
     edited = [None, mixing, None, *([transcoder] if transcoder else [])]  # the hook each request edits
     edits = [hook and {features(hook): {"op": "scale", "features": fired(oracle, hook, 3), "value": 4.0}}
              for hook in edited]
@@ -3740,32 +3786,19 @@ def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(sae_lens_
         assert_matches({n: rows[n] for n in llm.hook_names}, expected, f"request {i}")
 
 
-# Latent attention's families and Qwen3-Next (bf16 alone on vLLM's CPU) route their tokens from the second layer on
-# (Qwen3-Next's first layer a Gated DeltaNet before a dense MLP), and Qwen 3.5's dense model runs its first layer's
-# Gated DeltaNet and MLP in bf16 alone too (test_tl_vllm_hooks_vision.py): SAEs on the first layer's MLP output and
-# residual stream, and a transcoder on that MLP, which no routing decides.
-FIRST_LAYER_SAES = ("blocks.0.hook_mlp_out", "blocks.0.hook_resid_post")
-FIRST_LAYER_TRANSCODER = "blocks.0.mlp.hook_in"
+@pytest.mark.parametrize("family", LATENT_OR_LINEAR_SAE_FAMILIES)
+def test_saes_read_and_edit_a_latent_or_linear_attention_familys_hooks(family_sae_oracles, family):
+    check_first_layer_saes(family_sae_oracles[family], family_tolerance(family), family_engine_arguments(family))
 
 
-@pytest.mark.parametrize("family", ("deepseek_v3", "deepseek_v2", "qwen3_next"))
-def test_saes_read_and_edit_a_latent_or_linear_attention_familys_hooks(sae_lens_python, models, tmp_path, family):
-    check_first_layer_saes(sae_lens_python, models[family], tmp_path, family_tolerance(family),
-                           family_engine_arguments(family))
-
-
-def check_first_layer_saes(sae_lens_python, model: Model, tmp_path: Path, tolerance, engine_arguments: dict) -> None:
+def check_first_layer_saes(oracle: SAEOracle, tolerance, engine_arguments: dict) -> None:
     """SAEs on FIRST_LAYER_SAES of a family vLLM's CPU runs in bf16 alone, and a transcoder on that layer's MLP, as on
-    any family's: each request's top features are sae-lens's encode of TransformerLens's rows (fp32, on the
-    bf16-rounded weights: the family's per-row bound), and a feature edit of the MLP output's SAE (the second request)
-    or of the transcoder (the fourth) moves the rows after it as run_with_hooks does with the decoder. Eager, in this
-    process."""
+    any family's (the oracle's FIRST_LAYER_SAE_KINDS): each request's top features are sae-lens's encode of
+    TransformerLens's rows (fp32, on the bf16-rounded weights: the family's per-row bound), and a feature edit of the
+    MLP output's SAE (the second request) or of the transcoder (the fourth) moves the rows after it as run_with_hooks
+    does with the decoder. Eager, in this process."""
     mlp_out, resid_post = FIRST_LAYER_SAES
-    # (standard SAEs and a plain transcoder, whose features are continuous in the rows: a topk or jumprelu SAE's cut-off
-    # turns bf16's near-ties into features 0 in one and not the other)
-    kinds = dict.fromkeys(FIRST_LAYER_SAES, ("standard", 256, None))
-    kinds[FIRST_LAYER_TRANSCODER] = ("transcoder", 192, None)
-    oracle = SAEOracle(sae_lens_python, model, tmp_path, kinds)
+    model, kinds = oracle.model, oracle.kinds
     edited = [None, mlp_out, None, FIRST_LAYER_TRANSCODER]  # the hook each request edits
     edits = [hook and {features(hook): {"op": "scale", "features": fired(oracle, hook, 3), "value": 4.0}}
              for hook in edited]

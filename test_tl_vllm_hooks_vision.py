@@ -150,5 +150,6 @@ sae_lens_python = base.sae_lens_python  # (the fixture, here too)
 def test_saes_read_and_edit_a_linear_attention_familys_hooks(sae_lens_python, models, tmp_path):
     """SAEs and a transcoder on Qwen 3.5's first layer (Gated DeltaNet, then a dense MLP), as
     base.check_first_layer_saes checks them on DeepSeek's."""
-    base.check_first_layer_saes(sae_lens_python, models["qwen3_5"], tmp_path, tolerance("qwen3_5"),
-                                engine_arguments("qwen3_5"))
+    oracle = base.SAEOracle(models["qwen3_5"], tmp_path, base.FIRST_LAYER_SAE_KINDS)
+    base.made_by_sae_lens(sae_lens_python, [oracle], tmp_path)
+    base.check_first_layer_saes(oracle, tolerance("qwen3_5"), engine_arguments("qwen3_5"))
