@@ -195,7 +195,8 @@ _OUTPUT = "output"  # the module's output (its first element if it returns a tup
 _OUTPUT_PAIR = "output_pair"  # the sum of the (hidden, residual) a fused-residual decoder layer returns
 _INPUT = "input"  # one input of the module, which runs on the edited input
 _INPUT_PAIR = "input_pair"  # the sum of (hidden, residual) inputs, residual None in the first layer
-_NORM_INPUT = "norm_input"  # the sum of a fused add-and-norm's inputs; the edit reaches its output only (hook_resid_mid is ln2's input)
+# the sum of a fused add-and-norm's inputs; the edit reaches its output only (hook_resid_mid is ln2's input)
+_NORM_INPUT = "norm_input"
 _NORM_SCALE = "norm_scale"  # a norm's divisor; an edit reaches its output as input / edited * weight + bias
 _NORMALIZED = "normalized"  # a norm's input (or sum of two) normalized; an edit reaches it as edited * weight + bias
 _ROUTER = "router"  # a mixture of experts' choice per token, from its router's logits (read-only)
@@ -248,7 +249,8 @@ _LINEAR_INPUT = (("input_", 0),)  # vLLM's RowParallelLinear
 _QUERY, _KEY = (("query", 0),), (("key", 1),)  # vLLM's Attention(query, key, value)
 _LATENT_INPUTS = (("q", 0), ("kv_c_normed", 1), ("k_pe", 2))  # vLLM's MLAAttention(q, kv_c_normed, k_pe)
 
-_MOE_LAYERS = {  # the config attribute that says which layers hold the experts (the others a dense MLP) -> whether i does
+# the config attribute that says which layers hold the experts (the others a dense MLP) -> whether layer i does
+_MOE_LAYERS = {
     "every": lambda config, i: True,
     "decoder_sparse_step": lambda config, i: (  # Qwen2-MoE's
         i not in (getattr(config, "mlp_only_layers", None) or []) and (i + 1) % config.decoder_sparse_step == 0
@@ -748,7 +750,8 @@ FAMILIES.update({family.name: family for family in (
 with why, ...), text families first, then multimodal checkpoints (``text_classes``); tiny_model takes the names."""
 _ARCHITECTURES = {family.architecture: family for family in FAMILIES.values()}
 # fmt: off
-REFUSED = {  # architecture -> why no record describes it, as measured with vLLM 0.32 CPU, TransformerLens 4.3, transformers 5.19
+# architecture -> why no record describes it, as measured with vLLM 0.32 CPU, TransformerLens 4.3, transformers 5.19
+REFUSED = {
     **dict.fromkeys(("ExaoneForCausalLM", "InternLM2ForCausalLM"), "transformers 5.19 has no class for it (its "
                     "checkpoints need remote code): 'Transformers does not recognize this architecture'"),
     **dict.fromkeys(("LagunaForCausalLM", "MiniMaxM2ForCausalLM"), "vLLM 0.32's CPU MoE router takes softmax "
@@ -1042,8 +1045,10 @@ def capture_specs(
     if missing:
         absent = [SITES[site] for site in missing if site not in family.refused]
         parallel = " (attention and MLP read the same residual stream, as in TransformerLens)"
-        problems = [f"has no {absent}{parallel if family.parallel and 'resid_mid' in missing else ''}"] if absent else []
-        problems += [f"does not place {SITES[site]}: {family.refused[site]}" for site in missing if site in family.refused]
+        parallel = parallel if family.parallel and "resid_mid" in missing else ""
+        problems = [f"has no {absent}{parallel}"] if absent else []
+        problems += [f"does not place {SITES[site]}: {family.refused[site]}"
+                     for site in missing if site in family.refused]
         raise ValueError(
             f"{family.architecture} " + "; ".join(problems) + f" (layers {layers}); its sites: "
             f"{_family_sites(family, config)}"
@@ -1164,7 +1169,8 @@ class CaptureConfig:
             raise ValueError(f"saes: expected a dict {{hook_name: SAELens directory}}, got {saes!r:.200}")
         if not isinstance(specs, dict) or not (specs or saes):
             raise ValueError(
-                f"capture_specs: expected a non-empty dict {{hook_name: row shape}} (see capture_specs(hf_config)), got {specs!r}"
+                "capture_specs: expected a non-empty dict {hook_name: row shape} (see capture_specs(hf_config)), "
+                f"got {specs!r}"
             )
         object.__setattr__(self, "capture_specs", {n: _checked_spec(n, s) for n, s in specs.items()})
         if not _int_at_least(self.sae_top_k, 1):
@@ -2955,7 +2961,8 @@ def _latent_hooks(site: _Hook) -> None:
             for hook in projected:
                 if hook.tap.part not in kept:
                     rows = {"k": keys, "v": up[..., nope:]}.get(hook.tap.part)
-                    kept[hook.tap.part] = (torch.cat([query, keys], dim=1) if rows is None else rows).reshape(tokens, -1)
+                    both = torch.cat([query, keys], dim=1) if rows is None else rows
+                    kept[hook.tap.part] = both.reshape(tokens, -1)
                 hook.keep(kept[hook.tap.part])
             return None
         target, argument = (rotary_key, "k_pe") if part == "rot_k" else (query, "q")

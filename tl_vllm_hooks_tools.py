@@ -636,7 +636,8 @@ class CaptureDataset:
                 if tensor is None or tensor["shape"][0] != num_rows:
                     raise ValueError(
                         f"{shard}: {'has no tensor' if tensor is None else 'holds a different row count for'} "
-                        f"{key!r}, which its manifest lists with {num_rows} rows: the manifest does not match its shards"
+                        f"{key!r}, which its manifest lists with {num_rows} rows: the manifest does not match its "
+                        "shards"
                     )
                 start, end = (listed["__data_start__"] + offset for offset in tensor["data_offsets"])
                 rows[name] = torch.from_numpy(mapped[start:end]).view(self._dtype_of(name)).view(tensor["shape"])
@@ -2064,7 +2065,8 @@ def _stop_on_signals() -> None:
             pass
         time.sleep(_STOP_GRACE_SECONDS)
         name = signal.Signals(number).name
-        os.write(terminal, f"{name}: stopped; the engine did not stop by itself, so its processes were killed\n".encode())
+        said = f"{name}: stopped; the engine did not stop by itself, so its processes were killed\n"
+        os.write(terminal, said.encode())
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
