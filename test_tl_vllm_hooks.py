@@ -3719,8 +3719,10 @@ class TestSAEs:
 # Beyond attention, an SAE on each family's own mixing output and one on the residual stream after it.
 MIXING_SAES = {"mamba2": "blocks.1.mixer.hook_out", "lfm2": "blocks.2.conv.hook_out",
                "falcon_h1": "blocks.1.mamba.hook_out", "zamba2": "blocks.2.mixer.hook_out",
-               "granitemoehybrid": "blocks.2.mixer.hook_out", "nemotron_h": "blocks.0.mixer.hook_out"}
-MIXING_TRANSCODERS = {"falcon_h1": "blocks.1.mlp.hook_in", "lfm2": "blocks.1.mlp.hook_in"}  # (a dense MLP in layer 1)
+               "granitemoehybrid": "blocks.2.mixer.hook_out", "nemotron_h": "blocks.0.mixer.hook_out",
+               "mamba": "blocks.1.mixer.hook_out", "jamba": "blocks.2.mixer.hook_out"}
+MIXING_TRANSCODERS = {"falcon_h1": "blocks.1.mlp.hook_in", "lfm2": "blocks.1.mlp.hook_in",  # (a dense MLP in layer 1)
+                      "jamba": "blocks.1.mlp.hook_in"}
 # Latent attention's families and Qwen3-Next (bf16 alone on vLLM's CPU) route their tokens from the second layer on
 # (Qwen3-Next's first layer a Gated DeltaNet before a dense MLP), and Qwen 3.5's dense model runs its first layer's
 # Gated DeltaNet and MLP in bf16 alone too (test_tl_vllm_hooks_vision.py): SAEs on the first layer's MLP output and
@@ -3755,19 +3757,20 @@ def family_sae_oracles(request, sae_lens_python, models, tmp_path_factory):
 
 @pytest.mark.parametrize("family", MIXING_SAES)
 def test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks(family_sae_oracles, family):
-    """SAEs on the mixer output of Mamba-2 and the hybrids (Falcon-H1's, Zamba2's, Granite 4.0's, Nemotron-H's) and
-    on LFM2's short convolution's, and on the residual stream, as on any family's hooks (and a transcoder on the MLP
-    where layer 1 has one): each request's top features are sae-lens's encode of TransformerLens's rows, and a
-    feature edit of the mixing output (or of the transcoder, in a fourth request) moves every later row as
-    run_with_hooks does with the SAE's decoder. Eager, in this process."""
+    """SAEs on the mixer output of Mamba-2, Mamba-1 and the hybrids (Falcon-H1's, Zamba2's, Granite 4.0's,
+    Nemotron-H's, Jamba's) and on LFM2's short convolution's, and on the residual stream, as on any family's hooks (and
+    a transcoder on the MLP where layer 1 has one): each request's top features are sae-lens's encode of
+    TransformerLens's rows, and a feature edit of the mixing output (or of the transcoder, in a fourth request) moves
+    every later row as run_with_hooks does with the SAE's decoder. Eager, in this process (Mamba-1's scan in torch:
+    scan_in_torch)."""
     mixing, transcoder, oracle = MIXING_SAES[family], MIXING_TRANSCODERS.get(family), family_sae_oracles[family]
     model, kinds = oracle.model, oracle.kinds
     edited = [None, mixing, None, *([transcoder] if transcoder else [])]  # the hook each request edits
     edits = [hook and {features(hook): {"op": "scale", "features": fired(oracle, hook, 3), "value": 4.0}}
              for hook in edited]
     prompts = [SAE_PROMPTS[i % len(SAE_PROMPTS)] for i in range(len(edits))]
-    with engine(model, sites=("resid_post",), in_process=True, eager=True, batching=True, saes=oracle.saes(),
-                sae_top_k=SAE_TOP_K, **family_engine_arguments(family)) as llm:
+    with scan_in_torch(family), engine(model, sites=("resid_post",), in_process=True, eager=True, batching=True,
+                                        saes=oracle.saes(), sae_top_k=SAE_TOP_K, **family_engine_arguments(family)) as llm:
         extra = [edit and tlh.request_args(llm.config, edits=edit) for edit in edits]
         outputs = generate(llm, prompts, 1, extra)
         read = tlh.read_batched(llm, [o.request_id for o in outputs])
