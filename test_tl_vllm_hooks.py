@@ -3740,10 +3740,10 @@ LATENT_OR_LINEAR_SAE_FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_next")
 def family_sae_oracles(request, sae_lens_python, models, tmp_path_factory):
     """{family: SAEOracle} for the SAE tests below of the families this session runs them on (MIXING_SAES' kinds,
     or FIRST_LAYER_SAE_KINDS), all made in one run of sae-lens."""
-    tests = ("test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks",
-             "test_saes_read_and_edit_a_latent_or_linear_attention_familys_hooks")
+    tests = (test_saes_read_and_edit_a_state_space_or_convolution_familys_hooks,
+             test_saes_read_and_edit_a_latent_or_linear_attention_familys_hooks)
     families = dict.fromkeys(item.callspec.params["family"] for item in request.session.items
-                             if getattr(item, "originalname", None) in tests)
+                             if getattr(item, "function", None) in tests)
     root, oracles = tmp_path_factory.mktemp("family-saes"), {}
     for family in families:
         (root / family).mkdir()

@@ -435,8 +435,17 @@ _H_LAYER = "transformer.h.{i}"
 _SCORES_ARE_PATTERN = {"attn_scores": "TransformerLens 4.3's adapter fires hook_attn_scores with the softmax's output "
                                       "(what hook_pattern holds), not the scores"}
 
+# Mamba-1: Mamba-2's layout (a pre-norm and a mixer in each layer, no attention and no MLP) with Mamba-1 mixers, which
+# vLLM's CPU cannot run.
+_MAMBA1 = _Family(
+    "mamba", "MambaForCausalLM", layer="backbone.layers.{i}", embed="backbone.embeddings", final_norm="backbone.norm_f",
+    ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer", mamba1=True,
+    layer_inputs=(("hidden_states", 0), ("residual", 1)),
+    renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"},
+    gpu_only="Mamba-1 layers, which vLLM 0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')",
+)  # fmt: skip
+
 # fmt: off
-_MAMBA1_ON_CPU = "Mamba-1 layers, which vLLM 0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')"
 FAMILIES = {family.name: family for family in (
     _Family("llama", "LlamaForCausalLM"),
     _Family("qwen2", "Qwen2ForCausalLM"),
@@ -464,16 +473,10 @@ FAMILIES = {family.name: family for family in (
             final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer",
             layer_inputs=(("hidden_states", 0), ("residual", 1)), settings=dict(n_groups=1),
             renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
-    # Mamba-1: Mamba-2's layout with Mamba-1 mixers.
-    _Family("mamba", "MambaForCausalLM", layer="backbone.layers.{i}", embed="backbone.embeddings",
-            final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer", mamba1=True,
-            layer_inputs=(("hidden_states", 0), ("residual", 1)),
-            renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}, gpu_only=_MAMBA1_ON_CPU),
+    _MAMBA1,
     # Falcon Mamba: Mamba-1's, with weightless RMS norms of the scan's dt, B and C (vLLM runs it as Mamba-1).
-    _Family("falcon_mamba", "FalconMambaForCausalLM", vllm_class="MambaForCausalLM", layer="backbone.layers.{i}",
-            embed="backbone.embeddings", final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="",
-            mixer=".mixer", mamba1=True, layer_inputs=(("hidden_states", 0), ("residual", 1)),
-            renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}, gpu_only=_MAMBA1_ON_CPU),
+    dataclasses.replace(_MAMBA1, name="falcon_mamba", architecture="FalconMambaForCausalLM",
+                        vllm_class="MambaForCausalLM"),
     _GATED_DELTANET,
     dataclasses.replace(_GATED_DELTANET, name="qwen3_5_moe", architecture="Qwen3_5MoeForCausalLM",
                         moe=_MoE(renormalize="always")),
@@ -527,7 +530,7 @@ FAMILIES = {family.name: family for family in (
             layer_kinds="layers_block_type", kind_sites={"mamba": "mixer", "attention": "attention"},
             kind_layer_inputs={"mamba": (("hidden_states", 0), ("residual", 1))},
             moe=_MoE(".feed_forward", router="", layers="layers_num_experts", renormalize=""),
-            refused=_SCORES_ARE_PATTERN, gpu_only=_MAMBA1_ON_CPU),
+            refused=_SCORES_ARE_PATTERN, gpu_only=_MAMBA1.gpu_only),
     # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers;
     # mamba.hook_in is the mixer's input before ssm_in_multiplier, hook_attn_out and mamba.hook_out the branches'
     # outputs before theirs.

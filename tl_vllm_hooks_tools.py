@@ -826,6 +826,7 @@ _UNTIED = dict(num_key_value_heads=1, tie_word_embeddings=False)
 _MOE4 = dict(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
 _LFM2 = dict(num_key_value_heads=1, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, conv_dim=128,
              block_dim=128, tie_word_embeddings=True)
+_MAMBA1 = dict(expand=2, state_size=16, conv_kernel=4, time_step_rank=8, use_mambapy=False, tie_word_embeddings=False)
 # (vLLM's CPU runs Gated DeltaNet in bf16 alone, with heads of 128 as released)
 _GATED_DELTANET = dict(head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
                        linear_num_value_heads=2, linear_conv_kernel_dim=4,
@@ -857,10 +858,8 @@ _TINY_MODELS = {
                                logits_scaling=2.0)),
     "mamba2": _TinyModel(dict(num_heads=8, head_dim=32, expand=2, state_size=16, n_groups=1, conv_kernel=4,
                               chunk_size=256, tie_word_embeddings=False)),
-    "mamba": _TinyModel(dict(expand=2, state_size=16, conv_kernel=4, time_step_rank=8, use_mambapy=False,
-                             tie_word_embeddings=False)),
-    "falcon_mamba": _TinyModel(dict(expand=2, state_size=16, conv_kernel=4, time_step_rank=8, use_mambapy=False,
-                                    mixer_rms_eps=1e-6, tie_word_embeddings=False)),
+    "mamba": _TinyModel(_MAMBA1),
+    "falcon_mamba": _TinyModel(dict(_MAMBA1, mixer_rms_eps=1e-6)),
     "qwen3_5": _TinyModel(dict(_UNTIED, **_GATED_DELTANET), bfloat16=True),
     "qwen3_5_moe": _TinyModel(dict(_MOE4, **_GATED_DELTANET, moe_intermediate_size=64,
                                    shared_expert_intermediate_size=128), bfloat16=True),
