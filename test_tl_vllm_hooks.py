@@ -1811,18 +1811,25 @@ def test_step_collection_keeps_each_requests_rows():
         starts = np.concatenate([[0], np.cumsum(counts)])
         first = np.array([position for _, position, _ in layout])
         request_ids = [request for request, _, _ in layout]
-        entries = state.request_table.entries(request_ids, tlh._KEEP_ALL.kept_range(0))
-        state.step = tlh._StepLayout(starts, request_ids, first, entries)
+        requests = state.request_table.of_step(request_ids, tlh._KEEP_ALL.kept_range(0))
+        state.step = tlh._StepLayout(starts, first, requests)
         owners = np.repeat(np.arange(len(layout)), counts)
         buffer.zero_()
         buffer[: starts[-1], 0] = torch.from_numpy(state.step.row_positions).float()  # what the row is ...
         buffer[: starts[-1], 1] = torch.from_numpy(1000 * number + owners).float()  # ... and when, whose
         state.executed()
+        return state.step.requests
 
     step(1, [("A", 0, 4), ("B", 0, 4), ("C", 0, 3), ("D", 0, 2), ("F", 2, 2), ("N", 0, 2), ("H", 4, 2)])
     step(2, [("A", 4, 2), ("B", 4, 1), ("E", 0, 0), ("C", 3, 1), ("D", 2, 1), ("G", 4, 1)])
     step(3, [("A", 6, 1), ("C", 4, 1), ("D", 3, 1)])
     step(4, [("C", 5, 1), ("D", 1, 4)])  # D preempted after position 3, recomputed from 1
+    # Decode steps of the same requests reuse what the table gave the last one, and still see a recomputation.
+    decoding = step(5, [("C", 6, 1), ("D", 5, 1)])
+    assert step(6, [("C", 7, 1), ("D", 6, 1)]) is decoding
+    assert step(7, [("C", 8, 1), ("D", 2, 1)]) is decoding  # D preempted after position 6, recomputed from 2
+    state.request_table.remove("N")
+    assert step(8, [("C", 9, 1), ("D", 3, 1)]) is not decoding, "a request removed: its entry may be reused"
 
     def kept(request):
         rows = torch.cat(state.records[request].rows("h"))
@@ -1831,12 +1838,12 @@ def test_step_collection_keeps_each_requests_rows():
     assert kept("A") == ([0, 1, 2, 3, 4, 5], [1, 1, 1, 1, 2, 2])
     assert kept("B") == ([3], [1])
     assert kept("C") == ([1, 5], [1, 4])
-    assert kept("D") == ([0, 1, 2, 3, 4], [1, 4, 4, 4, 4])  # each position once, the recomputed rows
+    assert kept("D") == ([0, 1, 2, 3], [1, 4, 7, 8])  # each position once, the recomputed rows
     assert kept("H") == ([5], [1]), "a cached prefix before the one row it keeps takes nothing from it"
     assert set(state.records) == {"A", "B", "C", "D", "F", "H"}
     assert set(state.incomplete) == {"F", "G"} and "prefix caching" in state.incomplete["G"]
     next_positions = {r: int(state.request_table.next_position[e]) for r, e in state.request_table.index.items()}
-    assert next_positions == {"A": 7, "B": 5, "C": 6, "D": 5, "E": 0, "F": 4, "G": 5, "N": 2, "H": 6}
+    assert next_positions == {"A": 7, "B": 5, "C": 10, "D": 4, "E": 0, "F": 4, "G": 5, "H": 6}
     files = list(state.shared.files)
     assert files and all(os.path.exists(path) for path in files), "the rows sit in the worker's row files"
     state.close()

@@ -1990,16 +1990,23 @@ def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
     """``(starts, request_ids)`` of the forward in flight: request ``request_ids[i]`` owns rows ``starts[i]:starts[i +
     1]`` of every ``[num_tokens, width]`` activation; rows past ``starts[-1]`` are padding. Ids are the worker's (the
     user's id plus a random suffix unless vLLM was told not to add one). RuntimeError for a runner it does not know."""
+    starts, request_ids = _step_segments(model_runner)
+    return starts.tolist(), request_ids
+
+
+def _step_segments(model_runner: Any) -> tuple[np.ndarray, list[str]]:
+    """segment_by_request's answer with ``starts`` as an int64 array (a copy: the runner reuses its own)."""
     input_batch = getattr(model_runner, "input_batch", None)
     query_start_loc = getattr(model_runner, "query_start_loc", None)
     if input_batch is not None and query_start_loc is not None:  # V1 runner
         request_ids = list(input_batch.req_ids)
-        return query_start_loc.np[: len(request_ids) + 1].tolist(), request_ids
+        return query_start_loc.np[: len(request_ids) + 1].astype(np.int64), request_ids
     if hasattr(model_runner, _V2_BATCH):  # Model Runner V2, see _wrap_steps
         batch = getattr(model_runner, _V2_BATCH)
         if batch is None:  # a forward vLLM runs without requests (profile, capture)
-            return [0], []
-        return batch.query_start_loc_np[: batch.num_reqs + 1].tolist(), list(batch.req_ids[: batch.num_reqs])
+            return np.zeros(1, dtype=np.int64), []
+        starts = batch.query_start_loc_np[: batch.num_reqs + 1].astype(np.int64)
+        return starts, list(batch.req_ids[: batch.num_reqs])
     raise RuntimeError(
         f"segment_by_request: cannot tell requests apart in {type(model_runner).__name__}: it has neither "
         "input_batch.req_ids with query_start_loc (vLLM's V1 model runner) nor a tracked step batch (Model Runner V2)"
@@ -3232,6 +3239,21 @@ class _OnePrompt(_HookState):
         return {"shards": self.shards(), "attention": self.attention(), "rows": encoded}
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepRequests:
+    """A step's requests in row order and what the request table holds for each: int64 [num_requests] arrays of
+    entries, kept_first and kept_last; the indices of those keeping a list of positions (kept_first -1) and of those
+    with edits. Valid while the table's version is."""
+
+    request_ids: list[str]
+    version: int
+    entries: np.ndarray
+    kept_first: np.ndarray
+    kept_last: np.ndarray
+    listed: np.ndarray
+    edited: np.ndarray
+
+
 class _RequestTable:
     """What every step reads of its requests, as int64 arrays with an entry per running request, so that a step
     reads and updates them in a few array operations: kept_first and kept_last (_RequestOptions.kept_range),
@@ -3244,6 +3266,8 @@ class _RequestTable:
         self.free: list[int] = []
         for column in self._COLUMNS:
             setattr(self, column, np.zeros(0, dtype=np.int64))
+        self.version = 0  # changes with every add and remove
+        self.last_step: _StepRequests | None = None  # of_step's last answer
 
     def add(self, request_id: str, kept_range: tuple[int, int], has_edits: bool) -> int:
         """The request's entry, made on its first call; kept_range and has_edits written on every call."""
@@ -3258,12 +3282,14 @@ class _RequestTable:
             self.next_position[entry] = 0
         self.kept_first[entry], self.kept_last[entry] = kept_range
         self.has_edits[entry] = has_edits
+        self.version += 1
         return entry
 
     def remove(self, request_id: str) -> None:
         entry = self.index.pop(request_id, None)
         if entry is not None:
             self.free.append(entry)
+            self.version += 1
 
     def entries(self, request_ids: list[str], default: tuple[int, int]) -> np.ndarray:
         """int64 [len(request_ids)]: each request's entry. One never added (running since before the hooks' first
@@ -3273,23 +3299,50 @@ class _RequestTable:
             entries[i] = self.add(request_ids[i], default, False)
         return entries
 
+    def of_step(self, request_ids: list[str], default: tuple[int, int]) -> _StepRequests:
+        """A step's requests, in its row order, with their numbers here (entries as ``entries`` makes them). A decode
+        step usually runs the requests the last one ran, in that order, with the table unchanged: then it is the last
+        answer again, and a step's host work is a few array operations whatever its number of requests."""
+        last = self.last_step
+        if last is not None and last.version == self.version and last.request_ids == request_ids:
+            return last
+        entries = self.entries(request_ids, default)
+        first = self.kept_first[entries]
+        self.last_step = _StepRequests(
+            request_ids, self.version, entries, first, self.kept_last[entries], np.flatnonzero(first < 0),
+            np.flatnonzero(self.has_edits[entries]),
+        )
+        return self.last_step
+
 
 @dataclasses.dataclass
 class _StepLayout:
-    """The rows of one forward: request i owns rows starts[i]:starts[i + 1], the first of
-    them at token position first_positions[i]; its numbers are entries[i] of the request table."""
+    """The rows of one forward: request i of ``requests`` owns rows starts[i]:starts[i + 1], the first of them at
+    token position first_positions[i]."""
 
     starts: np.ndarray  # int64 [num_requests + 1]
-    request_ids: list[str]
     first_positions: np.ndarray  # int64 [num_requests]
-    entries: np.ndarray  # int64 [num_requests]
+    requests: _StepRequests
     counts: np.ndarray = dataclasses.field(init=False)  # int64 [num_requests], rows each request runs
     row_positions: np.ndarray = dataclasses.field(init=False)  # int64 [num_rows], each row's position
+    one_row_each: bool = dataclasses.field(init=False)  # (a decode step): row i is request i's
 
     def __post_init__(self) -> None:
         self.counts = np.diff(self.starts)
-        offsets = self.first_positions - self.starts[:-1]  # position minus row, per request
-        self.row_positions = np.repeat(offsets, self.counts) + np.arange(self.starts[-1])
+        self.one_row_each = bool((self.counts == 1).all())
+        if self.one_row_each:
+            self.row_positions = self.first_positions
+        else:
+            offsets = self.first_positions - self.starts[:-1]  # position minus row, per request
+            self.row_positions = np.repeat(offsets, self.counts) + np.arange(self.starts[-1])
+
+    @property
+    def request_ids(self) -> list[str]:
+        return self.requests.request_ids
+
+    @property
+    def entries(self) -> np.ndarray:
+        return self.requests.entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3478,7 +3531,7 @@ class _Batched(_HookState):
         """After the step is prepared, before its forward: route each row to its edit."""
         if self.first_positions is None:  # preparation outside execute_model
             return
-        starts, request_ids = segment_by_request(self.runner)
+        starts, request_ids = _step_segments(self.runner)
         if not request_ids:
             return
         first = np.fromiter(
@@ -3490,11 +3543,10 @@ class _Batched(_HookState):
             for i in np.flatnonzero(first < 0):
                 self.incomplete[request_ids[i]] = "a step ran it without its scheduler output entry"
             return
-        starts = np.asarray(starts, dtype=np.int64)
         default = _default_options(self.prefix_caching).kept_range(0)
-        self.step = _StepLayout(starts, request_ids, first, self.request_table.entries(request_ids, default))
+        self.step = _StepLayout(starts, first, self.request_table.of_step(request_ids, default))
         row_positions, global_rows = self.step.row_positions, _global_rows(self.config)
-        edited = np.flatnonzero(self.request_table.has_edits[self.step.entries])
+        edited = self.step.requests.edited
         if global_rows == 1 and not edited.size:
             # Every row uses the engine-wide row 0: write the index only if a request's edit changed it since.
             if self.row_edit_index_dirty:
@@ -3542,21 +3594,28 @@ class _Batched(_HookState):
         if step is None:
             return
         kept = self._kept_rows(step)
-        num_run = step.counts
-        running = num_run > 0  # (reduceat would read one row for an empty segment)
-        kept_per_request = np.zeros(len(num_run), dtype=np.int64)
-        if running.any():
-            kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), step.starts[:-1][running])
         kept_rows = np.flatnonzero(kept)
         file, host_rows = self._rows_to_host(kept_rows) if kept_rows.size else (None, {})
-        next_position = self.request_table.next_position
+        next_position, first = self.request_table.next_position, step.first_positions
         expected = next_position[step.entries]
-        next_position[step.entries[running]] = (step.first_positions + num_run)[running]
+        if step.one_row_each:  # row i is request i's: no sums over segments
+            kept_per_request = kept.astype(np.int64)
+            next_position[step.entries] = first + 1
+            noted = np.flatnonzero(kept | (first != expected))
+        else:
+            running = step.counts > 0  # (reduceat would read one row for an empty segment)
+            kept_per_request = np.zeros(len(step.counts), dtype=np.int64)
+            if running.any():
+                kept_per_request[running] = np.add.reduceat(kept.astype(np.int64), step.starts[:-1][running])
+            next_position[step.entries[running]] = (first + step.counts)[running]
+            noted = np.flatnonzero(running & ((kept_per_request > 0) | (first != expected)))
+        if not noted.size:
+            return
         offsets = np.cumsum(kept_per_request) - kept_per_request
-        for i in np.flatnonzero(running & ((kept_per_request > 0) | (step.first_positions != expected))):
+        for i in noted:
             start, end = int(offsets[i]), int(offsets[i] + kept_per_request[i])
             chunk = _RowChunk(host_rows, start, end, step.row_positions[kept_rows[start:end]], file)
-            self._accumulate(step.request_ids[i], int(expected[i]), int(step.first_positions[i]), chunk)
+            self._accumulate(step.request_ids[i], int(expected[i]), int(first[i]), chunk)
 
     def finish(self) -> None:
         self.first_positions = None
@@ -3564,11 +3623,11 @@ class _Batched(_HookState):
 
     def _kept_rows(self, step: _StepLayout) -> np.ndarray:
         """Boolean mask over the step's rows: which ones their request keeps."""
-        first = self.request_table.kept_first[step.entries]
-        last = self.request_table.kept_last[step.entries]
-        positions = step.row_positions
-        kept = (positions >= np.repeat(first, step.counts)) & (positions <= np.repeat(last, step.counts))
-        for i in np.flatnonzero(first < 0):  # requests keeping a list of positions
+        first, last, positions = step.requests.kept_first, step.requests.kept_last, step.row_positions
+        if not step.one_row_each:
+            first, last = np.repeat(first, step.counts), np.repeat(last, step.counts)
+        kept = (positions >= first) & (positions <= last)
+        for i in step.requests.listed:  # requests keeping a list of positions
             rows, request = slice(step.starts[i], step.starts[i + 1]), self.running[step.request_ids[i]]
             kept[rows] = request.options.keeps(positions[rows], request.prompt_len)
         return kept
