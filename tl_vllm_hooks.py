@@ -3354,7 +3354,7 @@ class _RunningRequest:
     prompt_token_ids: list[int] | None  # None for prompt embeddings
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # (compared by identity: positions is an array)
+@dataclasses.dataclass(eq=False, slots=True)  # (compared by identity: positions is an array; never changed once made)
 class _RowChunk:
     """A request's rows of one step: rows [start:end] of that step's host rows by hook, sliced only when read."""
 
@@ -3611,11 +3611,15 @@ class _Batched(_HookState):
             noted = np.flatnonzero(running & ((kept_per_request > 0) | (first != expected)))
         if not noted.size:
             return
-        offsets = np.cumsum(kept_per_request) - kept_per_request
-        for i in noted:
-            start, end = int(offsets[i]), int(offsets[i] + kept_per_request[i])
-            chunk = _RowChunk(host_rows, start, end, step.row_positions[kept_rows[start:end]], file)
-            self._accumulate(step.request_ids[i], int(expected[i]), int(first[i]), chunk)
+        # Per request noted (each one of a decode step keeping every row), as Python numbers: its kept rows are
+        # kept_rows[start:start + count], whose positions are a view of the step's.
+        starts = (np.cumsum(kept_per_request) - kept_per_request)[noted].tolist()
+        positions, request_ids = step.row_positions[kept_rows], step.request_ids
+        for i, start, count, follows_from, first_position in zip(
+            noted.tolist(), starts, kept_per_request[noted].tolist(), expected[noted].tolist(), first[noted].tolist()
+        ):
+            chunk = _RowChunk(host_rows, start, start + count, positions[start : start + count], file)
+            self._accumulate(request_ids[i], follows_from, first_position, chunk)
 
     def finish(self) -> None:
         self.first_positions = None
@@ -3684,7 +3688,9 @@ class _Batched(_HookState):
             if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
                 self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
         if chunk.end > chunk.start:  # (reset_batched may have dropped its record meanwhile)
-            record = self.records.setdefault(request_id, self._record(self.running.get(request_id)))
+            record = self.records.get(request_id)
+            if record is None:
+                record = self.records[request_id] = self._record(self.running.get(request_id))
             record.chunks.append(chunk)
             self.shared.hold(chunk.file)
 
