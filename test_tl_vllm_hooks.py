@@ -1877,6 +1877,7 @@ def test_row_files_are_made_ahead_of_the_steps_that_fill_them():
     while every file is held (rows not yet read), and after the idle files are removed one is made ahead again. Only
     a step larger than that (one past a quarter of /dev/shm's free room) makes a file itself, and the idle files too
     small for it, the one made ahead among them, are removed."""
+    others = set(glob.glob(f"/dev/shm/tl_vllm_hooks-{os.getpid()}-*"))  # an in-process engine's, alive in this worker
     shared = tlh._SharedRows(pin=False, wait=None)
     mb = 1 << 20
     try:
@@ -1908,7 +1909,7 @@ def test_row_files_are_made_ahead_of_the_steps_that_fill_them():
         assert list(shared.files.values()) == [big], "the idle files too small for it are removed"
     finally:
         shared.close()
-    assert shared.status()["files"] == 0 and not glob.glob(f"/dev/shm/tl_vllm_hooks-{os.getpid()}-*")
+    assert shared.status()["files"] == 0 and set(glob.glob(f"/dev/shm/tl_vllm_hooks-{os.getpid()}-*")) <= others
 
 
 @NO_ENGINE
