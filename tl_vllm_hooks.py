@@ -3614,12 +3614,19 @@ class _Batched(_HookState):
         # Per request noted (each one of a decode step keeping every row), as Python numbers: its kept rows are
         # kept_rows[start:start + count], whose positions are a view of the step's.
         starts = (np.cumsum(kept_per_request) - kept_per_request)[noted].tolist()
-        positions, request_ids = step.row_positions[kept_rows], step.request_ids
+        positions, request_ids, records, appended = step.row_positions[kept_rows], step.request_ids, self.records, 0
         for i, start, count, follows_from, first_position in zip(
             noted.tolist(), starts, kept_per_request[noted].tolist(), expected[noted].tolist(), first[noted].tolist()
         ):
             chunk = _RowChunk(host_rows, start, start + count, positions[start : start + count], file)
-            self._accumulate(request_ids[i], follows_from, first_position, chunk)
+            record = records.get(request_ids[i]) if first_position == follows_from and count else None
+            if record is not None:  # rows that follow on its held ones (each request of a decode step keeping all)
+                record.chunks.append(chunk)
+                appended += 1
+            else:
+                self._accumulate(request_ids[i], follows_from, first_position, chunk)
+        if file is not None:
+            file.held += appended  # (as _accumulate's hold, once a chunk)
 
     def finish(self) -> None:
         self.first_positions = None
