@@ -3613,10 +3613,10 @@ class _Batched(_HookState):
             return
         # Per request noted (each one of a decode step keeping every row), as Python numbers: its kept rows are
         # kept_rows[start:start + count], whose positions are a view of the step's.
-        starts = (np.cumsum(kept_per_request) - kept_per_request)[noted].tolist()
+        offsets = (np.cumsum(kept_per_request) - kept_per_request)[noted].tolist()
         positions, request_ids, records, appended = step.row_positions[kept_rows], step.request_ids, self.records, 0
         for i, start, count, follows_from, first_position in zip(
-            noted.tolist(), starts, kept_per_request[noted].tolist(), expected[noted].tolist(), first[noted].tolist()
+            noted.tolist(), offsets, kept_per_request[noted].tolist(), expected[noted].tolist(), first[noted].tolist()
         ):
             chunk = _RowChunk(host_rows, start, start + count, positions[start : start + count], file)
             record = records.get(request_ids[i]) if first_position == follows_from and count else None
@@ -3625,8 +3625,7 @@ class _Batched(_HookState):
                 appended += 1
             else:
                 self._accumulate(request_ids[i], follows_from, first_position, chunk)
-        if file is not None:
-            file.held += appended  # (as _accumulate's hold, once a chunk)
+        self.shared.hold(file, appended)
 
     def finish(self) -> None:
         self.first_positions = None
@@ -3990,9 +3989,10 @@ class _SharedRows:
         return {"files": len(files), "bytes": sum(f.pages.numel() for f in files), "created": self.created,
                 "made_in_step": self.made_in_step}
 
-    def hold(self, file: _RowFile | None) -> None:
+    def hold(self, file: _RowFile | None, chunks: int = 1) -> None:
+        """``chunks`` chunks of rows in ``file`` are kept until read."""
         if file is not None:
-            file.held += 1
+            file.held += chunks
 
     def drop(self, file: _RowFile | None) -> None:
         """A chunk of rows in ``file`` is read, written or forgotten."""
