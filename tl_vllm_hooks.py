@@ -3612,19 +3612,20 @@ class _Batched(_HookState):
         if not noted.size:
             return
         # Per request noted (each one of a decode step keeping every row), as Python numbers: its kept rows are
-        # kept_rows[start:start + count], whose positions are a view of the step's.
+        # kept_rows[start:start + count], whose positions are a view of the step's; the file is held once a chunk.
         offsets = (np.cumsum(kept_per_request) - kept_per_request)[noted].tolist()
         positions, request_ids, records, appended = step.row_positions[kept_rows], step.request_ids, self.records, 0
         for i, start, count, follows_from, first_position in zip(
             noted.tolist(), offsets, kept_per_request[noted].tolist(), expected[noted].tolist(), first[noted].tolist()
         ):
-            chunk = _RowChunk(host_rows, start, start + count, positions[start : start + count], file)
-            record = records.get(request_ids[i]) if first_position == follows_from and count else None
-            if record is not None:  # rows that follow on its held ones (each request of a decode step keeping all)
-                record.chunks.append(chunk)
+            if first_position != follows_from:
+                self._did_not_follow_on(request_ids[i], follows_from, first_position)
+            if count:
+                record = records.get(request_ids[i])
+                if record is None:  # its first rows (or reset_batched dropped its record meanwhile)
+                    record = records[request_ids[i]] = self._record(self.running.get(request_ids[i]))
+                record.chunks.append(_RowChunk(host_rows, start, start + count, positions[start : start + count], file))
                 appended += 1
-            else:
-                self._accumulate(request_ids[i], follows_from, first_position, chunk)
         self.shared.hold(file, appended)
 
     def finish(self) -> None:
@@ -3675,9 +3676,9 @@ class _Batched(_HookState):
         """The bytes each source's num_rows rows take in a step's region of host memory, each 64-byte aligned."""
         return [-(-num_rows * source.buffer[0].nbytes // 64) * 64 for source in self.sources]
 
-    def _accumulate(self, request_id: str, expected: int, first_position: int, chunk: _RowChunk) -> None:
-        """Add one step's chunk of a request whose rows ran from first_position; expected
-        is the position its rows should have started at, had they followed on."""
+    def _did_not_follow_on(self, request_id: str, expected: int, first_position: int) -> None:
+        """A request's rows of this step ran from first_position, not from expected, where they would have started
+        had they followed on its last ones: recomputed (before) or served from the prefix cache (after)."""
         if first_position < expected:
             # Preempted and recomputed from first_position: drop what it kept past that point, so no row appears
             # twice.
@@ -3693,12 +3694,6 @@ class _Batched(_HookState):
             request = self.running.get(request_id)
             if request is None or request.options.keeps_any(expected, first_position, request.prompt_len):
                 self.incomplete[request_id] = _skipped_rows_problem(expected, first_position)
-        if chunk.end > chunk.start:  # (reset_batched may have dropped its record meanwhile)
-            record = self.records.get(request_id)
-            if record is None:
-                record = self.records[request_id] = self._record(self.running.get(request_id))
-            record.chunks.append(chunk)
-            self.shared.hold(chunk.file)
 
     def _record(self, request: _RunningRequest | None) -> _RequestRows:
         """A new record of a request's rows: of its SAEs' chosen features, none unless it chose some."""
