@@ -5,15 +5,15 @@
     python3 scripts/gpu_families.py compare DIR OUT                               # on the CPU machine (TransformerLens)
 
 `models` saves tiny random fp32 models (tiny_model) to DIR, so that both machines use the
-same weights. `capture` runs each in bf16 under CUDA graphs (vLLM's default
+same weights. `capture` runs each in bf16 (`--dtype float32`: fp32) under CUDA graphs (vLLM's default
 FULL_AND_PIECEWISE; Model Runner V2 unless VLLM_USE_V2_MODEL_RUNNER=0; eager and V1 for the
 families the GPU tests run so, CUDA_EAGER and CUDA_RUNNER_V1), both flavours,
 every site of every layer: the batched flavour serves one generate of a 9-, a 300-
 (chunked, 128 tokens a forward) and a 57-token prompt unedited and one request per site of layer 1 with an edit
 there; the one-prompt flavour captures one prompt unedited and under each edit alone. It
 writes every request's rows and token ids to OUT (safetensors, JSON). `compare` runs
-TransformerLens 4.3's bridge in fp32 on the weights rounded to bf16, as vLLM loads them,
-with the same edits, and prints the worst row's relative L2 error per family and flavour; it
+TransformerLens 4.3's bridge in fp32 on the weights rounded to bf16, as vLLM loads them (as saved, after an fp32
+capture), with the same edits, and prints the worst row's relative L2 error per family and flavour; it
 exits 1 where a row is past --tolerance (the CUDA tests' per-row bound for bf16 against fp32).
 """
 
@@ -57,7 +57,7 @@ def make_models(directory, families):
         print(f"saved {family}", flush=True)
 
 
-def capture(directory, out, eager, flavours):
+def capture(directory, out, eager, flavours, dtype):
     """Each family in directory (capture_family), the others still where one fails; 1 if any failed."""
     runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "1")
     os.makedirs(out, exist_ok=True)
@@ -65,15 +65,16 @@ def capture(directory, out, eager, flavours):
     for family in sorted(os.listdir(directory)):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if family in CUDA_RUNNER_V1 else runner  # (read as engines start)
         try:
-            capture_family(directory, out, eager or family in CUDA_EAGER, family, flavours)
+            capture_family(directory, out, eager or family in CUDA_EAGER, family, flavours, dtype)
         except Exception as error:  # (the others still run: device time is scarce)
             print(f"{family}: FAILED: {type(error).__name__}: {error}", flush=True)
             failed.append(family)
     return 1 if failed else 0
 
 
-def capture_family(directory, out, eager, family, flavours):
-    """One family's rows in the flavours named, unedited and under an edit at each site of layer 1, to out."""
+def capture_family(directory, out, eager, family, flavours, dtype):
+    """One family's rows in the flavours named, unedited and under an edit at each site of layer 1, to out; the
+    engine in dtype ("bfloat16" or "float32")."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
@@ -86,13 +87,13 @@ def capture_family(directory, out, eager, family, flavours):
     specs = {**specs, **router_logits(family, hf_config)}  # (where the bridge runs no expert hooks)
     records = []
     for flavour in flavours:
-        config = tlh.configure(specs, 128, torch.bfloat16, enable_batching=flavour == "batched",
+        config = tlh.configure(specs, 128, getattr(torch, dtype), enable_batching=flavour == "batched",
                                enable_position_interventions=True)
         # (vLLM 0.24 builds a multimodal checkpoint's processor from its tokenizer: kept there. On an H100 it prefills
         # Gated DeltaNet layers with FlashInfer's kernel, compiled at the first forward: Qwen3-Next's engine had not
         # started 6 minutes later on 2026-12-06; its Triton kernel needs no compiler)
         linear_attention = {"gdn_prefill_backend": "triton"} if record.linear_attention else {}
-        llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=8,
+        llm = LLM(path, dtype=dtype, max_model_len=1024, max_num_seqs=8,
                   skip_tokenizer_init=not record.text_classes, gpu_memory_utilization=0.05,
                   kv_cache_memory_bytes=1 << 30, seed=0, enforce_eager=eager,
                   **linear_attention, **config.llm_kwargs)  # (the KV cache in bytes: no memory profile; shares the GPU)
@@ -127,9 +128,9 @@ def capture_family(directory, out, eager, family, flavours):
         for part, tensors in rows.items():
             save_file(tensors, os.path.join(out, f"{family}-{part}.safetensors"))
         with open(os.path.join(out, f"{family}.json"), "w") as file:  # each flavour's as it ends: a cut run keeps it
+            runner = "V1" if os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" else "V2"
             json.dump({"records": records, "versions": tools.versions(), "device": torch.cuda.get_device_name(),
-                       "eager": eager, "model_runner": "V1" if os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" else "V2"},
-                      file)
+                       "eager": eager, "dtype": dtype, "model_runner": runner}, file)
         llm.llm_engine.engine_core.shutdown()
         del llm
         print(f"{family} {flavour}: {sum(map(len, rows.values()))} tensors", flush=True)
@@ -148,9 +149,11 @@ def compare(directory, out, tolerance):
         family = name[: -len(".json")]
         meta = json.load(open(os.path.join(out, name)))
         hf = AutoModelForCausalLM.from_pretrained(os.path.join(directory, family), attn_implementation="eager").float().eval()
-        with torch.no_grad():
-            for parameter in hf.parameters():
-                parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
+        dtype = meta.get("dtype", "bfloat16")
+        if dtype == "bfloat16":  # the weights as vLLM loaded them
+            with torch.no_grad():
+                for parameter in hf.parameters():
+                    parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
         model = Model(family, Path(directory) / family, hf_model=hf)
         # the whole checkpoint's config, as capture read it (a multimodal one's text model holds only its part)
         forward_order = list(every_placed_site(AutoConfig.from_pretrained(os.path.join(directory, family))))
@@ -178,7 +181,7 @@ def compare(directory, out, tolerance):
         for flavour, (error, hook) in worst.items():
             verdict = "ok" if error <= tolerance else "FAILED"
             failed |= error > tolerance
-            how = f"{'eager' if meta.get('eager') else 'CUDA graphs'}, Model Runner {meta.get('model_runner', '?')}"
+            how = f"{dtype}, {'eager' if meta.get('eager') else 'CUDA graphs'}, Model Runner {meta.get('model_runner', '?')}"
             print(f"{family} {flavour} ({meta['device']}, vLLM {meta['versions']['vllm']}, {how}): "
                   f"worst row's relative error {error:.2e} at {hook}: {verdict}", flush=True)
         routing = model.routing
@@ -200,6 +203,7 @@ if __name__ == "__main__":
     parser.add_argument("--tolerance", type=float, default=float(BF16_TOLERANCE))
     parser.add_argument("--eager", action="store_true", help="capture: no torch.compile or CUDA graphs")
     parser.add_argument("--flavours", default="batched,one-prompt", help="capture: these flavours, comma-separated")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="capture: the engine's")
     args = parser.parse_args()
     if args.command == "models":
         make_models(args.directory, args.families.split(","))
@@ -207,6 +211,6 @@ if __name__ == "__main__":
         flavours = args.flavours.split(",")
         if set(flavours) - {"batched", "one-prompt"}:
             parser.error(f"--flavours {args.flavours}: name batched, one-prompt or both")
-        sys.exit(capture(args.directory, args.out, args.eager, flavours))
+        sys.exit(capture(args.directory, args.out, args.eager, flavours, args.dtype))
     else:
         sys.exit(compare(args.directory, args.out, args.tolerance))
