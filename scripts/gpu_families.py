@@ -2,7 +2,7 @@
 
     python3 scripts/gpu_families.py models DIR [--families qwen3,gemma3,mixtral]   # on the CPU machine
     python3 scripts/gpu_families.py capture DIR OUT                               # on the GPU (vLLM, no TransformerLens)
-    python3 scripts/gpu_families.py compare DIR OUT                               # on the CPU machine (TransformerLens)
+    python3 scripts/gpu_families.py compare DIR OUT [--per-hook]                  # on the CPU machine (TransformerLens)
 
 `models` saves tiny random fp32 models (tiny_model) to DIR, so that both machines use the
 same weights. `capture` runs each in bf16 (`--dtype float32`: fp32) under CUDA graphs (vLLM's default
@@ -136,7 +136,7 @@ def capture_family(directory, out, eager, family, flavours, dtype):
         print(f"{family} {flavour}: {sum(map(len, rows.values()))} tensors", flush=True)
 
 
-def compare(directory, out, tolerance):
+def compare(directory, out, tolerance, per_hook):
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -159,7 +159,7 @@ def compare(directory, out, tolerance):
         forward_order = list(every_placed_site(AutoConfig.from_pretrained(os.path.join(directory, family))))
         parts = {record["file"] for record in meta["records"]}
         rows = {part: load_file(os.path.join(out, f"{family}-{part}.safetensors")) for part in parts}
-        worst = {}
+        worst, hook_rows = {}, {}  # hook_rows: (flavour, hook) -> every request's row errors
         for record in meta["records"]:
             flavour, key, tokens = record["file"], record["key"], record["tokens"]
             edits = {h: edit_from_json(e) for h, e in record["edits"].items()}
@@ -175,9 +175,16 @@ def compare(directory, out, tolerance):
             expected = model.reference(tokens, names, edits, routes)
             for hook in names:
                 actual = rows[flavour][f"{key}/{hook}"]
-                error = float(hook_row_errors(hook, *comparable(hook, actual, expected[hook][: len(actual)])).max())
+                row_errors = hook_row_errors(hook, *comparable(hook, actual, expected[hook][: len(actual)]))
+                hook_rows.setdefault((flavour, hook), []).append(row_errors.flatten())
+                error = float(row_errors.max())
                 if error >= worst.get(flavour, (0.0, ""))[0]:
                     worst[flavour] = (error, hook)
+        if per_hook:  # in forward order: where the error starts and how it grows
+            for (flavour, hook), errors in hook_rows.items():
+                errors = torch.cat(errors)
+                print(f"{family} {flavour} {hook}: worst row {float(errors.max()):.2e}, median row "
+                      f"{float(errors.median()):.2e}", flush=True)
         for flavour, (error, hook) in worst.items():
             verdict = "ok" if error <= tolerance else "FAILED"
             failed |= error > tolerance
@@ -203,6 +210,7 @@ if __name__ == "__main__":
     parser.add_argument("--tolerance", type=float, default=float(BF16_TOLERANCE))
     parser.add_argument("--eager", action="store_true", help="capture: no torch.compile or CUDA graphs")
     parser.add_argument("--flavours", default="batched,one-prompt", help="capture: these flavours, comma-separated")
+    parser.add_argument("--per-hook", action="store_true", help="compare: each hook's worst and median row")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="capture: the engine's")
     args = parser.parse_args()
     if args.command == "models":
@@ -213,4 +221,4 @@ if __name__ == "__main__":
             parser.error(f"--flavours {args.flavours}: name batched, one-prompt or both")
         sys.exit(capture(args.directory, args.out, args.eager, flavours, args.dtype))
     else:
-        sys.exit(compare(args.directory, args.out, args.tolerance))
+        sys.exit(compare(args.directory, args.out, args.tolerance, args.per_hook))
