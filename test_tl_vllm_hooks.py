@@ -2897,10 +2897,12 @@ class TestBatched:
         assert reply["files"] and all(t.startswith("/dev/shm/tl_vllm_hooks-") for t in reply["files"]), reply["files"]
         message = reply["rows"][output.request_id]
         pieces = message["pieces"]
-        assert set(message) == {"pieces"} and len(pieces) == 3, f"offsets of each step's rows, not bytes: {message!r:.200}"
-        assert all(len(piece) == 2 + len(llm.hook_names) for piece in pieces), "file, rows, each hook's first element"
+        assert set(message) == {"pieces"} and len(pieces) == 3, f"places of each step's rows, not bytes: {message!r:.200}"
+        assert all(len(piece) == 3 for piece in pieces), "region, first row, rows"
+        assert all(len(region) == 1 + len(llm.hook_names) for region in reply["regions"]), "file, each hook's row 0"
         mapped = {torch.float32: [tlh._map_row_file(token).view(torch.float32) for token in reply["files"]]}
-        rows = tlh._rows_in(mapped, tlh._row_layouts(reply["hooks"]), message)
+        layouts = tlh._row_layouts(reply["hooks"])
+        rows = tlh._rows_in(mapped, layouts, reply["regions"], {output.request_id: message})[output.request_id]
         tokens = BATCH[0] + list(output.outputs[0].token_ids[:2])
         assert_matches(rows, llm.model.reference(tokens, llm.hook_names), "through /dev/shm")
         del mapped, rows

@@ -3702,13 +3702,16 @@ class _Batched(_HookState):
         return _RequestRows({**chosen, **options.columns}, request)
 
     def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
-        """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "files", "rows": {user id:
-        message}}``, the requests' rows then freed (each id must match one captured request, or nothing is read). For a
-        driver on this host, a request's message holds ``"pieces"``, where its rows are in the row ``files`` (tokens;
-        see _map_row_file and _rows_in), one message per request, as a read of many requests of one row each costs
-        per message; else ``"encoded"``, {name: encoded rows}; and ``"columns"``, where it keeps fewer features.
-        Of the sent_sources."""
-        reply = {"shards": self.shards(), "attention": self.attention(), "hooks": [], "files": [], "rows": {}}
+        """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "files", "regions", "rows": {user
+        id: message}}``, the requests' rows then freed (each id must match one captured request, or nothing is read).
+        For a driver on this host, a request's message holds ``"pieces"``, where its rows are in the row ``files``
+        (tokens; see _map_row_file and _rows_in): [region, first row, rows] of the ``regions`` of the steps that kept
+        them, each [file, then per source the element offset of its row 0], so a read of many requests of a row each
+        costs a few numbers per request; else ``"encoded"``, {name: encoded rows}; and ``"columns"``, where it keeps
+        fewer features. Of the sent_sources."""
+        reply = {
+            "shards": self.shards(), "attention": self.attention(), "hooks": [], "files": [], "regions": [], "rows": {}
+        }
         if self.config.sink_dir is not None:
             raise RuntimeError(
                 f"read_batched: this engine writes captured rows to its sink_dir {self.config.sink_dir}: "
@@ -3723,8 +3726,7 @@ class _Batched(_HookState):
                 raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
         self._wait_for_copies()
         reply["hooks"] = [[name, list(shape), _dtype_name(buffer.dtype)] for name, buffer, shape in sources]
-        widths = np.array([buffer.shape[1] for _name, buffer, _shape in sources], dtype=np.int64)
-        same_host, files, firsts = driver_host == socket.gethostname(), {}, {}  # firsts: per step, see below
+        same_host, files, regions = driver_host == socket.gethostname(), {}, {}  # regions: id(step rows) -> index
         for user_id, worker_id in matches.items():
             record = self.records.pop(worker_id)
             self.read_ids.update(dict.fromkeys((worker_id, user_request_id(worker_id))))
@@ -3737,12 +3739,15 @@ class _Batched(_HookState):
             if same_host and None not in record.files:
                 pieces = message["pieces"] = []
                 for chunk in record.chunks:
-                    step_rows = chunk.step_rows
-                    if id(step_rows) not in firsts:  # the element offset of each source's rows of that step in file
-                        base, views = chunk.file.pages.data_ptr(), [step_rows[name] for name, *_ in sources]
-                        firsts[id(step_rows)] = np.array([(v.data_ptr() - base) // v.element_size() for v in views])
-                    first = firsts[id(step_rows)] + chunk.start * widths
-                    pieces.append([files.setdefault(chunk.file, len(files)), chunk.end - chunk.start, *first.tolist()])
+                    region = regions.get(id(chunk.step_rows))
+                    if region is None:  # the step's rows: their file, and where each source's row 0 is in it
+                        base, views = chunk.file.pages.data_ptr(), [chunk.step_rows[name] for name, *_ in sources]
+                        region = regions[id(chunk.step_rows)] = len(reply["regions"])
+                        reply["regions"].append([
+                            files.setdefault(chunk.file, len(files)),
+                            *((v.data_ptr() - base) // v.element_size() for v in views),
+                        ])
+                    pieces.append([region, chunk.start, chunk.end - chunk.start])
             else:
                 encoded = message["encoded"] = {}
                 num_rows = sum(chunk.end - chunk.start for chunk in record.chunks)
@@ -4095,26 +4100,53 @@ def _row_layouts(hooks: list[list]) -> list[tuple[str, list[int], list[int], tor
 def _rows_in(
     mapped: dict[torch.dtype, list[torch.Tensor]],
     layouts: list[tuple[str, list[int], list[int], torch.dtype]],
-    message: dict[str, Any],
-) -> dict[str, torch.Tensor]:
-    """``{name: [rows, *row shape]}`` of one request from its read message: encoded, or its pieces in the row files
-    (mapped: each file viewed as each dtype), one per step that kept rows: [file, rows, then per source, in
-    ``layouts`` order (see _row_layouts), the element offset of the first row]; a view of the file where a source's
-    rows are one piece, else joined; of a source the request keeps fewer columns of, those (a view)."""
-    if "encoded" in message:
-        rows = {name: decode_tensor(encoded) for name, encoded in message["encoded"].items()}
-    else:
-        rows, pieces = {}, message["pieces"]
-        for k, (name, row_shape, strides, dtype) in enumerate(layouts):
-            files = mapped[dtype]
-            parts = [files[piece[0]].as_strided([piece[1], *row_shape], strides, piece[2 + k]) for piece in pieces]
-            if len(parts) == 1:
-                rows[name] = parts[0]
-            else:
-                rows[name] = torch.cat(parts) if parts else torch.empty([0, *row_shape], dtype=dtype)
-    for name, columns in message.get("columns", {}).items():
-        rows[name] = rows[name][:, :columns]
-    return rows
+    regions: list[list[int]],
+    messages: dict[str, dict[str, Any]],
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``{request id: {name: [rows, *row shape]}}`` from a read's messages: encoded, or their pieces in the row files
+    (mapped: each file viewed as each dtype), one per step that kept rows: [region, first row, rows] of ``regions``,
+    [file, then per source, in ``layouts`` order (see _row_layouts), the element offset of its row 0]; a view of the
+    file where a source's rows are one piece, else joined; of a source the request keeps fewer columns of, those (a
+    view). Pieces that follow one another in a region (a step's requests' rows do) are one view, split: a call per
+    run of pieces rather than per piece, as a read of many requests of a row or a few costs per view made."""
+    placed = {request_id: message["pieces"] for request_id, message in messages.items() if "pieces" in message}
+    pieces = np.array([piece for request in placed.values() for piece in request], dtype=np.int64).reshape(-1, 3)
+    region_table = np.array(regions, dtype=np.int64).reshape(-1, 1 + len(layouts))
+    order = np.lexsort((pieces[:, 1], pieces[:, 0]))  # by region, then first row
+    region, first, count = pieces[order].T
+    follows = (region[1:] == region[:-1]) & (first[1:] == first[:-1] + count[:-1])
+    run_starts = np.flatnonzero(np.concatenate([[True], ~follows])).tolist() if len(order) else []
+    runs = [  # (region, first row, each piece's rows, which pieces)
+        (int(region[a]), int(first[a]), count[a:b].tolist(), order[a:b].tolist())
+        for a, b in zip(run_starts, [*run_starts[1:], len(order)])
+    ]
+    views = []  # per source, each piece's view, in pieces' order
+    for k, (_name, row_shape, strides, dtype) in enumerate(layouts):
+        files, source_views = mapped[dtype], [None] * len(order)
+        for run_region, run_first, run_counts, run_pieces in runs:
+            file, row_0 = region_table[run_region, [0, 1 + k]].tolist()
+            run = files[file].as_strided([sum(run_counts), *row_shape], strides, row_0 + run_first * strides[0])
+            for piece, view in zip(run_pieces, run.split(run_counts)):
+                source_views[piece] = view
+        views.append(source_views)
+    read, start = {}, 0
+    for request_id, message in messages.items():
+        if "encoded" in message:
+            rows = {name: decode_tensor(encoded) for name, encoded in message["encoded"].items()}
+        else:
+            rows, end = {}, start + len(placed[request_id])
+            for (name, row_shape, _strides, dtype), source_views in zip(layouts, views):
+                if end - start == 1:
+                    rows[name] = source_views[start]
+                elif end > start:
+                    rows[name] = torch.cat(source_views[start:end])
+                else:
+                    rows[name] = torch.empty([0, *row_shape], dtype=dtype)
+            start = end
+        for name, columns in message.get("columns", {}).items():
+            rows[name] = rows[name][:, :columns]
+        read[request_id] = rows
+    return read
 
 
 # ---------------------------------------------------------------------------
@@ -4301,6 +4333,9 @@ def _with_attention(
     """rows, with those of each hook in ``attention`` (see _HookState.attention) rebuilt (see _attention_rows); where
     a request kept more rows than it asked for (``asked``, the indices of those it did), those alone: an attention
     matrix's queries."""
+    if not attention and asked is None:
+        return rows
+
     def handed_over(name: str, r: torch.Tensor) -> torch.Tensor:
         if name in attention:
             return _attention_rows(name, r, attention[name], asked)
@@ -4584,8 +4619,8 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
         layouts, files = _row_layouts(reply["hooks"]), [_map_row_file(token) for token in reply["files"]]
         mapped = {dtype: [file.view(dtype) for file in files] for dtype in {layout[3] for layout in layouts}}
         rows = {
-            request_id: _with_attention(_rows_in(mapped, layouts, message), reply["attention"], message.get("asked"))
-            for request_id, message in reply["rows"].items()
+            request_id: _with_attention(request_rows, reply["attention"], reply["rows"][request_id].get("asked"))
+            for request_id, request_rows in _rows_in(mapped, layouts, reply["regions"], reply["rows"]).items()
         }
         per_rank.append((reply["shards"], rows))
     n_layers = _model_config(engine).hf_text_config.num_hidden_layers
