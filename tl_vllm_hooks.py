@@ -4111,7 +4111,6 @@ def _rows_in(
     run of pieces rather than per piece, as a read of many requests of a row or a few costs per view made."""
     placed = {request_id: message["pieces"] for request_id, message in messages.items() if "pieces" in message}
     pieces = np.array([piece for request in placed.values() for piece in request], dtype=np.int64).reshape(-1, 3)
-    region_table = np.array(regions, dtype=np.int64).reshape(-1, 1 + len(layouts))
     order = np.lexsort((pieces[:, 1], pieces[:, 0]))  # by region, then first row
     region, first, count = pieces[order].T
     follows = (region[1:] == region[:-1]) & (first[1:] == first[:-1] + count[:-1])
@@ -4124,7 +4123,7 @@ def _rows_in(
     for k, (_name, row_shape, strides, dtype) in enumerate(layouts):
         files, source_views = mapped[dtype], [None] * len(order)
         for run_region, run_first, run_counts, run_pieces in runs:
-            file, row_0 = region_table[run_region, [0, 1 + k]].tolist()
+            file, row_0 = regions[run_region][0], regions[run_region][1 + k]
             run = files[file].as_strided([sum(run_counts), *row_shape], strides, row_0 + run_first * strides[0])
             for piece, view in zip(run_pieces, run.split(run_counts)):
                 source_views[piece] = view

@@ -188,7 +188,8 @@ def compare(directory, out, tolerance, per_hook):
         for flavour, (error, hook) in worst.items():
             verdict = "ok" if error <= tolerance else "FAILED"
             failed |= error > tolerance
-            how = f"{dtype}, {'eager' if meta.get('eager') else 'CUDA graphs'}, Model Runner {meta.get('model_runner', '?')}"
+            graphs = "eager" if meta.get("eager") else "CUDA graphs"
+            how = f"{dtype}, {graphs}, Model Runner {meta.get('model_runner', '?')}"
             print(f"{family} {flavour} ({meta['device']}, vLLM {meta['versions']['vllm']}, {how}): "
                   f"worst row's relative error {error:.2e} at {hook}: {verdict}", flush=True)
         routing = model.routing
