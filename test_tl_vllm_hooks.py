@@ -1467,7 +1467,7 @@ def test_attention_patterns_keep_each_query_and_key_and_refuse_what_they_cannot_
     for capture, kept, asked in [("all", (0, 2**63 - 1), None), ("prompt", (0, 9), None),
                                  ("last_prompt_token", (0, 9), [9]), ([3, 7], (0, 7), [3, 7]), ("none", (0, -1), None)]:
         options = tlh._parse_options(tlh.request_args(config, capture)["tl_vllm_hooks"], config)
-        assert options.kept_range(10) == kept and options.asked(positions[: kept[1] + 1], 10) == asked, capture
+        assert options.kept_range(10) == kept and options.asked(lambda: positions[: kept[1] + 1], 10) == asked, capture
     with pytest.raises(ValueError, match="sink_dir: blocks.1.attn.hook_attn_scores is rebuilt when read_batched"):
         tlh.configure(specs, 64, enable_batching=True, sink_dir=str(tmp_path))
     name = "blocks.1.attn.hook_pattern"

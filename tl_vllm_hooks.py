@@ -1569,13 +1569,13 @@ class _RequestOptions:
         first, last = self.kept_range(prompt_len)
         return first <= last and first < stop and last >= start
 
-    def asked(self, positions: np.ndarray, prompt_len: int) -> list[int] | None:
-        """Of the rows kept, at these positions, the indices of those the capture asks for where it keeps more
-        (from_start), else None (all)."""
+    def asked(self, kept_positions: typing.Callable[[], np.ndarray], prompt_len: int) -> list[int] | None:
+        """Of the rows kept, at the positions kept_positions() gives (called only where this needs them), the indices
+        of those the capture asks for where it keeps more (from_start), else None (all)."""
         if isinstance(self.capture, np.ndarray) and self.from_start:
-            return np.flatnonzero(np.isin(positions, self.capture)).tolist()
+            return np.flatnonzero(np.isin(kept_positions(), self.capture)).tolist()
         if self.from_start and self.capture == "last_prompt_token":
-            return np.flatnonzero(positions == prompt_len - 1).tolist()
+            return np.flatnonzero(kept_positions() == prompt_len - 1).tolist()
         return None
 
 
@@ -1965,13 +1965,23 @@ class _NewRequest(typing.NamedTuple):
 
 
 class _Step(typing.NamedTuple):
-    """What a step's scheduler output says: the requests that finished since the last, the new ones, each other
-    request's first position, and the tokens the step runs."""
+    """What a step's scheduler output says: the requests that finished since the last, the new ones, the others with
+    each one's first position (two lists, in the scheduler's order), and the tokens the step runs."""
 
     finished: Any
     new: list[_NewRequest]
-    first_positions: dict[str, int]
+    cached_request_ids: list[str]
+    cached_first_positions: list[int]
     num_tokens: int
+
+    def first_positions(self, request_ids: list[str]) -> np.ndarray:
+        """int64 [len(request_ids)]: each request's first position in this step, -1 for one the step does not
+        name. A decode step's runner usually holds its requests in the scheduler's order: then no lookup is made."""
+        if not self.new and request_ids == self.cached_request_ids:
+            return np.fromiter(self.cached_first_positions, np.int64, len(request_ids))
+        first_positions = dict(zip(self.cached_request_ids, self.cached_first_positions))
+        first_positions.update((request.request_id, request.first_position) for request in self.new)
+        return np.fromiter(map(first_positions.get, request_ids, itertools.repeat(-1)), np.int64, len(request_ids))
 
 
 def _scheduled(scheduler_output: Any) -> _Step:
@@ -1982,8 +1992,9 @@ def _scheduled(scheduler_output: Any) -> _Step:
         )
         for r in output.scheduled_new_reqs
     ]
-    first_positions = dict(zip(cached.req_ids, cached.num_computed_tokens))
-    return _Step(output.finished_req_ids, new, first_positions, output.total_num_scheduled_tokens)
+    return _Step(
+        output.finished_req_ids, new, cached.req_ids, cached.num_computed_tokens, output.total_num_scheduled_tokens
+    )
 
 
 def segment_by_request(model_runner: Any) -> tuple[list[int], list[str]]:
@@ -3243,7 +3254,7 @@ class _OnePrompt(_HookState):
 class _StepRequests:
     """A step's requests in row order and what the request table holds for each: int64 [num_requests] arrays of
     entries, kept_first and kept_last; the indices of those keeping a list of positions (kept_first -1) and of those
-    with edits. Valid while the table's version is."""
+    with edits; the last position any of them keeps (-1 for none). Valid while the table's version is."""
 
     request_ids: list[str]
     version: int
@@ -3252,6 +3263,7 @@ class _StepRequests:
     kept_last: np.ndarray
     listed: np.ndarray
     edited: np.ndarray
+    last_kept: int
 
 
 class _RequestTable:
@@ -3307,10 +3319,10 @@ class _RequestTable:
         if last is not None and last.version == self.version and last.request_ids == request_ids:
             return last
         entries = self.entries(request_ids, default)
-        first = self.kept_first[entries]
+        first, last = self.kept_first[entries], self.kept_last[entries]
         self.last_step = _StepRequests(
-            request_ids, self.version, entries, first, self.kept_last[entries], np.flatnonzero(first < 0),
-            np.flatnonzero(self.has_edits[entries]),
+            request_ids, self.version, entries, first, last, np.flatnonzero(first < 0),
+            np.flatnonzero(self.has_edits[entries]), int(np.max(last, initial=-1, where=first <= last)),
         )
         return self.last_step
 
@@ -3375,7 +3387,9 @@ class _RequestRows:
 
     def asked(self) -> list[int] | None:
         """The indices of the rows a read hands over, where the request kept more (see _RequestOptions.asked)."""
-        return None if self.request is None else self.request.options.asked(self.positions, self.request.prompt_len)
+        if self.request is None:
+            return None
+        return self.request.options.asked(lambda: self.positions, self.request.prompt_len)
 
     def rows(self, name: str) -> list[torch.Tensor]:
         return [chunk.step_rows[name][chunk.start : chunk.end] for chunk in self.chunks]
@@ -3421,7 +3435,7 @@ class _Batched(_HookState):
         self.slots: dict[str, int] = {}  # request id -> slot holding its edits
         self.running: dict[str, _RunningRequest] = {}
         self.request_table = _RequestTable()
-        self.first_positions: dict[str, int] | None = None  # of the step being prepared
+        self.scheduled: _Step | None = None  # the step being prepared
         self.step: _StepLayout | None = None  # of the step whose forward is in flight
         self.records: dict[str, _RequestRows] = {}
         # The ids of the requests read_batched handed over, the last _READ_KEPT, each as vLLM's and as the user's
@@ -3515,7 +3529,7 @@ class _Batched(_HookState):
             self.running.pop(request_id, None)
             self.request_table.remove(request_id)
             self.slots.pop(request_id, None)
-        for request_id, prompt_len, prompt_token_ids, extra_args, first_position in step.new:
+        for request_id, prompt_len, prompt_token_ids, extra_args, _first_position in step.new:
             options, problem = _worker_options(extra_args, self)
             if problem is not None:
                 self.incomplete[request_id] = problem
@@ -3523,21 +3537,18 @@ class _Batched(_HookState):
             self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.slot_tables))
             if options.keeps_any(0, _NO_LAST_POSITION, prompt_len):
                 self.records.setdefault(request_id, self._record(self.running[request_id]))  # read_batched knows it now
-            step.first_positions[request_id] = first_position
-        self.first_positions = step.first_positions
+        self.scheduled = step
         self.capture_flags.zero_()  # this step's forward writes its rows
 
     def prepared(self) -> None:
         """After the step is prepared, before its forward: route each row to its edit."""
-        if self.first_positions is None:  # preparation outside execute_model
+        if self.scheduled is None:  # preparation outside execute_model
             return
         starts, request_ids = _step_segments(self.runner)
         if not request_ids:
             return
-        first = np.fromiter(
-            map(self.first_positions.get, request_ids, itertools.repeat(-1)), np.int64, len(request_ids)
-        )
-        if (first < 0).any():
+        first = self.scheduled.first_positions(request_ids)
+        if first.min() < 0:
             # Every request of a step is in its scheduler output; if one is not, its rows cannot be placed: say so
             # when read rather than guess.
             for i in np.flatnonzero(first < 0):
@@ -3593,11 +3604,18 @@ class _Batched(_HookState):
         step = self.step
         if step is None:
             return
+        next_position, first = self.request_table.next_position, step.first_positions
+        expected = next_position[step.entries]
+        if step.one_row_each and first.min() > step.requests.last_kept:
+            # A decode step past every row its requests keep (each decode step of requests keeping prompt rows):
+            # their positions move on, and nothing else happens unless one did not follow on.
+            next_position[step.entries] = first + 1
+            for i in np.flatnonzero(first != expected).tolist():
+                self._did_not_follow_on(step.request_ids[i], int(expected[i]), int(first[i]))
+            return
         kept = self._kept_rows(step)
         kept_rows = np.flatnonzero(kept)
         file, host_rows = self._rows_to_host(kept_rows) if kept_rows.size else (None, {})
-        next_position, first = self.request_table.next_position, step.first_positions
-        expected = next_position[step.entries]
         if step.one_row_each:  # row i is request i's: no sums over segments
             kept_per_request = kept.astype(np.int64)
             next_position[step.entries] = first + 1
@@ -3629,7 +3647,7 @@ class _Batched(_HookState):
         self.shared.hold(file, appended)
 
     def finish(self) -> None:
-        self.first_positions = None
+        self.scheduled = None
         self.step = None
 
     def _kept_rows(self, step: _StepLayout) -> np.ndarray:
