@@ -3338,10 +3338,13 @@ class _StepLayout:
     counts: np.ndarray = dataclasses.field(init=False)  # int64 [num_requests], rows each request runs
     row_positions: np.ndarray = dataclasses.field(init=False)  # int64 [num_rows], each row's position
     one_row_each: bool = dataclasses.field(init=False)  # (a decode step): row i is request i's
+    # A decode step past every row its requests keep (each decode step of requests keeping prompt rows): no row kept.
+    keeps_no_row: bool = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.counts = np.diff(self.starts)
         self.one_row_each = bool((self.counts == 1).all())
+        self.keeps_no_row = self.one_row_each and self.first_positions.min() > self.requests.last_kept
         if self.one_row_each:
             self.row_positions = self.first_positions
         else:
@@ -3522,7 +3525,7 @@ class _Batched(_HookState):
     # Steps, in the order _wrap_steps calls them.
 
     def schedule(self, step: _Step) -> None:
-        """Read the step's new requests' options and every request's first position."""
+        """Read the step's new requests' options; the step's first positions are read once it is prepared."""
         if self.sink is not None:
             self.sink.write(step.finished)
         for request_id in step.finished:
@@ -3538,7 +3541,6 @@ class _Batched(_HookState):
             if options.keeps_any(0, _NO_LAST_POSITION, prompt_len):
                 self.records.setdefault(request_id, self._record(self.running[request_id]))  # read_batched knows it now
         self.scheduled = step
-        self.capture_flags.zero_()  # this step's forward writes its rows
 
     def prepared(self) -> None:
         """After the step is prepared, before its forward: route each row to its edit."""
@@ -3556,6 +3558,8 @@ class _Batched(_HookState):
             return
         default = _default_options(self.prefix_caching).kept_range(0)
         self.step = _StepLayout(starts, first, self.request_table.of_step(request_ids, default))
+        if not self.step.keeps_no_row:
+            self.capture_flags.zero_()  # this step's forward writes its rows (else they stay as they were, unread)
         row_positions, global_rows = self.step.row_positions, _global_rows(self.config)
         edited = self.step.requests.edited
         if global_rows == 1 and not edited.size:
@@ -3606,9 +3610,7 @@ class _Batched(_HookState):
             return
         next_position, first = self.request_table.next_position, step.first_positions
         expected = next_position[step.entries]
-        if step.one_row_each and first.min() > step.requests.last_kept:
-            # A decode step past every row its requests keep (each decode step of requests keeping prompt rows):
-            # their positions move on, and nothing else happens unless one did not follow on.
+        if step.keeps_no_row:  # their positions move on, and nothing else happens unless one did not follow on
             next_position[step.entries] = first + 1
             for i in np.flatnonzero(first != expected).tolist():
                 self._did_not_follow_on(step.request_ids[i], int(expected[i]), int(first[i]))
