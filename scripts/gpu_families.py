@@ -9,7 +9,7 @@ same weights. `capture` runs each in bf16 (`--dtype float32`: fp32) under CUDA g
 FULL_AND_PIECEWISE; Model Runner V2 unless VLLM_USE_V2_MODEL_RUNNER=0; eager and V1 for the
 families the GPU tests run so, CUDA_EAGER and CUDA_RUNNER_V1), both flavours,
 every site of every layer: the batched flavour serves one generate of a 9-, a 300-
-(chunked, 128 tokens a forward) and a 57-token prompt unedited and one request per site of layer 1 with an edit
+(chunked, 256 tokens a forward) and a 57-token prompt unedited and one request per site of layer 1 with an edit
 there; the one-prompt flavour captures one prompt unedited and under each edit alone. It
 writes every request's rows and token ids to OUT (safetensors, JSON). `compare` runs
 TransformerLens 4.3's bridge in fp32 on the weights rounded to bf16, as vLLM loads them (as saved, after an fp32
@@ -87,7 +87,7 @@ def capture_family(directory, out, eager, family, flavours, dtype):
     specs = {**specs, **router_logits(family, hf_config)}  # (where the bridge runs no expert hooks)
     records = []
     for flavour in flavours:
-        config = tlh.configure(specs, 128, getattr(torch, dtype), enable_batching=flavour == "batched",
+        config = tlh.configure(specs, 256, getattr(torch, dtype), enable_batching=flavour == "batched",
                                enable_position_interventions=True)
         # (vLLM 0.24 builds a multimodal checkpoint's processor from its tokenizer: kept there. On an H100 it prefills
         # Gated DeltaNet layers with FlashInfer's kernel, compiled at the first forward: Qwen3-Next's engine had not
