@@ -57,7 +57,7 @@ __version__ = "0.3.0"
 
 # fmt: off
 __all__ = [
-    "ATTENTION_READ_BYTES", "ActivationRows", "CAPTURE_DTYPES", "CaptureConfig", "CaptureDataset", "FAMILIES",
+    "ATTENTION_READ_BYTES", "ATTENTION_SITES", "ActivationRows", "CAPTURE_DTYPES", "CaptureConfig", "CaptureDataset", "FAMILIES",
     "REFUSED", "SAESpec", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION", "WorkerExtension",
     "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "logit_lens",
     "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts", "register",
@@ -151,7 +151,7 @@ qk_nope_head_dim + qk_rope_head_dim]``; ``[d_mlp]`` at mlp_pre, mlp_pre_linear a
 activation's input, its gate on gated ones; a gated MLP's linear (up) projection; the down projection's input); on
 mixture-of-experts layers mlp_pre and mlp_post are the block's input and output, and the router's choice is
 expert_weights ``[n_experts]`` (each expert's weight, 0 if not chosen) and expert_indices ``[top_k]`` (highest weight
-first, in the capture dtype; both read-only). Linear attention (Qwen 3.5's Gated DeltaNet) has linear_attn_in and
+first, int64, as TransformerLens's; both read-only). Linear attention (Qwen 3.5's Gated DeltaNet) has linear_attn_in and
 linear_attn_out, its input and output. A short convolution (LFM2's) has conv_in, its input, conv_in_proj ``[3 *
 d_model]``, its input projection (B, C and x), conv_gated, C times the convolution of B times x, and conv_out, its
 output. A Mamba-2 mixer has mixer_in, its input, mixer_in_proj ``[d_in_proj]``, its input projection (z, x, B, C and dt,
@@ -166,11 +166,15 @@ hook_mlp_out. ln1, ln2 and final_norm are a norm's input normalized, before weig
 divisor, ``[1]``: sqrt(mean(x**2) + eps) of the (mean-centred, for LayerNorm) input; mlp_in is the MLP's own input (its
 norm's output, weight and bias applied)."""
 
+ATTENTION_SITES = ("attn_scores", "pattern")
+"""The sites whose rows are each token's query and key, from which a read rebuilds TransformerLens's [n_heads,
+queries, keys] (read-only; a sink stores no such rows)."""
+
 _READ_ONLY_SITES = {  # site -> why an edit of it is refused
     **dict.fromkeys(("expert_weights", "expert_indices", "moe_expert_weights", "moe_expert_indices"), "vLLM's fused "
                     "mixture of experts routes inside its kernel, from the router's logits; edit the block's input "
                     "(mlp.hook_pre, moe.hook_pre) or output (hook_mlp_out, moe.hook_out) instead"),
-    **dict.fromkeys(("attn_scores", "pattern"), "vLLM's attention kernels never hold the [query, key] matrix, which is "
+    **dict.fromkeys(ATTENTION_SITES, "vLLM's attention kernels never hold the [query, key] matrix, which is "
                     "rebuilt when read; edit the query or key (attn.hook_rot_q, hook_rot_k, hook_q, hook_k) instead"),
 }
 _NORM_SITES = (
@@ -311,6 +315,9 @@ class _Family:
         short convolution, vLLM's ShortConv), ``mixer`` (a Mamba-2 mixer, vLLM's MambaMixer2; "" where there is
         none). mamba1: the mixer is Mamba-1's (vLLM's MambaMixer): no inner norm, an input projection of x and z
         alone, and its output written into an argument, so that mixer.hook_out is its out_proj's output.
+        mixer_normed: the config attribute that says a Mamba-2 mixer normalizes its gated output (Falcon-H1's
+        mamba_rms_norm; "": it always does); where it is false, vLLM's gated norm only gates, TransformerLens's mixer
+        has no inner norm, and the mixer_norm_* sites are not placed.
     parallel: attention and MLP read the same stream (no hook_resid_mid). embed_at_layer0: hook_embed is what layer 0
         receives (Gemma's sqrt(d_model) scale, Granite's multiplier and BLOOM's norm come after the embedding).
     layer_inputs, norm_inputs, mlp_inputs: (argument, position) of the inputs a layer, a norm and the MLP take; ()
@@ -376,6 +383,7 @@ class _Family:
     conv: str = ""
     mixer: str = ""
     mamba1: bool = False
+    mixer_normed: str = ""
     parallel: bool = False
     embed_at_layer0: bool = False
     layer_inputs: tuple[tuple[str, int], ...] = ()
@@ -535,7 +543,7 @@ FAMILIES = {family.name: family for family in (
     # mamba.hook_in is the mixer's input before ssm_in_multiplier, hook_attn_out and mamba.hook_out the branches'
     # outputs before theirs.
     _Family("falcon_h1", "FalconH1ForCausalLM", residual="stream", ln2=".pre_ff_layernorm", mlp=".feed_forward",
-            final_norm="model.final_layernorm", mixer=".mamba.mamba",
+            final_norm="model.final_layernorm", mixer=".mamba.mamba", mixer_normed="mamba_rms_norm",
             taps={"mixer_in": _Tap("model.layers.{i}.mamba.mamba", _INPUT, _HIDDEN_INPUT,
                                    multiplier="ssm_in_multiplier")},
             renamed={f"mixer_{part}": f"mamba_{part}" for part in ("in", "in_proj", "norm_in", "norm_gate", "norm",
@@ -896,7 +904,7 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
                 "mixer_norm_in": _Tap(at + f.mixer + ".norm", _INPUT, (("x", 0),)),
                 "mixer_norm_gate": _Tap(at + f.mixer + ".norm", _INPUT, (("gate", 1),)),
                 "mixer_norm": _Tap(at + f.mixer + ".out_proj", _INPUT, _LINEAR_INPUT),
-            } if not f.mamba1 else {}),
+            } if not f.mamba1 and (not f.mixer_normed or getattr(config, f.mixer_normed)) else {}),
             "mixer_out": _Tap(at + f.mixer + ".out_proj", _OUTPUT) if f.mamba1 else _Tap(at + f.mixer, _OUTPUT),
         } if f.mixer else {}),
         # the stream between the branches: ln2's input, or the MLP's where it has no pre-norm
@@ -1029,14 +1037,17 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
 def capture_specs(
     hf_config: Any, sites: str | tuple[str, ...] = ("resid_post",), layers: int | list[int] | None = None
 ) -> dict[str, tuple[int, ...]]:
-    """``{hook_name: row shape}`` for the model, in the order a forward reaches them. hf_config: its transformers
+    """``{hook_name: row shape}`` for the model, in the order a forward reaches them: the shape of what a forward keeps
+    of each token (see SITES), which a read gives as [rows, *row shape], but for attn_scores and pattern, whose row
+    is the query and key vLLM's attention receives, ``[n_heads + n_kv_heads, d_head]``, which a read rebuilds into
+    TransformerLens's ``[n_heads, queries, keys]`` (a sink stores no such rows). hf_config: its transformers
     config (``AutoConfig.from_pretrained(path)``), of an architecture a record describes (else ValueError naming the
     supported ones). sites: keys of ``SITES`` (or one); layer sites expand over ``layers`` (or one; default all;
     -1 the last) that have them (a mixture of experts' sites over its MoE layers), and a site none of them has is
     refused by name."""
     family = _family(hf_config)
     config = hf_config.get_text_config()
-    sites, layers = _sites_and_layers(sites, layers, config.num_hidden_layers)
+    sites, layers = _sites_and_layers(sites, layers, config.num_hidden_layers, family, config)
     specs, found = {}, set()
     for layer in (None, *layers, "final"):  # forward order: the embeddings, the layers, the final norm
         at = None if layer == "final" else layer
@@ -1059,13 +1070,22 @@ def capture_specs(
     return specs
 
 
-def _sites_and_layers(sites: Any, layers: Any, num_layers: int) -> tuple[list[str], list[int]]:
+def _sites_and_layers(
+    sites: Any, layers: Any, num_layers: int, family: _Family, config: Any
+) -> tuple[list[str], list[int]]:
     """capture_specs's sites, and its layers sorted, once each, negative ones counted from the end as in Python and
-    TransformerLens; a str is one site and an int one layer. ValueError naming what is neither, and what is valid."""
+    TransformerLens; a str is one site and an int one layer. ValueError naming what is neither, and what is valid:
+    for a site, the close ones and every one the family has."""
     listed = _listed(sites, str)
     unknown = [sites] if listed is None else [s for s in listed if not isinstance(s, str) or s not in SITES]
     if unknown:
-        raise ValueError(f"capture_specs: unknown sites {unknown}; one site or a list of them, valid: {list(SITES)}")
+        offered = _family_sites(family, config)
+        close = {str(site): difflib.get_close_matches(str(site), offered, n=3) for site in unknown}
+        hints = "; ".join(f"{site!r}: did you mean {' or '.join(found)}?" for site, found in close.items() if found)
+        raise ValueError(
+            f"capture_specs: unknown sites {unknown}" + (f" ({hints})" if hints else "")
+            + f"; one site or a list of them, of those {family.architecture} has: {offered}"
+        )
     chosen = list(range(num_layers)) if layers is None else _listed(layers, int)
     bad = [layers] if chosen is None else [i for i in chosen if not _int_at_least(i, -num_layers) or i >= num_layers]
     if bad:
@@ -1252,7 +1272,7 @@ class CaptureConfig:
     def attention_hooks(self) -> list[str]:
         """The hooks whose reads rebuild attention (attn_scores, pattern) from each position's query and key; worked
         out once per config, as every request taken is checked against it."""
-        return [n for n in self.capture_specs if (parse_hook_name(n) or ("",))[0] in ("attn_scores", "pattern")]
+        return [n for n in self.capture_specs if (parse_hook_name(n) or ("",))[0] in ATTENTION_SITES]
 
     def width(self, name: str) -> int:
         """Elements in one row of hook ``name``."""
@@ -1676,6 +1696,27 @@ def _refuse_large_attention(request: Any, options: _RequestOptions | None, confi
         )
 
 
+def _refuse_unreachable_positions(request: Any, options: _RequestOptions | None) -> None:
+    """ValueError, before the request runs, for a position its options keep or edit past the last one it can run:
+    its prompt's, then one per generated token but the last (max_tokens; a request without it is not checked)."""
+    max_tokens = request.sampling_params.max_tokens
+    if options is None or max_tokens is None:
+        return
+    prompt_len = _prompt_len(request)
+    last = prompt_len + max_tokens - 2
+    asked = {"capture": options.capture} if isinstance(options.capture, np.ndarray) else {}
+    asked.update((f"edits[{name!r}]", positions) for name, (_rows, positions) in options.edits.items())
+    for what, positions in asked.items():
+        if positions is not None and positions.size and positions[-1] > last:
+            past = positions[positions > last].tolist()
+            raise ValueError(
+                f"request {request.request_id!r}: {what} positions {past[:10]} are past the request's last position, {last}: "
+                f"its {prompt_len} prompt tokens run positions 0-{prompt_len - 1}, and its max_tokens={max_tokens} "
+                f"generated tokens, but the last, run the {max_tokens - 1} after them; give positions below "
+                f"{last + 1} (the request's length), or a larger max_tokens"
+            )
+
+
 @functools.lru_cache(maxsize=256)
 def _parse_options_text(text: str, payload: str | None) -> _RequestOptions:
     """request_args' JSON text, parsed once however many requests share it."""
@@ -1831,6 +1872,7 @@ def register() -> None:
         if options is not None:
             _keep_apart_in_prefix_cache(request, options)
         _refuse_large_attention(request, options, _config_from_json(_engine_payload(self.vllm_config)))
+        _refuse_unreachable_positions(request, options)
         return request
 
     _patch(Worker, "load_model", load_model)
@@ -2657,7 +2699,7 @@ class _Hook(_EditTables):
     def bind(self, state: _HookState, index: int) -> None:
         self.state, self.index, rows, device = state, index, state.config.max_num_batched_tokens, state.device
         self.keeps_rows = self.name in state.config.capture_specs  # (else only its SAE's features are kept)
-        self.buffer = torch.zeros(rows, self.width, dtype=state.config.dtype, device=device)
+        self.buffer = torch.zeros(rows, self.width, dtype=_row_dtype(self.name, state.config.dtype), device=device)
         self.flag = state.capture_flags.narrow(0, index, 1)
         self.fire_count = state.fire_counts.narrow(0, index, 1)
         # Edit tables, out = out * scale + bias, of the flavour's rows.
@@ -2771,6 +2813,12 @@ def _rows_of_tables(tables: tuple[torch.Tensor, ...], row_index: torch.Tensor | 
         return tables
     picked = row_index.narrow(0, 0, num_rows).clamp(max=tables[0].shape[0] - 1)
     return tuple(table.index_select(0, picked) for table in tables)
+
+
+def _row_dtype(name: str, capture_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a hook's rows: int64 for the router's expert indices (as TransformerLens's, and exact past the
+    256 experts bfloat16 holds), else the capture dtype."""
+    return torch.int64 if name.endswith("hook_expert_indices") else capture_dtype
 
 
 def _router_hooks(site: _Hook) -> None:
@@ -3197,8 +3245,11 @@ class _OnePrompt(_HookState):
         rows, by_position = self.config.max_num_batched_tokens, self.config.enable_position_interventions
         self.positions = torch.zeros(rows, dtype=torch.int64, device=self.device) if by_position else None
         self.table_rows = _global_rows(self.config) if by_position else None
-        # The rows the first forward since open_capture wrote: None before any open_capture, 0 until that forward.
+        # The rows the first forward since open_capture wrote: None before any open_capture, 0 until that forward;
+        # the requests that forward ran, and how many requests started after it (a read says its rows are theirs).
         self.forward_rows: int | None = None
+        self.armed_requests: list[str] = []
+        self.later_requests = 0
 
     def row_index(self, _hook_index: int) -> torch.Tensor | None:
         return self.positions
@@ -3211,6 +3262,10 @@ class _OnePrompt(_HookState):
     def schedule(self, step: _Step) -> None:
         if self.forward_rows == 0:
             self.forward_rows = step.num_tokens
+            self.armed_requests = [request.request_id for request in step.new] + list(step.cached_request_ids)
+            self.later_requests = 0
+        elif self.forward_rows:
+            self.later_requests += sum(request.request_id not in self.armed_requests for request in step.new)
 
     def prepared(self) -> None:
         if self.positions is None:
@@ -3240,6 +3295,19 @@ class _OnePrompt(_HookState):
             raise RuntimeError("read_captures: no forward ran since open_capture")
         if still_open:
             raise RuntimeError(f"read_captures: no forward ran since open_capture for hooks {still_open}")
+        many = "; for many prompts, configure(..., enable_batching=True) keeps each request's rows (read_batched)"
+        if len(self.armed_requests) > 1:
+            raise RuntimeError(
+                f"read_captures: the forward after open_capture ran {len(self.armed_requests)} requests at once, "
+                "their rows one after another: the one-prompt flavour keeps one prompt's rows, so give generate "
+                f"one prompt after each open_capture{many}"
+            )
+        if self.later_requests:
+            raise RuntimeError(
+                f"read_captures: the rows held are those of the forward open_capture armed, and {self.later_requests} "
+                "requests started after it (a later generate, or another prompt of the same one): call open_capture "
+                f"right before the generate whose rows you want, one prompt each{many}"
+            )
         if num_rows > self.forward_rows:
             raise ValueError(
                 f"read_captures: the forward after open_capture wrote {self.forward_rows} rows (one per token it "
@@ -3362,11 +3430,14 @@ class _StepLayout:
 
 @dataclasses.dataclass(frozen=True)
 class _RunningRequest:
-    """A request from its first step to its end: its options and its prompt."""
+    """A request from its first step to its end: its options, its prompt, and its arrival: how many requests this
+    worker scheduled before it first ran (the order requests were given, as vLLM schedules them first come, first
+    served)."""
 
     options: _RequestOptions
     prompt_len: int
     prompt_token_ids: list[int] | None  # None for prompt embeddings
+    arrival: int
 
 
 @dataclasses.dataclass(eq=False, slots=True)  # (compared by identity: positions is an array; never changed once made)
@@ -3394,6 +3465,12 @@ class _RequestRows:
             return None
         return self.request.options.asked(lambda: self.positions, self.request.prompt_len)
 
+    def missing(self) -> list[int]:
+        """The positions the request's capture listed that it holds no row of (its sequence ended before them)."""
+        if self.request is None or not isinstance(self.request.options.capture, np.ndarray):
+            return []
+        return np.setdiff1d(self.request.options.capture, self.positions).tolist()
+
     def rows(self, name: str) -> list[torch.Tensor]:
         return [chunk.step_rows[name][chunk.start : chunk.end] for chunk in self.chunks]
 
@@ -3410,11 +3487,13 @@ class _RequestRows:
 @dataclasses.dataclass(frozen=True)
 class _FinishedRequest:
     """A finished request as _Batched.take_finished hands it to the sink: its rows, or why it has none (neither for
-    one that kept nothing, or one of vLLM's warm-up requests), and the row files its rows are in, which the sink
-    gives back (_Batched.release) once it has written them."""
+    one that kept nothing, or one of vLLM's warm-up requests), the row files its rows are in, which the sink
+    gives back (_Batched.release) once it has written them, and its arrival (see _RunningRequest; None for a request
+    the hooks never saw start)."""
 
     request_id: str
     prompt_token_ids: list[int] | None
+    arrival: int | None
     rows: _RequestRows | None
     error: str | None
     files: list[_RowFile | None]
@@ -3437,6 +3516,8 @@ class _Batched(_HookState):
         self.table_rows = _global_rows(self.config) + 1 + self.max_num_seqs
         self.slots: dict[str, int] = {}  # request id -> slot holding its edits
         self.running: dict[str, _RunningRequest] = {}
+        self.arrivals = itertools.count()  # see _RunningRequest.arrival
+        self.unread_said = 0  # unread requests when _say_unread last warned
         self.request_table = _RequestTable()
         self.scheduled: _Step | None = None  # the step being prepared
         self.step: _StepLayout | None = None  # of the step whose forward is in flight
@@ -3480,6 +3561,7 @@ class _Batched(_HookState):
             self.release(record.files)
         self.records.clear()
         self.incomplete.clear()
+        self.unread_said = 0
         self.shared.trim()
 
     def _wait_for_copies(self) -> None:
@@ -3494,6 +3576,22 @@ class _Batched(_HookState):
     @property
     def unread_requests(self) -> int:
         return len(self.records)
+
+    def _say_unread(self) -> None:
+        """Warn (the first rank, in its log) that requests started while earlier ones' rows wait unread: at the first
+        such start, then each time their number doubles. Rows no read takes stay in host memory until reset_batched,
+        and a request without options keeps every one of its rows."""
+        if len(self.records) < 2 * self.unread_said or self.ranks.tensor_rank or self.ranks.stage:
+            return
+        self.unread_said = len(self.records)
+        rows = sum(chunk.end - chunk.start for record in self.records.values() for chunk in record.chunks)
+        row_bytes = sum(source.buffer[0].nbytes for source in self.sources)
+        logger.warning(
+            "tl_vllm_hooks: %d requests that finished earlier hold %.1f MiB of rows that no read took (status(llm)'s "
+            "unread_requests): read them with read_batched(llm, ids), or free them with reset_batched(llm); a request "
+            "without options keeps every row, request_args(config, capture='none') none",
+            len(self.records), rows * row_bytes / 2**20,
+        )
 
     # The sink's interface: tl_vllm_hooks_tools.RankSink reads this flavour through these, config, sent_sources,
     # shards() and ranks, and nothing else of this module's internals.
@@ -3510,7 +3608,8 @@ class _Batched(_HookState):
             files = rows.files if rows is not None else []
             if not self.warmed_up:
                 rows = error = None
-            finished.append(_FinishedRequest(request_id, prompt, rows, error, files))
+            arrival = None if request is None else request.arrival
+            finished.append(_FinishedRequest(request_id, prompt, arrival, rows, error, files))
         return finished, copied
 
     def held_request_ids(self) -> list[str]:
@@ -3532,11 +3631,15 @@ class _Batched(_HookState):
             self.running.pop(request_id, None)
             self.request_table.remove(request_id)
             self.slots.pop(request_id, None)
+        if step.new and not self.running and self.records:
+            self._say_unread()
         for request_id, prompt_len, prompt_token_ids, extra_args, _first_position in step.new:
             options, problem = _worker_options(extra_args, self)
             if problem is not None:
                 self.incomplete[request_id] = problem
-            self.running[request_id] = _RunningRequest(options, prompt_len, prompt_token_ids)
+            earlier = self.running.get(request_id)  # (a request resumed after preemption keeps its arrival)
+            arrival = earlier.arrival if earlier is not None else next(self.arrivals)
+            self.running[request_id] = _RunningRequest(options, prompt_len, prompt_token_ids, arrival)
             self.request_table.add(request_id, options.kept_range(prompt_len), bool(options.slot_tables))
             if options.keeps_any(0, _NO_LAST_POSITION, prompt_len):
                 self.records.setdefault(request_id, self._record(self.running[request_id]))  # read_batched knows it now
@@ -3756,6 +3859,9 @@ class _Batched(_HookState):
             asked = record.asked()
             if asked is not None:
                 message["asked"] = asked
+            missing = record.missing()
+            if missing:
+                message["missing"] = missing
             if same_host and None not in record.files:
                 pieces = message["pieces"] = []
                 for chunk in record.chunks:
@@ -4627,7 +4733,16 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
     if isinstance(request_ids, str) or not all(isinstance(r, str) for r in request_ids):
         raise ValueError(f"read_batched: request_ids must be a list of str, got {request_ids!r}")
     per_rank = []
-    for reply in (yield "read_batched", (list(request_ids), socket.gethostname())):
+    for rank, reply in enumerate((yield "read_batched", (list(request_ids), socket.gethostname()))):
+        short = {request_id: m["missing"] for request_id, m in reply["rows"].items() if "missing" in m and not rank}
+        if short:
+            warnings.warn(
+                f"read_batched: {len(short)} requests hold no rows of positions their capture listed, their sequence "
+                f"having ended before them (a stop token, or max_tokens): "
+                + "; ".join(f"{request_id!r}: {positions[:10]}" for request_id, positions in list(short.items())[:5])
+                + "; list positions below each request's length",
+                stacklevel=4,  # the user's call: this generator, advance, helper, the caller
+            )
         encoded = [m["encoded"] for m in reply["rows"].values() if "encoded" in m]
         if any(e["shape"][0] for by_hook in encoded for e in by_hook.values()):
             warnings.warn(
