@@ -13,6 +13,7 @@
     python bench_tl_vllm_hooks.py --harvest --cases plain,h4,h16,h4s,h16s,sae65 --rounds 2   # prefill only, 1,024
     python bench_tl_vllm_hooks.py --tiny --harvest --cases plain,h4,h4s --num-layers 8      # the same on a CPU
     python bench_tl_vllm_hooks.py --cases plain,f,g --side-by-side --profile prof/  # where a step's time goes
+    python bench_tl_vllm_hooks.py --tiny --cases plain,b,f --plot ratios.png   # the ratio table as a picture too
 
 Each case builds a fresh engine in a fresh subprocess (this file with ``--run-cases``),
 which prints one JSON line behind ``_MARKER`` (vLLM logs to stdout too). Every case runs
@@ -808,6 +809,44 @@ def _table(results: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+_PLOTTED_RATIOS = {  # _table's ratios to plain's, as _plot_ratios draws them
+    "tokens_per_s_ratio": "tok/s (median engine)",
+    "fastest_ratio": "fastest run",
+    "paired_ratio": "paired",
+    "peak_ratio": "peak memory",
+}
+
+
+def _plot_ratios(results: dict[str, dict], path: str, title: str) -> None:
+    """_table's ratios to plain's as a picture, to the PNG ``path``: per case (plain left out), a bar per ratio it
+    has (_PLOTTED_RATIOS; n/a ones left out), each labelled with its value, and plain's 1.0 dashed. Needs
+    matplotlib, imported here."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    cases = [name for name, r in results.items() if name != "plain" and "error" not in r]
+    figure, axes = pyplot.subplots(figsize=(max(6.0, 1.2 * len(cases) + 2), 4.5))
+    width = 0.8 / len(_PLOTTED_RATIOS)
+    for number, (key, label) in enumerate(_PLOTTED_RATIOS.items()):
+        shift = (number - (len(_PLOTTED_RATIOS) - 1) / 2) * width
+        drawn = [(x + shift, results[name][key]) for x, name in enumerate(cases) if results[name].get(key) is not None]
+        if drawn:
+            bars = axes.bar([x for x, _ratio in drawn], [ratio for _x, ratio in drawn], width, label=label)
+            axes.bar_label(bars, fmt="%.2f", fontsize=6)
+    axes.axhline(1.0, color="black", linestyle="--", linewidth=0.8, label="plain vLLM")
+    axes.set_xticks(range(len(cases)), cases)
+    axes.set_xlabel("case (the table's 'what' says what each runs)")
+    axes.set_ylabel("ratio to plain vLLM")
+    axes.set_title(title, fontsize=8)
+    axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    print(f"wrote {path}")
+
+
 def _rows_table(results: dict[str, dict], disk: dict | None) -> str:
     """The cases that hand rows over: how fast, and generate + rows in hand against plain's generate."""
     def fmt(value, spec=""):
@@ -918,6 +957,7 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, help="GPUs per engine")
     parser.add_argument("--rounds", type=int, default=1, help="fresh engines per case; the median engine is reported")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the ratio table to this PNG (needs matplotlib)")
     parser.add_argument("--compiled-code", metavar="DIR", help="keep each engine's compile cache in DIR/<case>/round<N>")
     parser.add_argument("--compilation-config", metavar="JSON",
                         help="vLLM's compilation_config for every engine, e.g. "
@@ -950,6 +990,11 @@ def main() -> None:
         print(_MARKER + json.dumps(results), flush=True)
         return
 
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(f"--plot {args.plot}: needs matplotlib, which is not installed here (pip install matplotlib)")
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
@@ -1011,6 +1056,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+    if args.plot:
+        _plot_ratios(results, args.plot, f"{report['device']}, vLLM {report['vllm']}: ratios to plain vLLM")
     sys.exit(1 if any("error" in r or r.get("failed_engines") for r in results.values()) else 0)
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import functools
 import glob
+import hashlib
 import inspect
 import itertools
 import json
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 
 from tl_vllm_hooks import (
+    ATTENTION_SITES,
     CAPTURE_DTYPES,
     FAMILIES,
     REFUSED,
@@ -77,6 +79,7 @@ __all__ = [
     "ShardWriter",
     "check_sink_dir",
     "main",
+    "model_fingerprint",
     "read_sae",
     "serve",
     "sink_header",
@@ -96,7 +99,9 @@ logger = logging.getLogger("tl_vllm_hooks")
 # ---------------------------------------------------------------------------
 
 _MANIFEST_FORMAT = "tl_vllm_hooks.sink/1"
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int32": "I32"}
+_SAFETENSORS_DTYPES = {
+    "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int32": "I32", "int64": "I64"
+}
 _SINK_QUEUE_BYTES = 1 << 30  # finished requests' rows waiting to be written, at most (but one)
 
 
@@ -200,11 +205,14 @@ class RankSink:
         self.writer: ShardWriter | None = None
         if self.hooks:
             writer, config = f"pp{state.ranks.stage}-tp{state.ranks.tensor_rank}", state.config
+            model_config = worker.vllm_config.model_config
+            model, fingerprint = _model_source(model_config.model, model_config.revision)
             header = {
                 **sink_header(config),
                 "writer": writer,
-                "model": worker.vllm_config.model_config.model,
-                "n_layers": worker.vllm_config.model_config.hf_text_config.num_hidden_layers,
+                "model": model,  # (an absolute path, or a hub id that has no local snapshot)
+                "model_fingerprint": fingerprint,
+                "n_layers": model_config.hf_text_config.num_hidden_layers,
                 "versions": versions(),
                 "writes": self.hooks,
                 "shards": {name: shards[name] for name in self.hooks if name in shards},
@@ -231,10 +239,11 @@ class RankSink:
             if self.writer is None or (request.rows is None and request.error is None):
                 self.written.extend(request.files)
                 continue
+            order = [self.writer.engine, request.arrival]  # (see CaptureDataset.entry)
             if request.error is not None:
                 self.written.extend(request.files)
                 entry = {"prompt_token_ids": request.prompt_token_ids, "positions": [], "error": request.error}
-                self.writer.write(request.request_id, entry, [], copied)
+                self.writer.write(request.request_id, {**entry, "order": order}, [], copied)
             else:
                 record = request.rows
                 positions = record.positions
@@ -243,7 +252,11 @@ class RankSink:
                     columns = record.columns.get(name)
                     shape = [positions.size, *(row_shape if columns is None else [columns])]
                     parts.append((name, shape, record.rows(name)))
-                entry = {"prompt_token_ids": request.prompt_token_ids, "positions": _position_ranges(positions)}
+                entry = {
+                    "prompt_token_ids": request.prompt_token_ids,
+                    "positions": _position_ranges(positions),
+                    "order": order,
+                }
                 written = functools.partial(self.written.extend, request.files)
                 self.writer.write(request.request_id, entry, parts, copied, written)
 
@@ -276,6 +289,58 @@ def versions() -> dict[str, str]:
     import vllm
 
     return {"vllm": vllm.__version__, "torch": torch.__version__, "tl_vllm_hooks": __version__}
+
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt")  # what model_fingerprint reads of a model directory, beside config.json
+_FINGERPRINT_BLOCKS, _FINGERPRINT_BLOCK_BYTES = 16, 1 << 16  # read of each weights file (a smaller one: whole)
+
+
+def model_fingerprint(path: str) -> str:
+    """A model's fingerprint: sha256 (64 hex digits) over its ``config.json``'s bytes, then, for each weights file
+    of the directory (``*.safetensors``, ``*.bin``, ``*.pt``, not in subdirectories; by name), its name, its size
+    and 16 blocks of 64 KiB spread evenly over it, the first and the last included (the whole file where it holds
+    1 MiB or less); ``path`` a file (a GGUF checkpoint): that file, as a weights file. So it reads about 1 MiB a
+    weights file, whatever the checkpoint's size (a 100 GB one of 50 files: 50 MiB), and tells apart two checkpoints
+    of one config whose weights differ throughout (other random draws, other training: a safetensors file's first
+    block holds its header, and every block holds weights); an edit of a few weights between the blocks, which
+    leaves names and sizes as they were, does not show."""
+    digest = hashlib.sha256()
+    if os.path.isfile(path):
+        directory, names = os.path.dirname(path), [os.path.basename(path)]
+    else:
+        directory, names = path, sorted(name for name in os.listdir(path) if name.endswith(_WEIGHT_FILES))
+        config = os.path.join(path, "config.json")
+        if os.path.isfile(config):
+            with open(config, "rb") as file:
+                digest.update(b"config.json\0" + file.read())
+    for name in names:
+        with open(os.path.join(directory, name), "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            digest.update(f"{name}\0{size}\0".encode())
+            if size <= _FINGERPRINT_BLOCKS * _FINGERPRINT_BLOCK_BYTES:
+                digest.update(file.read())
+                continue
+            last = size - _FINGERPRINT_BLOCK_BYTES
+            for block in range(_FINGERPRINT_BLOCKS):
+                offset = last * block // (_FINGERPRINT_BLOCKS - 1)
+                digest.update(os.pread(file.fileno(), _FINGERPRINT_BLOCK_BYTES, offset))
+    return digest.hexdigest()
+
+
+def _model_source(model: str, revision: str | None = None) -> tuple[str, str | None]:
+    """(where a model's files are, their model_fingerprint) of a model as vLLM and transformers are given it: a
+    directory or file here by its absolute path; a hub id by its snapshot in the local Hugging Face cache. A hub id
+    without one (or a name that is neither): (the name as given, None)."""
+    if os.path.exists(model):
+        path = os.path.abspath(model)
+    else:
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = snapshot_download(model, revision=revision, local_files_only=True)
+        except (OSError, ValueError):  # no snapshot here (LocalEntryNotFoundError), or not a hub id
+            return model, None
+    return path, model_fingerprint(path)
 
 
 def _position_ranges(positions: np.ndarray) -> list[list[int]]:
@@ -316,7 +381,8 @@ class ShardWriter:
         self.tensors: dict[str, dict[str, Any]] = {}  # its safetensors header entries
         self.requests: dict[str, dict[str, Any]] = {}  # its manifest entries
         self.data_bytes = self.header_bytes = 0
-        self.shards, self.written, self.next_number = self._resume(header)
+        # engine: how many engines wrote into the manifest before this one (the first of its entries' "order")
+        self.shards, self.written, self.next_number, self.engine = self._resume(header)
         # (request id, entry, parts, bytes, copied, written) or an Event
         self.queue: collections.deque = collections.deque()
         self.queued_bytes = 0
@@ -404,9 +470,10 @@ class ShardWriter:
             if closing:
                 item.set()
 
-    def _resume(self, header: dict[str, Any]) -> tuple[int, int]:
+    def _resume(self, header: dict[str, Any]) -> tuple[int, int, int, int]:
         """Keep the whole shards an earlier engine listed; drop the rest. Returns (shards,
-        requests, the number of the next shard)."""
+        requests, the number of the next shard, the number of this engine: one more than the
+        last engine's that the kept entries name, 0 for the first)."""
         os.makedirs(self.directory, exist_ok=True)
         kept: list[dict[str, Any]] = []
         if os.path.exists(self.manifest):
@@ -430,7 +497,9 @@ class ShardWriter:
             if os.path.basename(path) not in listed:  # written after the last whole line
                 os.unlink(path)
         numbers = [int(re.search(r"-(\d+)\.safetensors$", line["shard"]).group(1)) for line in kept]
-        return len(kept), sum(len(line["requests"]) for line in kept), max(numbers, default=0) + 1
+        engines = [entry["order"][0] for line in kept for entry in line["requests"].values() if "order" in entry]
+        requests = sum(len(line["requests"]) for line in kept)
+        return len(kept), requests, max(numbers, default=0) + 1, max(engines, default=-1) + 1
 
     def _rewrite_manifest(self, header: dict[str, Any], lines: list[dict[str, Any]]) -> None:
         staged = self.manifest + ".partial"
@@ -519,22 +588,43 @@ class ShardWriter:
         logger.error("tl_vllm_hooks: sink: %s", self.error)
 
 
+def _given_order(entry: dict[str, Any]) -> tuple[int, float]:
+    """A manifest entry's place in the order its requests were given (sorted stably: entries without an order, of
+    older manifests, keep the order written)."""
+    engine, arrival = entry.get("order", (0, None))
+    return engine, math.inf if arrival is None else arrival
+
+
 class CaptureDataset:
     """The requests a sink directory holds, each read on its own.
 
     ``CaptureDataset(directory)`` (what ``flush_sink`` returns) reads the manifests.
-    ``request_ids``: the requests whose rows every writer has whole on disk, in the
-    order written (vLLM's worker ids: the user's id plus ``-{8 hex}`` where vLLM adds
-    it; either form is accepted below, and a user's id that several requests share
-    raises KeyError naming their full ids). ``hooks``: ``{hook_name: row shape}``;
-    ``dtype``, ``model`` and ``versions`` (vLLM, torch, tl_vllm_hooks) as written.
+    ``request_ids`` (and iteration): the requests whose rows every writer has whole on
+    disk, in the order they were given (engines that wrote into the directory one after
+    another: the earlier engine's first; entries of manifests older than that order: as
+    written), each by the id its ``RequestOutput`` carries, the user's id (without the
+    ``-{8 hex}`` vLLM adds to it in the workers, ``tl_vllm_hooks.user_request_id``), but
+    where several requests share one (engines run into one directory each number theirs
+    from "0"): those by their full ids. Every read below takes either form, and a user's
+    id that several requests share raises KeyError naming their full ids.
+    ``hooks``: ``{hook_name: row shape}``; ``dtype`` and ``versions`` (vLLM, torch,
+    tl_vllm_hooks) as written. ``model``: the model the engine ran, by the absolute path of
+    its directory (a hub id's snapshot in the local Hugging Face cache; the id itself where
+    the workers found none); ``model_fingerprint``: ``model_fingerprint`` of those files as
+    the engine ran them (64 hex digits: its config.json, and the names, sizes and sampled
+    bytes of its weights' files), None in a manifest written before manifests held one.
+    The compare command loads that model, and refuses where its fingerprint differs.
 
     ``dataset[request_id]``: ``{hook_name: [rows, *row shape]}`` (an ActivationRows) CPU tensors of the
     capture dtype (an SAE's features as in read_batched: see SAE_FEATURES), mapped
     copy-on-write from the shard, so only that request's bytes are read (from disk when
     first touched). ``dataset.entry(request_id)``:
-    ``{"prompt_token_ids": list[int] | None, "positions": [[start, stop], ...]}``,
-    the token positions of the rows, in order.
+    ``{"prompt_token_ids": list[int] | None, "positions": [[start, stop], ...], "order": [engine, arrival]}``,
+    the token positions of the rows, in order, and where the request stands in the order
+    given: ``engine``, how many engines wrote into the directory before the one that ran
+    it, and ``arrival``, how many requests that engine's worker scheduled before it first
+    ran (vLLM schedules first come, first served; None for a request the hooks never saw
+    start); no "order" in manifests older than it.
 
     ValueError when a listed shard is missing, cut short, or does not hold what its
     manifest says; RuntimeError for a request whose options the workers refused.
@@ -561,15 +651,20 @@ class CaptureDataset:
             self._writers.append((header, requests))
         if not self._writers:
             raise ValueError(f"{self.directory}: no manifest-*.jsonl with a header: not a tl_vllm_hooks sink directory")
-        first = self._writers[0][0]
+        first, entries = self._writers[0]
         self.model, self.versions, self.dtype = first["model"], first["versions"], getattr(torch, first["dtype"])
+        self.model_fingerprint: str | None = first.get("model_fingerprint")
         written = {name for header, _requests in self._writers for name in header["writes"]}
         self.hooks = {name: tuple(shape) for name, shape in first["hooks"].items() if name in written}
         self._whole = set.intersection(*(set(requests) for _header, requests in self._writers))
-        self.request_ids = [request_id for request_id in self._writers[0][1] if request_id in self._whole]
+        given = sorted((r for r in entries if r in self._whole), key=lambda r: _given_order(entries[r][1]))
         self._by_user_id: dict[str, list[str]] = {}  # several, where engines run into one directory gave one id
-        for request_id in self.request_ids:
+        for request_id in given:
             self._by_user_id.setdefault(user_request_id(request_id), []).append(request_id)
+        self.request_ids = [
+            user_id if len(self._by_user_id[user_id]) == 1 else request_id
+            for request_id, user_id in zip(given, map(user_request_id, given))
+        ]
         self._shard_headers: dict[str, dict[str, Any]] = {}
 
     @classmethod
@@ -667,8 +762,11 @@ class CaptureDataset:
         return self._shard_headers[shard]
 
     def _dtype_of(self, name: str) -> torch.dtype:
-        """A tensor's dtype: the capture dtype, int32 for SAE feature indices."""
-        return torch.int32 if name.endswith(SAE_FEATURES + ".indices") else self.dtype
+        """A tensor's dtype: the capture dtype, int32 for SAE feature indices, int64 for the router's expert indices
+        (what the workers keep them as)."""
+        if name.endswith(SAE_FEATURES + ".indices"):
+            return torch.int32
+        return torch.int64 if name.endswith("hook_expert_indices") else self.dtype
 
 
 # ---------------------------------------------------------------------------
@@ -847,7 +945,7 @@ _TINY_MODELS = {
     "mistral": _TinyModel(dict(_UNTIED, head_dim=64)),
     "phi3": _TinyModel(dict(_UNTIED, pad_token_id=0)),
     "gemma": _TinyModel(dict(_KV1, head_dim=64)),
-    "gemma2": _TinyModel(dict(_KV1, head_dim=64, query_pre_attn_scalar=64)),
+    "gemma2": _TinyModel(dict(_KV1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16)),
     "gemma3": _TinyModel(dict(_KV1, head_dim=64, query_pre_attn_scalar=64, sliding_window=16)),
     "mixtral": _TinyModel(dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": _TinyModel(dict(_MOE4, moe_intermediate_size=64, shared_expert_intermediate_size=128)),
@@ -931,10 +1029,13 @@ _TINY_MODELS = {
              mlp_layer_types=["dense", "sparse", "sparse"]),
         random_buffers=("e_score_correction_bias",), bfloat16=True),
     # DeepSeek V3: vLLM routes by sigmoid scores with the correction bias only where the config says so (topk_method
-    # noaux_tc, scoring_func sigmoid, as released).
+    # noaux_tc, scoring_func sigmoid, as released); yarn scaling (factor 4, mscale_all_dim 1 as released: attention's
+    # scale times mscale squared), from a context of 256 tokens (vLLM's longest: 4 times that).
     "deepseek_v3": _TinyModel(
         dict(_LATENT_ATTENTION, q_lora_rank=64, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-             topk_method="noaux_tc", scoring_func="sigmoid"),
+             topk_method="noaux_tc", scoring_func="sigmoid", max_position_embeddings=1024,
+             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
+                                  beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
         random_buffers=("e_score_correction_bias",), bfloat16=True),
     # DeepSeek V2-Lite's layout: no query latent (q_proj), softmax scores, the top experts of all (one group).
     "deepseek_v2": _TinyModel(
@@ -977,8 +1078,8 @@ _TINY_MODELS = {
         rope_type="llama3", rope_theta=12e6, factor=8.0, original_max_position_embeddings=512, low_freq_factor=1.0,
         high_freq_factor=4.0))),
     "nemotron": _TinyModel(dict(_KV1, head_dim=64)),
-    # (vLLM's sliding window is one token wider than transformers': this one is wider than the test prompts)
-    "cohere2": _TinyModel(dict(_KV1, head_dim=64, logit_scale=0.5, sliding_window=512,
+    # (vLLM's sliding window is one token wider than transformers': the tests' reference widens its own to match)
+    "cohere2": _TinyModel(dict(_KV1, head_dim=64, logit_scale=0.5, sliding_window=16,
                                layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
     "phimoe": _TinyModel(dict(_UNTIED, num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
                               lm_head_bias=True)),
@@ -1367,7 +1468,9 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     model = model_class(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if parameter.dim() == 1:  # norm weights start at 1 (or 0 for Gemma's 1 + w), biases at 0
+            if parameter.dim() == 1 and tiny.bfloat16:  # wider, so that a row on the wrong side of a norm's weight
+                parameter.add_(torch.empty_like(parameter).uniform_(-0.5, 0.5))  # is ~0.29 off, past bf16's spread
+            elif parameter.dim() == 1:  # norm weights start at 1 (or 0 for Gemma's 1 + w), biases at 0
                 parameter.add_(0.2 * torch.randn_like(parameter))
             elif name.endswith("weight") and not parameter.any():  # (routers that would route by index)
                 parameter.normal_(0.0, 0.1)
@@ -1396,47 +1499,61 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     return model
 
 
-def families_markdown() -> str:
-    """The README's lists of supported families and refused architectures, from the records (the families command
-    prints them; a test holds the README to them): one line per group of families with the same sites beside
-    Llama's, each family by name and architecture (with vLLM's class where it differs, and a multimodal checkpoint's
-    text model), the reasons for sites not placed numbered once, on one line below; then the refused architectures,
-    one table row per reason."""
+def families_markdown(detail: bool = False) -> str:
+    """The supported families and refused architectures, from the records (the families command prints them; a test
+    holds README.md and docs/families.md to them): families grouped by their sites beside Llama's, the reasons for
+    sites not placed numbered once, on one line below, then the refused architectures, one table row per reason.
+    detail False: README.md's table, a row per group, sites by their keys in SITES and families by name; True:
+    docs/families.md's list, a line per group, sites by hook name and each family with its architecture, vLLM's
+    class where it differs and a multimodal checkpoint's text model."""
     default = model_sites(tiny_config("llama"))
-    short = {site: SITES[site].removeprefix("blocks.{i}.") for site in SITES}
+    label = {site: SITES[site].removeprefix("blocks.{i}.") if detail else site for site in SITES}
     notes: dict[str, int] = {}  # reason -> its number
     groups: dict[str, list[str]] = {}  # sites beside Llama's -> its families, in the records' order
     for name, record in FAMILIES.items():
         sites = model_sites(tiny_config(name))
-        also = [short[site] for site in sites if site not in default]
-        lacks = [short[site] for site in default if site not in sites and site not in record.refused]
+        also = [label[site] for site in sites if site not in default]
+        lacks = [label[site] for site in default if site not in sites and site not in record.refused]
         cells = ([f"also {', '.join(also)}"] if also else []) + ([f"not {', '.join(lacks)}"] if lacks else [])
         refused: dict[int, list[str]] = {}
         for site, why in record.refused.items():
-            refused.setdefault(notes.setdefault(why, len(notes) + 1), []).append(short[site])
+            refused.setdefault(notes.setdefault(why, len(notes) + 1), []).append(label[site])
         cells += [f"not {', '.join(names)} [{number}]" for number, names in refused.items()]
         runs = []
-        if record.vllm_class and record.vllm_class != record.architecture:
+        if detail and record.vllm_class and record.vllm_class != record.architecture:
             runs.append(f"vLLM: `{record.vllm_class}`")
-        if record.text_classes:  # a multimodal checkpoint's: where its text model sits
+        if detail and record.text_classes:  # a multimodal checkpoint's: where its text model sits
             text_classes = " or ".join(f"`{text_class}`" for text_class in record.text_classes)
             runs.append(f"text model {text_classes} at `{record.text_prefix.rstrip('.') or '(its root)'}`")
         if record.gpu_only:  # (CI runs the missing CPU kernel in torch)
             runs.append(f"on a GPU only [{notes.setdefault(record.gpu_only, len(notes) + 1)}]")
-        family = f"{name} `{record.architecture}`" + (f" ({'; '.join(runs)})" if runs else "")
-        groups.setdefault("; ".join(cells) or "Llama's sites", []).append(family)
+        family = f"{name} `{record.architecture}`" if detail else name
+        groups.setdefault("; ".join(cells) or "Llama's", []).append(family + (f" ({'; '.join(runs)})" if runs else ""))
     reasons: dict[str, list[str]] = {}
     for architecture, why in REFUSED.items():
         reasons.setdefault(why, []).append(f"`{architecture}`")
-    return "\n".join(
-        [
-            f"{len(FAMILIES)} families supported, each compared with TransformerLens in CI, grouped by their sites "
-            "beside Llama's; each as its name and architecture (vLLM's class where it is another; a multimodal "
-            "checkpoint's text model and where it sits). Llama's sites (those of each layer named without "
-            "`blocks.{i}.`):",
-            ", ".join(short[site] for site in default) + ".",
+    if detail:
+        supported = [
+            f"{len(FAMILIES)} families, grouped by their sites beside Llama's; each as its name and architecture "
+            "(vLLM's class where it is another; a multimodal checkpoint's text model and where it sits). Llama's "
+            "sites (those of each layer named without `blocks.{i}.`):",
+            ", ".join(label[site] for site in default) + ".",
             "",
             *(f"- **{sites}:** {', '.join(families)}" for sites, families in groups.items()),
+        ]
+    else:
+        supported = [
+            f"{len(FAMILIES)} families supported, each compared with TransformerLens in CI, by their sites (keys of "
+            "`SITES`) beside Llama's; each family's architecture, vLLM class and hook names are in "
+            "[docs/families.md](docs/families.md). Llama's sites: " + ", ".join(default) + ".",
+            "",
+            "| sites beside Llama's | families |",
+            "|---|---|",
+            *(f"| {sites} | {', '.join(families)} |" for sites, families in groups.items()),
+        ]
+    return "\n".join(
+        [
+            *supported,
             "",
             " ".join(f"[{number}] {why}." for why, number in notes.items()),
             "",
@@ -1469,9 +1586,11 @@ def serve(
 ) -> subprocess.Popen:
     """Start vLLM's OpenAI server for ``model`` with the hooks of ``config`` (``config.serve_args``, then
     ``vllm_args``), listening on ``host`` (loopback by default) and ``port``, and return its process once it answers
-    ``/health`` (``terminate()`` stops it). vLLM's output goes to ``log`` (default: a temporary file; the path is
-    the process's ``log`` attribute). A server that exits first raises ``RuntimeError`` with its last log lines, at
-    once; one that does not answer within ``timeout`` seconds is stopped and raises ``TimeoutError``."""
+    ``/health`` (``terminate()``, or the end of a ``with`` block on it, stops it). vLLM's output goes to ``log``,
+    which stays; by default to a temporary file, removed once the server is stopped so (its path is the process's
+    ``log`` attribute). A server that exits first raises ``RuntimeError`` with its last log lines, at once; one
+    that does not answer within ``timeout`` seconds is stopped and raises ``TimeoutError``; each names the log,
+    which then stays."""
     _check_model(model)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host]
     command += ["--port", str(port), *config.serve_args, *vllm_args]
@@ -1492,12 +1611,13 @@ def serve(
             ),
         )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    if log is None:
+    temporary = log is None
+    if temporary:
         with tempfile.NamedTemporaryFile(prefix="tl_vllm_hooks-serve-", suffix=".log", delete=False) as file:
             log = file.name
     with open(log, "w") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
-    process.log = log
+        process = _Server(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+    process.log, process.temporary_log = log, temporary
     health = f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}/health"
     deadline = time.monotonic() + timeout
     try:
@@ -1508,6 +1628,7 @@ def serve(
             except OSError:  # not listening yet
                 pass
             if time.monotonic() > deadline:
+                process.temporary_log = False  # (kept: the error names it)
                 raise TimeoutError(f"serve: vLLM's server did not answer {health} within {timeout:g} s; its log: {log}")
             time.sleep(0.5)
     except BaseException:  # (the timeout, or a KeyboardInterrupt while it starts): no server left behind
@@ -1520,6 +1641,33 @@ def serve(
     raise RuntimeError(
         "\n".join([f"serve: vLLM's server exited with code {process.returncode}; the end of {log}:", *_tail(log)])
     )
+
+
+class _Server(subprocess.Popen):
+    """serve's process: ``log``, the path of vLLM's output; ``temporary_log``, whether serve made that file, which
+    is then removed once this side stops the server (``terminate()``, ``kill()``, the end of a ``with`` block, which
+    terminates it) and kept where the server stopped by itself, or did not start in time, as the error names it."""
+
+    log: str
+    temporary_log: bool
+
+    def terminate(self) -> None:
+        super().terminate()
+        self._remove_log()
+
+    def kill(self) -> None:
+        super().kill()
+        self._remove_log()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.terminate()
+        super().__exit__(*exc_info)
+
+    def _remove_log(self) -> None:
+        if self.temporary_log:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.log)
+            self.temporary_log = False
 
 
 def _tail(log: str) -> list[str]:
@@ -1552,26 +1700,32 @@ def _batched_config(args: argparse.Namespace, sites: tuple[str, ...], **sink: An
 def _serve(args: argparse.Namespace) -> int:
     """The serve command: configure from the flags, start the server, wait until it stops."""
     _check_model(args.model)
-    config = _batched_config(args, _sites(args.sites), sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
+    config = _batched_config(args, _sites(args.sites, args.model), sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
     started = _say(
         f"serve: {args.model} with {len(config.capture_specs)} hooks ({args.dtype}), rows to "
         f"{os.path.abspath(args.sink_dir) if args.sink_dir else 'no sink (--sink-dir DIR writes them)'}; "
         f"starting vLLM's OpenAI server on {args.host}:{args.port}"
     )
-    process = serve(args.model, config, "--dtype", args.dtype, *args.vllm_args, host=args.host, port=args.port)
+    process = serve(
+        args.model, config, "--dtype", args.dtype, *args.vllm_args, host=args.host, port=args.port, log=args.log
+    )
     _say(
         f"serving http://{args.host}:{args.port}/v1 ({time.perf_counter() - started:.0f} s to start; log "
         f"{process.log}); Ctrl-C stops it"
     )
+    _AT_STOP.append(process._remove_log)  # (the server's processes are killed then, with the engine's)
     try:  # (SIGTERM too: _stop_on_signals)
         code = process.wait()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         process.terminate()
         process.wait()
-        return 0
-    print(
-        "\n".join([f"vLLM's server exited with code {code}; the end of its log:", *_tail(process.log)]), file=sys.stderr
-    )
+        name = _signal_name(stop)
+        print(f"{name}: stopped the server", file=args.terminal)
+        return 128 + signal.Signals[name]
+    finally:
+        _AT_STOP.remove(process._remove_log)
+    lines = [f"vLLM's server exited with code {code}; the end of its log, {process.log}:", *_tail(process.log)]
+    print("\n".join(lines), file=args.terminal)
     return code or 1
 
 
@@ -1726,14 +1880,24 @@ def _check_model(model: str) -> None:
         raise ValueError(f"model: no such directory: {model}{hint}")
 
 
-def _sites(text: str) -> tuple[str, ...]:
-    """The --sites flag's comma list, each a key of SITES (a misspelt one is refused with the close ones)."""
+def _sites(text: str, model: str) -> tuple[str, ...]:
+    """The --sites flag's comma list, each a key of SITES other than ATTENTION_SITES, whose rows a sink does not store
+    (a misspelt one is refused with the close ones among the model's family's, which the message lists; one the
+    family lacks, by capture_specs)."""
+    from transformers import AutoConfig
+
+    offered = [site for site in model_sites(AutoConfig.from_pretrained(model)) if site not in ATTENTION_SITES]
     sites = tuple(site.strip() for site in text.split(","))
     for site in sites:
+        if site in ATTENTION_SITES:
+            raise ValueError(
+                f"--sites: {site}: a sink stores no attention matrices (read_batched rebuilds them from each token's "
+                "query and key); store attn_rot_q and attn_rot_k, or attn_q and attn_k, instead"
+            )
         if site not in SITES:
-            close = difflib.get_close_matches(site, SITES, n=3)
+            close = difflib.get_close_matches(site, offered, n=3)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
-            raise ValueError(f"--sites: unknown site {site!r}; {hint}valid: {', '.join(SITES)}")
+            raise ValueError(f"--sites: unknown site {site!r}; {hint}the model's: {', '.join(offered)}")
     return sites
 
 
@@ -1782,14 +1946,26 @@ def _prompts(args: argparse.Namespace) -> tuple[int, Callable[[set[str]], Any]]:
 def _capture(args: argparse.Namespace) -> int:
     """Capture every prompt's rows into a sink directory with one batched engine (compiled
     unless --eager), going on from what an earlier run of it left there (none started when that
-    holds every prompt); a run that fails before writing a shard leaves no directory it made."""
-    made = not os.path.exists(args.out)
+    holds every prompt); a run that fails or is stopped before writing a shard leaves no directory
+    it made, also where _stop_on_signals ends the process."""
+    if os.path.exists(args.out):
+        return _capture_into(args)
+    remove = functools.partial(_remove_unwritten, args.out)
+    _AT_STOP.append(remove)
     try:
         return _capture_into(args)
     except BaseException:
-        if made and os.path.isdir(args.out) and not glob.glob(os.path.join(args.out, "shard-*")):
-            shutil.rmtree(args.out, ignore_errors=True)
+        remove()
         raise
+    finally:
+        _AT_STOP.remove(remove)
+
+
+def _remove_unwritten(directory: str) -> None:
+    """Remove a directory the capture command made unless it holds a shard: what a run that wrote none leaves there
+    (manifests holding only their headers, a shard being written) is no dataset."""
+    if not glob.glob(os.path.join(directory, "shard-*.safetensors")):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _capture_into(args: argparse.Namespace) -> int:
@@ -1798,7 +1974,7 @@ def _capture_into(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Every mistake in the flags fails here, before configure imports vLLM (seconds) and the engine starts (a minute).
     _check_model(args.model)
-    sites = _sites(args.sites)
+    sites = _sites(args.sites, args.model)
     count, prompts = _prompts(args)  # a missing prompts file fails here, before the output directory is made
     config = _batched_config(args, sites, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
     finished = _finished_dataset(args.model, config.sink_dir, prompts)
@@ -1861,18 +2037,21 @@ def _capture_into(args: argparse.Namespace) -> int:
 
 
 def _user_ids(dataset: CaptureDataset) -> set[str]:
-    return set(map(user_request_id, dataset))
+    return set(dataset._by_user_id)
 
 
 def _finished_dataset(model: str, directory: str, prompts: Callable[[set[str]], Any]) -> CaptureDataset | None:
-    """The directory's dataset if it holds every prompt, written with this model and these versions (an engine
-    would go on from it, and run nothing); None where an engine has prompts to run, or must first drop shards a
-    crash cut short, or refuse the directory."""
+    """The directory's dataset if it holds every prompt, written with this model (its files, by path and fingerprint,
+    where the manifest has one) and these versions (an engine would go on from it, and run nothing); None where an
+    engine has prompts to run, or must first drop shards a crash cut short, or refuse the directory."""
     try:
         dataset = CaptureDataset(directory)
     except ValueError:  # no dataset yet, or one an engine repairs or refuses
         return None
-    if dataset.model != model or dataset.versions != versions() or next(prompts(_user_ids(dataset)), None):
+    path, fingerprint = _model_source(model)
+    if dataset.model != path or dataset.model_fingerprint not in (None, fingerprint):
+        return None
+    if dataset.versions != versions() or next(prompts(_user_ids(dataset)), None):
         return None
     return dataset
 
@@ -1892,6 +2071,7 @@ def _compare(args: argparse.Namespace) -> int:
     if args.model:
         _check_model(args.model)
     dataset = CaptureDataset(args.directory)  # (each of these fails before TransformerLens's slow import)
+    model, fingerprint, checked = _compared_model(dataset, args.model)
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError:
@@ -1900,28 +2080,36 @@ def _compare(args: argparse.Namespace) -> int:
             "pip install transformer-lens==4.3.0"
         ) from None
     hooks = [name for name in dataset.hooks if SAE_FEATURES not in name]  # (TransformerLens has no SAE here)
-    bridge = TransformerBridge.boot_transformers(args.model or dataset.model, dtype=torch.float32, device="cpu")
+    bridge = TransformerBridge.boot_transformers(model, dtype=torch.float32, device="cpu")
     worst: dict[str, tuple[float, float]] = {name: (0.0, 0.0) for name in hooks}
+    generated = 0  # rows of generated tokens, which the manifest holds no token ids of: not compared
     for index, request_id in enumerate(dataset, 1):
         entry, captured = dataset.entry(request_id), dataset[request_id]
+        prompt = entry["prompt_token_ids"] or []  # (none for prompt embeddings)
         positions = [p for start, stop in entry["positions"] for p in range(start, stop)]
-        _logits, cache = bridge.run_with_cache(torch.tensor([entry["prompt_token_ids"]]), names_filter=hooks)
+        rows = [row for row, position in enumerate(positions) if position < len(prompt)]
+        generated += len(positions) - len(rows)
+        if not rows:
+            continue
+        _logits, cache = bridge.run_with_cache(torch.tensor([prompt]), names_filter=hooks)
         for name in hooks:
-            expected = cache[name][0][positions].double()
-            difference = (captured[name].double() - expected).abs()
+            expected = cache[name][0][[positions[row] for row in rows]].double()
+            difference = (captured[name][rows].double() - expected).abs()
             relative = float(difference.norm()) / (float(expected.norm()) or 1.0)
             worst[name] = (max(worst[name][0], float(difference.max())), max(worst[name][1], relative))
         logger.info("compared request %d/%d", index, len(dataset))
     print(
         f"{dataset.directory} ({_torch_dtype_name(dataset.dtype)}, vLLM {dataset.versions['vllm']}) vs TransformerLens "
-        f"fp32, {len(dataset)} requests; tolerance {args.tolerance:g} (relative L2)"
+        f"fp32 on {model} (fingerprint {fingerprint[:16]}, {checked}), {len(dataset)} requests; "
+        f"tolerance {args.tolerance:g} (relative L2)"
+        + (f"; {generated} rows of generated tokens not compared (the manifest holds prompts alone)" if generated else "")
     )
     print(f"{'hook':28} {'max abs err':>12} {'rel L2 err':>11}")
     for name, (absolute, relative) in worst.items():
         flag = "" if relative <= args.tolerance else "  <- over tolerance"
         print(f"{name:28} {absolute:12.3e} {relative:11.3e}{flag}")
     if args.plot:
-        _plot_errors(worst, args.plot, args.tolerance)
+        _plot_errors(worst, args.plot, args.tolerance, f"{dataset.directory} vs TransformerLens")
     over = [name for name, (_absolute, relative) in worst.items() if relative > args.tolerance]
     if over:
         print(f"verdict: {len(over)} of {len(worst)} hooks past the tolerance {args.tolerance:g} (exit code 1)")
@@ -1930,21 +2118,75 @@ def _compare(args: argparse.Namespace) -> int:
     return 1 if over else 0
 
 
-def _plot_errors(worst: dict[str, tuple[float, float]], path: str, tolerance: float) -> None:
+def _compared_model(dataset: CaptureDataset, given: str | None) -> tuple[str, str | None, str]:
+    """(the model compare loads, its model_fingerprint, how that was checked): ``given`` (--model) or the one the
+    dataset's manifest names, by its absolute path, never as a path relative to this directory. ValueError where
+    that model is gone, or its fingerprint is not the manifest's; a manifest without one (written before manifests
+    held one) is compared only with ``given``, unchecked."""
+    if dataset.model_fingerprint is None:
+        if given is None:
+            raise ValueError(
+                f"compare: {dataset.directory}'s manifest records no fingerprint of the model it was captured from "
+                f"(written before manifests held one; it names {dataset.model!r}), so compare cannot check which "
+                "model to load: give the model the capture used with --model"
+            )
+        path, fingerprint = _model_source(given)
+        return path, fingerprint, "not checked: the manifest records no fingerprint"
+    path, fingerprint = _model_source(given or dataset.model)
+    if fingerprint is None:  # (a manifest names a hub id only where it has no fingerprint)
+        raise ValueError(
+            f"compare: the model the capture used, {dataset.model}, is gone (no such directory); "
+            "give a copy of it with --model"
+            if given is None
+            else f"--model {given}: no such directory, and no snapshot of a hub id {given!r} in the local cache"
+        )
+    if fingerprint != dataset.model_fingerprint:
+        raise ValueError(
+            f"compare: {path} is not the model the capture used: its fingerprint {fingerprint[:16]} is not the "
+            f"{dataset.model_fingerprint[:16]} the manifest records for {dataset.model} (its config.json or its "
+            "weights' files differ); give the model the capture used"
+            + (" with --model" if given is None else f" instead of --model {given}")
+        )
+    return path, fingerprint, "the capture's"
+
+
+def _plot_errors(worst: dict[str, tuple[float, float]], path: str, tolerance: float, title: str) -> None:
+    """compare's picture, to the PNG ``path``: each hook's relative L2 error (worst[hook][1]) by layer, one line of
+    markers per site (a hook outside the layers before or after them), on a log scale (an error of 0 drawn at a
+    tenth of the smallest other, or of the tolerance), with the tolerance dashed. Needs matplotlib, imported here."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    figure, axes = pyplot.subplots(figsize=(max(6, 0.35 * len(worst)), 4))
-    axes.bar(range(len(worst)), [relative for _a, relative in worst.values()])
+    sites: dict[str, dict[int | None, float]] = {}
+    for name, (_absolute, relative) in worst.items():
+        site, layer = parse_hook_name(name) or (name, None)
+        sites.setdefault(site, {})[layer] = relative
+    n_layers = 1 + max((layer for points in sites.values() for layer in points if layer is not None), default=-1)
+    floor = min([relative for _absolute, relative in worst.values() if relative > 0] + [tolerance]) / 10
+    before = list(SITES)[: list(SITES).index("resid_pre")]  # (embed, pos_embed: before the layers; the rest after)
+    figure, axes = pyplot.subplots(figsize=(max(6.0, 0.6 * n_layers + 4), 4.5))
+    ticks = set()
+    for marker, (site, points) in zip(itertools.cycle("os^vD<>ph*"), sites.items()):
+        xy = sorted(
+            ((-1 if site in before else n_layers) if layer is None else layer, max(relative, floor))
+            for layer, relative in points.items()
+        )
+        axes.plot([x for x, _y in xy], [y for _x, y in xy], marker=marker, label=site)
+        ticks.update(x for x, _y in xy)
     axes.axhline(tolerance, color="red", linestyle="--", label=f"tolerance {tolerance:g}")
     axes.set_yscale("log")
-    axes.set_xticks(range(len(worst)), list(worst), rotation=90, fontsize=7)
-    axes.set_ylabel("relative L2 error vs TransformerLens")
-    axes.legend()
+    ticks = sorted(ticks)
+    axes.set_xticks(ticks, ["before" if x < 0 else "after" if x == n_layers else str(x) for x in ticks])
+    axes.set_xlabel("layer")
+    zero = any(relative == 0 for _absolute, relative in worst.values())
+    axes.set_ylabel("relative L2 error vs TransformerLens" + (f"\n(0 drawn at {floor:.0e})" if zero else ""))
+    axes.set_title(title, fontsize=8)
+    axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+    pyplot.close(figure)
     print(f"wrote {path}")
 
 
@@ -1965,7 +2207,10 @@ def main(argv: list[str] | None = None) -> int:
     hooks = argparse.ArgumentParser(add_help=False)  # what capture and serve hook, and their engine's shape
     hooks.add_argument("model", help="a model directory (or hub id) that vLLM and transformers load")
     hooks.add_argument(
-        "--sites", default="resid_post", help=f"comma list of {', '.join(SITES)} (as the architecture has)"
+        "--sites",
+        default="resid_post",
+        help=f"comma list of {', '.join(site for site in SITES if site not in ATTENTION_SITES)}, as the architecture "
+        "has them (not attention patterns: a sink stores attn_rot_q and attn_rot_k, from which reads rebuild them)",
     )
     hooks.add_argument(
         "--layers", type=lambda text: [int(i) for i in text.split(",")], help="comma list of layers (None: every layer)"
@@ -2010,7 +2255,9 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("directory", help="a directory written by the capture command")
     compare.add_argument("--model", help="the model to load (default: the one the manifest names)")
     compare.add_argument("--tolerance", type=float, default=1e-4, help="exit 1 past this relative L2 error")
-    compare.add_argument("--plot", help="also write a bar chart of the errors to this PNG (needs matplotlib)")
+    compare.add_argument(
+        "--plot", help="also draw each hook's error by layer, a line per site, to this PNG (needs matplotlib)"
+    )
     server = commands.add_parser(
         "serve",
         parents=[common, hooks],
@@ -2021,10 +2268,18 @@ def main(argv: list[str] | None = None) -> int:
     server.add_argument("--shard-seconds", type=float, default=1.0, help="close a shard this long after it opens")
     server.add_argument("--host", default="127.0.0.1", help="the interface to listen on (0.0.0.0: every one)")
     server.add_argument("--port", type=int, default=8000)
-    commands.add_parser("families", help="print the supported families and refused architectures (the README's tables)")
+    server.add_argument(
+        "--log", help="write vLLM's output to this file (default: a temporary one, removed when the server stops)"
+    )
+    families = commands.add_parser(
+        "families", help="print the supported families and refused architectures (the README's tables)"
+    )
+    families.add_argument(
+        "--detail", action="store_true", help="docs/families.md's lists: architectures, vLLM classes, hook names"
+    )
     args, args.vllm_args = parser.parse_known_args(argv)
     if args.command == "families":
-        print(families_markdown())
+        print(families_markdown(args.detail))
         return 0
     if args.vllm_args and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(args.vllm_args)}")
@@ -2038,6 +2293,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _STOP_GRACE_SECONDS = 5.0  # for the main thread to stop by KeyboardInterrupt before _stop_on_signals ends the process
+# What _stop_on_signals does before it ends the process itself, after killing the engine's processes: the clean-up
+# of the command running (its except and finally clauses, which ending the process skips), each raising nothing.
+_AT_STOP: list[Callable[[], None]] = []
 
 
 def _stop_on_signals() -> None:
@@ -2046,7 +2304,7 @@ def _stop_on_signals() -> None:
     between the main thread's bytecodes, and while vLLM's engine starts that thread waits in a zmq poll that retries
     on EINTR (up to VLLM_ENGINE_READY_TIMEOUT_S, 600 s): so a thread that the signal wakes (signal.set_wakeup_fd)
     gives the main thread _STOP_GRACE_SECONDS to stop by KeyboardInterrupt, then kills this process's children
-    (the engine's) and ends it with 128 + the signal's number, saying so."""
+    (the engine's), runs _AT_STOP and ends it with 128 + the signal's number, saying so."""
     import psutil  # (a dependency of vLLM's)
 
     def interrupt(number: int, _frame: Any) -> None:
@@ -2066,9 +2324,13 @@ def _stop_on_signals() -> None:
         name = signal.Signals(number).name
         said = f"{name}: stopped; the engine did not stop by itself, so its processes were killed\n"
         os.write(terminal, said.encode())
-        for child in psutil.Process().children(recursive=True):
+        children = psutil.Process().children(recursive=True)
+        for child in children:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+        psutil.wait_procs(children, timeout=5)  # (so that none writes after the clean-up)
+        for clean_up in list(_AT_STOP):
+            clean_up()
         os._exit(128 + number)
 
     threading.Thread(target=watch, name="tl_vllm_hooks-stop", daemon=True).start()
@@ -2082,9 +2344,14 @@ def _run(command: Any, args: argparse.Namespace, errors: Any) -> int:
         print(f"error: {error}", file=errors)
         return 2
     except KeyboardInterrupt as stop:
-        name = stop.args[0] if stop.args else "SIGINT"
+        name = _signal_name(stop)
         print(f"{name}: stopped", file=errors)
         return 128 + signal.Signals[name]
+
+
+def _signal_name(stop: KeyboardInterrupt) -> str:
+    """The signal that stopped a command: "SIGINT", or the name _stop_on_signals' handler raised with."""
+    return stop.args[0] if stop.args else "SIGINT"
 
 
 def _run_quietly(command: Any, args: argparse.Namespace) -> int:
