@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with NVIDIA GPUs and vLLM. Run from the project root:
 #   bash scripts/gpu_checks.sh tests [CLASS...]  # CUDA graphs (FULL, PIECEWISE), Model Runner V2 and V1,
-#                                         # both flavours, every site of Llama, Gemma 2, Mixtral and Falcon-H1 (a Mamba-2 hybrid), SAEs (TestCudaGraphs TestCudaBatched
+#                                         # both flavours, every site of Llama, Gemma 2, Mixtral, Falcon-H1 (a Mamba-2 hybrid) and LFM2, SAEs (TestCudaGraphs TestCudaBatched
 #                                         # TestCudaFamilies TestCudaSAEs, or those named: a class or any pytest -k
 #                                         # expression); all at once, spread over the GPUs (the tests' engines take
 #                                         # their KV cache in bytes, so several share a GPU); TestCudaRay (Ray's

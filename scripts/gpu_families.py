@@ -14,7 +14,9 @@ there; the one-prompt flavour captures one prompt unedited and under each edit a
 writes every request's rows and token ids to OUT (safetensors, JSON). `compare` runs
 TransformerLens 4.3's bridge in fp32 on the weights rounded to bf16, as vLLM loads them (as saved, after an fp32
 capture), with the same edits, and prints the worst row's relative L2 error per family and flavour; it
-exits 1 where a row is past --tolerance (the CUDA tests' per-row bound for bf16 against fp32).
+exits 1 where a row is past --tolerance (the CUDA tests' per-row bound for bf16 against fp32), where a hook's rows
+are not all there, where the hooks captured are not those the bridge runs (less the record's refused sites), and
+for a family of DIR, or a flavour, that wrote no rows.
 """
 
 import argparse
@@ -130,7 +132,7 @@ def capture_family(directory, out, eager, family, flavours, dtype):
         with open(os.path.join(out, f"{family}.json"), "w") as file:  # each flavour's as it ends: a cut run keeps it
             runner = "V1" if os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" else "V2"
             json.dump({"records": records, "versions": tools.versions(), "device": torch.cuda.get_device_name(),
-                       "eager": eager, "dtype": dtype, "model_runner": runner}, file)
+                       "eager": eager, "dtype": dtype, "model_runner": runner, "flavours": flavours}, file)
         llm.llm_engine.engine_core.shutdown()
         del llm
         print(f"{family} {flavour}: {sum(map(len, rows.values()))} tensors", flush=True)
@@ -143,11 +145,12 @@ def compare(directory, out, tolerance, per_hook):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     failed = False
-    for name in sorted(os.listdir(out)):
-        if not name.endswith(".json"):
-            continue
-        family = name[: -len(".json")]
-        meta = json.load(open(os.path.join(out, name)))
+    captured = {name[: -len(".json")] for name in os.listdir(out) if name.endswith(".json")}
+    for family in sorted(set(os.listdir(directory)) - captured):  # (its capture crashed, or never ran)
+        print(f"{family}: FAILED: no rows in {out}: its capture wrote no {family}.json", flush=True)
+        failed = True
+    for family in sorted(captured):
+        meta = json.load(open(os.path.join(out, f"{family}.json")))
         hf = AutoModelForCausalLM.from_pretrained(os.path.join(directory, family), attn_implementation="eager").float().eval()
         dtype = meta.get("dtype", "bfloat16")
         if dtype == "bfloat16":  # the weights as vLLM loaded them
@@ -158,7 +161,12 @@ def compare(directory, out, tolerance, per_hook):
         # the whole checkpoint's config, as capture read it (a multimodal one's text model holds only its part)
         forward_order = list(every_placed_site(AutoConfig.from_pretrained(os.path.join(directory, family))))
         parts = {record["file"] for record in meta["records"]}
+        ran = {"one-prompt" if part == "one-prompt" else "batched" for part in parts}
+        for flavour in sorted(set(meta.get("flavours", ran)) - ran):
+            print(f"{family} {flavour}: FAILED: asked for, and no rows of it came back", flush=True)
+            failed = True
         rows = {part: load_file(os.path.join(out, f"{family}-{part}.safetensors")) for part in parts}
+        oracle = set(model.expected)  # every hook the bridge runs on the family, less those its record refuses
         worst, hook_rows = {}, {}  # hook_rows: (flavour, hook) -> every request's row errors
         for record in meta["records"]:
             flavour, key, tokens = record["file"], record["key"], record["tokens"]
@@ -166,6 +174,11 @@ def compare(directory, out, tolerance, per_hook):
             names = [n.split("/", 1)[1] for n in rows[flavour] if n.startswith(f"{key}/")]
             logits = [n for n in names if n.startswith(ROUTER_LOGITS)]
             names = sorted(set(names) - set(logits), key=forward_order.index)  # as vLLM runs hooks sharing a tensor
+            if set(names) != oracle:
+                print(f"{family} {flavour} request {key}: FAILED: hooks captured but not the bridge's: "
+                      f"{sorted(set(names) - oracle)[:5]}; the bridge's, not captured: {sorted(oracle - set(names))[:5]}",
+                      flush=True)
+                failed = True
             routes = {
                 int(n.split(".")[1]): (rows[flavour][f"{key}/{n}"].long(), rows[flavour][f"{key}/{n[: -len('indices')]}weights"])
                 for n in names
@@ -173,9 +186,14 @@ def compare(directory, out, tolerance, per_hook):
             }
             routes.update({int(n.removeprefix(ROUTER_LOGITS)): rows[flavour][f"{key}/{n}"].float() for n in logits})
             expected = model.reference(tokens, names, edits, routes)
-            for hook in names:
+            for hook in [name for name in names if name in oracle]:
                 actual = rows[flavour][f"{key}/{hook}"]
-                row_errors = hook_row_errors(hook, *comparable(hook, actual, expected[hook][: len(actual)]))
+                if actual.shape != expected[hook].shape:  # (rows missing, or more than the request ran)
+                    print(f"{family} {flavour} request {key} {hook}: FAILED: shape {list(actual.shape)}, the bridge's "
+                          f"{list(expected[hook].shape)} ({len(tokens)} tokens)", flush=True)
+                    failed = True
+                    continue
+                row_errors = hook_row_errors(hook, *comparable(hook, actual, expected[hook]))
                 hook_rows.setdefault((flavour, hook), []).append(row_errors.flatten())
                 error = float(row_errors.max())
                 if error >= worst.get(flavour, (0.0, ""))[0]:
