@@ -6,8 +6,8 @@
 The blocks are read from the files themselves (DOCS: README.md, docs/guide.md), so what CI runs is what a reader
 copies. Each runs with this project's modules importable and without the environment CI sets for its tests
 (VLLM_CPU_KVCACHE_SPACE): a block must pass what a CPU needs itself, as a new user would. A print line whose
-comment is a Python literal says what it prints, and the block must print it. Exit code 1 if any block fails, with
-the end of its output.
+comment is a Python literal says what it prints, and the block must print it; a block with none fails, as does a
+file holding another number of blocks than DOCS says. Exit code 1 if any block fails, with the end of its output.
 """
 
 import argparse
@@ -20,7 +20,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ("README.md", "docs/guide.md")  # every file whose ```python blocks a reader runs
+# Every file whose ```python blocks a reader runs, with how many it holds: a block whose fence changes would drop out
+# of the run unseen, so a count that differs fails it.
+DOCS = {"README.md": 3, "docs/guide.md": 4}
 
 
 def python_blocks(readme: str) -> list[tuple[int, str]]:
@@ -62,6 +64,10 @@ def printed_values(stdout: str) -> list[object]:
 
 
 def run(name: str, code: str) -> bool:
+    stated = stated_results(code)
+    if not stated:
+        print(f"{name}: FAILED: none of its print lines says what it prints (a comment that is a Python literal)")
+        return False
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="readme_") as directory:
@@ -72,7 +78,7 @@ def run(name: str, code: str) -> bool:
             [sys.executable, "snippet.py"], cwd=directory, env=env, capture_output=True, text=True, timeout=900
         )
     took = time.perf_counter() - started
-    missing = [value for value in stated_results(code) if value not in printed_values(done.stdout)]
+    missing = [value for value in stated if value not in printed_values(done.stdout)]
     if done.returncode == 0 and missing:
         tail = done.stdout.splitlines()[-10:]
         print("\n".join([f"{name}: FAILED: it did not print {missing}, as its comments say; it printed last:", *tail]))
@@ -90,13 +96,16 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--together", action="store_true", help="also run every block in order as one script")
     args = parser.parse_args()
-    blocks = []  # (where, code), in DOCS' order
-    for doc in DOCS:
+    blocks, results = [], []  # (where, code), in DOCS' order
+    for doc, expected in DOCS.items():
         with open(os.path.join(ROOT, doc)) as file:
             found = python_blocks(file.read())
         print(f"{len(found)} Python blocks in {doc}", flush=True)
+        if len(found) != expected:
+            print(f"{doc}: FAILED: {len(found)} Python blocks, where DOCS says {expected}: a fence changed, or DOCS")
+            results.append(False)
         blocks += [(f"{doc} line {line}", code) for line, code in found]
-    results = [run(where, code) for where, code in blocks]
+    results += [run(where, code) for where, code in blocks]
     if args.together:
         results.append(run("every block in order", "\n".join(code for _where, code in blocks)))
     sys.exit(0 if blocks and all(results) else 1)

@@ -58,6 +58,10 @@ if [ -e "$DIR" ]; then
 fi
 log "creating venv $DIR (--system-site-packages, base $("$BASE_PY" -c 'import sys; print(sys.executable)'))"
 "$BASE_PY" -m venv --system-site-packages "$DIR"
+# Where BASE_PY is itself a venv's (the README's command 1 makes one), --system-site-packages reaches the base
+# interpreter's packages, not that venv's: a .pth file adds the venv's, after this one's own.
+"$BASE_PY" -c 'import site, sys; sys.prefix != sys.base_prefix and print("\n".join(site.getsitepackages()))' \
+  >"$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tl_vllm_hooks_base_env.pth"
 
 CONSTRAINTS="$DIR/constraints.txt"
 : >"$CONSTRAINTS"
