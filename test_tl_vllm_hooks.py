@@ -184,22 +184,25 @@ LOOSER_FROM = {
 ATTENTION_LOOSER: dict[str, float] = {}
 
 
-# The hooks whose rows in a bf16 engine precede every bf16 operation: held to TOLERANCE there too.
+# The hooks whose rows in a bf16 engine precede every bf16 operation (unedited: an edit computes in bf16): held to
+# TOLERANCE there too (unedited_tolerance).
 BEFORE_ANY_BF16_OPERATION = ("hook_embed", "blocks.0.hook_resid_pre")
+
+
+def unedited_tolerance(family: str):
+    """family_tolerance, but TOLERANCE for the rows of a bf16 family's BEFORE_ANY_BF16_OPERATION hooks: the
+    embedding's rows are the bf16 weights themselves, which the reference holds exactly."""
+    tolerance = family_tolerance(family)
+    if not tools._TINY_MODELS[family].bfloat16:
+        return tolerance
+    return lambda name: TOLERANCE if name in BEFORE_ANY_BF16_OPERATION else tolerance(name)
 
 
 def family_tolerance(family: str):
     """TOLERANCE, BF16_ALONE_ON_CPU for a family vLLM's CPU runs in bf16 alone, or for the families of LOOSER_FROM a
     function of the hook name."""
     if tools._TINY_MODELS[family].bfloat16:
-        linear = LINEAR_ATTENTION_IN_TORCH if linear_attention_in_torch(family) else BF16_ALONE_ON_CPU
-
-        def bf16(name):  # (the embedding rows are the bf16 weights themselves, which the reference holds exactly)
-            if name in BEFORE_ANY_BF16_OPERATION:
-                return TOLERANCE
-            return linear if name.endswith(".linear_attn.hook_out") else BF16_ALONE_ON_CPU
-
-        return bf16
+        return lambda name: LINEAR_ATTENTION_OUT if name.endswith(".linear_attn.hook_out") else BF16_ALONE_ON_CPU
     if family not in LOOSER_FROM:
         return TOLERANCE
     looser, first = LOOSER_FROM[family]
@@ -1009,9 +1012,9 @@ ROUTER_TIE, ROUTER_TIE_SHARE = 1e-1, 0.05
 
 
 def router_tie(family: str) -> float:
-    """ROUTER_TIE, or for a Gated DeltaNet family where vLLM's CPU runs that mixer's convolution in torch,
-    ROUTER_TIE_AFTER_LINEAR_ATTENTION_IN_TORCH."""
-    return ROUTER_TIE_AFTER_LINEAR_ATTENTION_IN_TORCH if linear_attention_in_torch(family) else ROUTER_TIE
+    """ROUTER_TIE, or for a Gated DeltaNet family ROUTER_TIE_AFTER_LINEAR_ATTENTION (its bf16 spread reaches the
+    routers it feeds)."""
+    return ROUTER_TIE_AFTER_LINEAR_ATTENTION if tlh.FAMILIES[family].linear_attention else ROUTER_TIE
 
 
 def assert_routing_ties(reference: TransformersReference, context: str) -> str:
@@ -2122,7 +2125,7 @@ class TestFamilies:
 
     def test_every_hook_matches_transformer_lens(self, family_llm, request):
         llm = family_llm
-        worst = check_batched(llm, llm.model, tolerance=llm.tolerance)
+        worst = check_batched(llm, llm.model, tolerance=unedited_tolerance(llm.model.family))
         print(f"\n{request.node.name}: {len(llm.hook_names)} hooks, worst relative error {worst:.2e}")
 
     def test_an_edit_at_each_site_matches_transformer_lens(self, family_llm, request):
@@ -3400,6 +3403,18 @@ def test_attention_heads_past_the_models_are_refused_where_the_hooks_are_placed(
 
 
 
+@contextlib.contextmanager
+def sink_engine(model: Model, directory: Path, size: str):
+    """A batched, eager, in-process engine of ``model`` writing 256 KiB shards to a sink on a filesystem of ``size``
+    in ``directory`` (llm.model, llm.sink_dir)."""
+    with small_filesystem(directory / "disk", size) as disk:
+        sink_dir = disk / "dataset"
+        with engine(model, in_process=True, eager=True, batching=True, sink_dir=str(sink_dir),
+                    shard_bytes=256 << 10) as llm:
+            llm.model, llm.sink_dir = model, sink_dir
+            yield llm
+
+
 class TestSink:
     """Rows written to disk as requests finish: Llama, eager, in this process (the sink in
     separate processes: TestTensorParallel's and TestServe's), into a 24 MiB filesystem (one that fills:
@@ -3407,14 +3422,8 @@ class TestSink:
 
     @pytest.fixture(scope="class")
     def llm(self, models, tmp_path_factory):
-        with small_filesystem(tmp_path_factory.mktemp("sink") / "disk", "24m") as disk:
-            sink_dir = disk / "dataset"
-            with engine(
-                models["llama"], in_process=True, eager=True, batching=True, sink_dir=str(sink_dir),
-                shard_bytes=256 << 10,
-            ) as llm:
-                llm.model, llm.sink_dir = models["llama"], sink_dir
-                yield llm
+        with sink_engine(models["llama"], tmp_path_factory.mktemp("sink"), "24m") as llm:
+            yield llm
 
     @pytest.fixture(scope="class")
     def written(self, llm, tmp_path_factory):
@@ -3494,14 +3503,8 @@ class TestSinkFullDisk:
 
     @pytest.fixture(scope="class")
     def llm(self, models, tmp_path_factory):
-        with small_filesystem(tmp_path_factory.mktemp("full") / "disk", "8m") as disk:
-            sink_dir = disk / "dataset"
-            with engine(
-                models["llama"], in_process=True, eager=True, batching=True, sink_dir=str(sink_dir),
-                shard_bytes=256 << 10,
-            ) as llm:
-                llm.model, llm.sink_dir = models["llama"], sink_dir
-                yield llm
+        with sink_engine(models["llama"], tmp_path_factory.mktemp("full"), "8m") as llm:
+            yield llm
 
     def test_a_full_disk_keeps_what_was_written_and_says_what_was_not(self, llm):
         generate(llm, [BATCH[0], BATCH[2]])
@@ -4578,13 +4581,13 @@ BF16_ALONE_ON_CPU = PerRow(1.5e-1)
 # under the edit at blocks.1.hook_resid_pre: length 0.83 of the reference's, cosine 1.000), every other hook's within
 # 1.3e-1, and the reference following routings at gaps up to 1.13e-1 (Qwen 3.5 MoE) where the kernel's run gives
 # 8.7e-2 and 4.8e-2 (above and ROUTER_TIE).
-LINEAR_ATTENTION_IN_TORCH = PerRow(2e-1)
-ROUTER_TIE_AFTER_LINEAR_ATTENTION_IN_TORCH = 1.5e-1
-
-
-def linear_attention_in_torch(family: str) -> bool:
-    """Whether the family has Gated DeltaNet layers that vLLM's CPU runs on its torch path here (see above)."""
-    return bool(tlh.FAMILIES[family].linear_attention) and not torch.cpu._is_avx512_bf16_supported()
+# The same kernels with the bf16 models' norm weights and biases drawn 1 +- 0.5 (2026-12-07): Qwen3-Next's layer-2
+# linear_attn.hook_out rows within 1.55e-1 of a typical row under the edits at each site (cosine 0.989 at the worst),
+# every other hook's within BF16_ALONE_ON_CPU; a row on the wrong side of a norm's weight of 1 +- 0.5 is ~0.29 off
+# (test_a_hook_on_the_wrong_side...): 0.2 still tells them apart. The routers after it then follow the engine at
+# gaps up to 1.7e-1 (Qwen3-Next, 192 of 16,325 choices, the edits at each site of each kind of layer).
+LINEAR_ATTENTION_OUT = PerRow(2e-1)
+ROUTER_TIE_AFTER_LINEAR_ATTENTION = 2e-1
 
 
 def report(name: str, worst: float) -> None:

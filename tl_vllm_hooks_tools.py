@@ -1469,7 +1469,7 @@ def tiny_model(directory: str, family: str = "llama") -> Any:
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() == 1 and tiny.bfloat16:  # wider, so that a row on the wrong side of a norm's weight
-                parameter.add_(torch.empty_like(parameter).uniform_(-0.5, 0.5))  # is ~0.29 off, past bf16's spread
+                parameter.add_(torch.empty_like(parameter).uniform_(-0.5, 0.5))  # is ~0.29 off, past bf16 spread
             elif parameter.dim() == 1:  # norm weights start at 1 (or 0 for Gemma's 1 + w), biases at 0
                 parameter.add_(0.2 * torch.randn_like(parameter))
             elif name.endswith("weight") and not parameter.any():  # (routers that would route by index)
