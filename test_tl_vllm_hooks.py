@@ -2113,7 +2113,7 @@ def family_llm(request, models):
     with scan_in_torch(family), engine(model, sites=model.sites, in_process=in_process, eager=eager, batching=True,
                 environment=traced_only, **family_engine_arguments(family)) as llm:
         llm.model = model
-        llm.tolerance = family_tolerance(family)
+        llm.tolerance, llm.unedited_tolerance = family_tolerance(family), unedited_tolerance(family)
         yield llm
 
 
@@ -2125,7 +2125,7 @@ class TestFamilies:
 
     def test_every_hook_matches_transformer_lens(self, family_llm, request):
         llm = family_llm
-        worst = check_batched(llm, llm.model, tolerance=unedited_tolerance(llm.model.family))
+        worst = check_batched(llm, llm.model, tolerance=llm.unedited_tolerance)
         print(f"\n{request.node.name}: {len(llm.hook_names)} hooks, worst relative error {worst:.2e}")
 
     def test_an_edit_at_each_site_matches_transformer_lens(self, family_llm, request):
@@ -4584,9 +4584,11 @@ BF16_ALONE_ON_CPU = PerRow(1.5e-1)
 # The same kernels with the bf16 models' norm weights and biases drawn 1 +- 0.5 (2026-12-07): Qwen3-Next's layer-2
 # linear_attn.hook_out rows within 1.55e-1 of a typical row under the edits at each site (cosine 0.989 at the worst),
 # every other hook's within BF16_ALONE_ON_CPU; a row on the wrong side of a norm's weight of 1 +- 0.5 is ~0.29 off
-# (test_a_hook_on_the_wrong_side...): 0.2 still tells them apart. The routers after it then follow the engine at
-# gaps up to 1.7e-1 (Qwen3-Next, 192 of 16,325 choices, the edits at each site of each kind of layer).
-LINEAR_ATTENTION_OUT = PerRow(2e-1)
+# (test_a_hook_on_the_wrong_side...), which the norms' hooks are held to 0.15 against. Qwen 3.5's (the vision file's,
+# its edits at each site of each kind of layer): 2.15e-1 at layer 2's row 62, where the delta rule's output nearly
+# cancels (that row 3.5 times the reference's length, reversed; a typical row's norm measures it). The routers after
+# it follow the engine at gaps up to 1.7e-1 (Qwen3-Next, 192 of 16,325 choices, the edits at each site).
+LINEAR_ATTENTION_OUT = PerRow(2.5e-1)
 ROUTER_TIE_AFTER_LINEAR_ATTENTION = 2e-1
 
 

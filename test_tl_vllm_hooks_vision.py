@@ -42,6 +42,10 @@ def tolerance(family: str):
     return base.family_tolerance(TEXT_FAMILY.get(family, family))
 
 
+def unedited_tolerance(family: str):
+    return base.unedited_tolerance(TEXT_FAMILY.get(family, family))
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     return base.Models(tmp_path_factory.mktemp("models"))
@@ -57,7 +61,7 @@ def family_llm(request, models):
     with base.engine(model, sites=model.sites, in_process=True, eager=True, batching=True,
                      **engine_arguments(request.param)) as llm:
         llm.model = model
-        llm.tolerance = tolerance(request.param)
+        llm.tolerance, llm.unedited_tolerance = tolerance(request.param), unedited_tolerance(request.param)
         yield llm
 
 

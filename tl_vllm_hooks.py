@@ -57,12 +57,12 @@ __version__ = "0.3.0"
 
 # fmt: off
 __all__ = [
-    "ATTENTION_READ_BYTES", "ATTENTION_SITES", "ActivationRows", "CAPTURE_DTYPES", "CaptureConfig", "CaptureDataset", "FAMILIES",
-    "REFUSED", "SAESpec", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION", "WorkerExtension",
-    "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "logit_lens",
-    "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts", "register",
-    "remove_hooks", "request_args", "reset_batched", "reset_edits", "reset_fire_counts", "segment_by_request", "serve",
-    "set_edits", "status", "tiny_model", "unembed", "unregister", "user_request_id",
+    "ATTENTION_READ_BYTES", "ATTENTION_SITES", "ActivationRows", "CAPTURE_DTYPES", "CaptureConfig", "CaptureDataset",
+    "FAMILIES", "REFUSED", "SAESpec", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION",
+    "WorkerExtension", "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks",
+    "logit_lens", "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts",
+    "register", "remove_hooks", "request_args", "reset_batched", "reset_edits", "reset_fire_counts",
+    "segment_by_request", "serve", "set_edits", "status", "tiny_model", "unembed", "unregister", "user_request_id",
 ]
 # fmt: on
 
@@ -1710,8 +1710,9 @@ def _refuse_unreachable_positions(request: Any, options: _RequestOptions | None)
         if positions is not None and positions.size and positions[-1] > last:
             past = positions[positions > last].tolist()
             raise ValueError(
-                f"request {request.request_id!r}: {what} positions {past[:10]} are past the request's last position, {last}: "
-                f"its {prompt_len} prompt tokens run positions 0-{prompt_len - 1}, and its max_tokens={max_tokens} "
+                f"request {request.request_id!r}: {what} positions {past[:10]} are past the request's last "
+                f"position, {last}: its {prompt_len} prompt tokens run positions 0-{prompt_len - 1}, and its "
+                f"max_tokens={max_tokens} "
                 f"generated tokens, but the last, run the {max_tokens - 1} after them; give positions below "
                 f"{last + 1} (the request's length), or a larger max_tokens"
             )
@@ -4738,7 +4739,7 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
         if short:
             warnings.warn(
                 f"read_batched: {len(short)} requests hold no rows of positions their capture listed, their sequence "
-                f"having ended before them (a stop token, or max_tokens): "
+                "having ended before them (a stop token, or max_tokens): "
                 + "; ".join(f"{request_id!r}: {positions[:10]}" for request_id, positions in list(short.items())[:5])
                 + "; list positions below each request's length",
                 stacklevel=4,  # the user's call: this generator, advance, helper, the caller

@@ -1034,8 +1034,9 @@ _TINY_MODELS = {
     "deepseek_v3": _TinyModel(
         dict(_LATENT_ATTENTION, q_lora_rank=64, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
              topk_method="noaux_tc", scoring_func="sigmoid", max_position_embeddings=1024,
-             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
-                                  beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                  original_max_position_embeddings=256, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                  mscale_all_dim=1.0)),
         random_buffers=("e_score_correction_bias",), bfloat16=True),
     # DeepSeek V2-Lite's layout: no query latent (q_proj), softmax scores, the top experts of all (one group).
     "deepseek_v2": _TinyModel(
@@ -1700,7 +1701,8 @@ def _batched_config(args: argparse.Namespace, sites: tuple[str, ...], **sink: An
 def _serve(args: argparse.Namespace) -> int:
     """The serve command: configure from the flags, start the server, wait until it stops."""
     _check_model(args.model)
-    config = _batched_config(args, _sites(args.sites, args.model), sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
+    sites = _sites(args.sites, args.model)
+    config = _batched_config(args, sites, sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
     started = _say(
         f"serve: {args.model} with {len(config.capture_specs)} hooks ({args.dtype}), rows to "
         f"{os.path.abspath(args.sink_dir) if args.sink_dir else 'no sink (--sink-dir DIR writes them)'}; "
@@ -2102,7 +2104,8 @@ def _compare(args: argparse.Namespace) -> int:
         f"{dataset.directory} ({_torch_dtype_name(dataset.dtype)}, vLLM {dataset.versions['vllm']}) vs TransformerLens "
         f"fp32 on {model} (fingerprint {fingerprint[:16]}, {checked}), {len(dataset)} requests; "
         f"tolerance {args.tolerance:g} (relative L2)"
-        + (f"; {generated} rows of generated tokens not compared (the manifest holds prompts alone)" if generated else "")
+        + (f"; {generated} rows of generated tokens not compared (the manifest holds prompts alone)"
+           if generated else "")
     )
     print(f"{'hook':28} {'max abs err':>12} {'rel L2 err':>11}")
     for name, (absolute, relative) in worst.items():
