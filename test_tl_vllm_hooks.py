@@ -2943,11 +2943,12 @@ class TestOnePrompt:
 
     def test_two_prompts_in_one_generate_are_refused_when_read(self, llm):
         """Two prompts after one open_capture ran in one forward, and a read returned both prompts' rows joined as
-        one sequence."""
+        one sequence. (An engine in separate processes may schedule the second prompt a step later: then the read
+        says a request started after the armed forward.)"""
         tlh.open_capture(llm)
         generate(llm, [PROMPT[:5], PROMPT[5:7]])
-        with pytest.raises(RuntimeError, match="ran 2 requests at once.*one prompt after each open_capture.*"
-                           "enable_batching=True"):
+        with pytest.raises(RuntimeError, match="(ran 2 requests at once.*one prompt after each open_capture|1 requests "
+                           "started after it .*or another prompt of the same one.*one prompt each).*enable_batching"):
             tlh.read_captures(llm, 7)
         capture(llm, PROMPT[:5])  # one prompt again: read as before
 

@@ -1711,12 +1711,12 @@ def _serve(args: argparse.Namespace) -> int:
     process = serve(
         args.model, config, "--dtype", args.dtype, *args.vllm_args, host=args.host, port=args.port, log=args.log
     )
-    _say(
-        f"serving http://{args.host}:{args.port}/v1 ({time.perf_counter() - started:.0f} s to start; log "
-        f"{process.log}); Ctrl-C stops it"
-    )
     _AT_STOP.append(process._remove_log)  # (the server's processes are killed then, with the engine's)
-    try:  # (SIGTERM too: _stop_on_signals)
+    try:  # (SIGTERM too: _stop_on_signals; a signal as soon as the line below is read stops the server here too)
+        _say(
+            f"serving http://{args.host}:{args.port}/v1 ({time.perf_counter() - started:.0f} s to start; log "
+            f"{process.log}); Ctrl-C stops it"
+        )
         code = process.wait()
     except KeyboardInterrupt as stop:
         process.terminate()
