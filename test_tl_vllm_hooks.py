@@ -180,8 +180,6 @@ def latent_rows(config) -> dict[str, tuple[int, ...]]:
 LOOSER_FROM = {
     "gemma4": (3e-5, "blocks.0.attn.hook_z"),
 }
-# Past that hook, a query-key dot product can be further off than its inputs where it cancels.
-ATTENTION_LOOSER: dict[str, float] = {}
 
 
 # The hooks whose rows in a bf16 engine precede every bf16 operation (unedited: an edit computes in bf16): held to
@@ -211,7 +209,7 @@ def family_tolerance(family: str):
     def tolerance(name):
         if forward_position(name, order) < forward_position(first, order):
             return TOLERANCE
-        return ATTENTION_LOOSER.get(family, looser) if name.endswith(ATTENTION) else looser
+        return looser
 
     return tolerance
 

@@ -1689,20 +1689,26 @@ def _write_entry_point(root: str, distribution: str, name: str, target: str) -> 
     return root
 
 
-def _batched_config(args: argparse.Namespace, sites: tuple[str, ...], **sink: Any) -> CaptureConfig:
-    """The batched config a command's hook flags (--sites, checked by _sites, --layers, --dtype,
-    --max-num-batched-tokens) ask for."""
+def _hf_config(model: str) -> Any:
+    """The transformers config of a command's model, read once for the checks of its flags and its config."""
     from transformers import AutoConfig
 
-    specs = capture_specs(AutoConfig.from_pretrained(args.model), sites=sites, layers=args.layers)
+    return AutoConfig.from_pretrained(model)
+
+
+def _batched_config(args: argparse.Namespace, hf_config: Any, sites: tuple[str, ...], **sink: Any) -> CaptureConfig:
+    """The batched config a command's hook flags (--sites, checked by _sites, --layers, --dtype,
+    --max-num-batched-tokens) ask for, of the model whose config is hf_config."""
+    specs = capture_specs(hf_config, sites=sites, layers=args.layers)
     return configure(specs, args.max_num_batched_tokens, getattr(torch, args.dtype), enable_batching=True, **sink)
 
 
 def _serve(args: argparse.Namespace) -> int:
     """The serve command: configure from the flags, start the server, wait until it stops."""
     _check_model(args.model)
-    sites = _sites(args.sites, args.model)
-    config = _batched_config(args, sites, sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
+    hf_config = _hf_config(args.model)
+    sites = _sites(args.sites, hf_config)
+    config = _batched_config(args, hf_config, sites, sink_dir=args.sink_dir, shard_seconds=args.shard_seconds)
     started = _say(
         f"serve: {args.model} with {len(config.capture_specs)} hooks ({args.dtype}), rows to "
         f"{os.path.abspath(args.sink_dir) if args.sink_dir else 'no sink (--sink-dir DIR writes them)'}; "
@@ -1882,13 +1888,11 @@ def _check_model(model: str) -> None:
         raise ValueError(f"model: no such directory: {model}{hint}")
 
 
-def _sites(text: str, model: str) -> tuple[str, ...]:
+def _sites(text: str, hf_config: Any) -> tuple[str, ...]:
     """The --sites flag's comma list, each a key of SITES other than ATTENTION_SITES, whose rows a sink does not store
-    (a misspelt one is refused with the close ones among the model's family's, which the message lists; one the
-    family lacks, by capture_specs)."""
-    from transformers import AutoConfig
-
-    offered = [site for site in model_sites(AutoConfig.from_pretrained(model)) if site not in ATTENTION_SITES]
+    (a misspelt one is refused with the close ones among the sites of the model's family (hf_config its config),
+    which the message lists; one the family lacks, by capture_specs)."""
+    offered = [site for site in model_sites(hf_config) if site not in ATTENTION_SITES]
     sites = tuple(site.strip() for site in text.split(","))
     for site in sites:
         if site in ATTENTION_SITES:
@@ -1976,9 +1980,10 @@ def _capture_into(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # Every mistake in the flags fails here, before configure imports vLLM (seconds) and the engine starts (a minute).
     _check_model(args.model)
-    sites = _sites(args.sites, args.model)
+    hf_config = _hf_config(args.model)
+    sites = _sites(args.sites, hf_config)
     count, prompts = _prompts(args)  # a missing prompts file fails here, before the output directory is made
-    config = _batched_config(args, sites, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
+    config = _batched_config(args, hf_config, sites, sink_dir=args.out, shard_bytes=int(args.shard_mb * 2**20))
     finished = _finished_dataset(args.model, config.sink_dir, prompts)
     if finished is not None:
         print(
