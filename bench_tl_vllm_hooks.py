@@ -103,14 +103,25 @@ CASES = {
     "h16": "(h4) at 16 layers",
     "h4s": "(h4) written to a sink directory on local disk (flush_sink)",
     "h16s": "(h16) written to a sink directory on local disk",
+    "k0": "per-request steering sweep: batched, compiled, blocks.M.hook_resid_post (M the middle layer), no row kept, "
+          "no edit",
+    "k1": "(k0), each request adding one vector with request_args, the same for all",
+    "k16": "(k1) with 16 distinct vectors over the requests",
+    "k256": "(k1) with a distinct vector each",
+    "kpos": "(k0), each request scaling the rows of every 16th prompt position by 0.5 with request_args",
 }
+# Per-request steering: case -> distinct vectors added (None: kpos' scale at chosen positions)
+_STEERING = {"k0": 0, "k1": 1, "k16": 16, "k256": 256, "kpos": None}
 _SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",),
           "f": ("resid_post",), "g": ("resid_post",), "s": ("resid_post",), "f1": ("resid_post",),
-          "p1": ("pattern",), "u20": ("resid_post",), "h4": ("resid_post",), "h16": ("resid_post",), "h4s": ("resid_post",), "h16s": ("resid_post",)}
+          "p1": ("pattern",), "u20": ("resid_post",), "h4": ("resid_post",), "h16": ("resid_post",), "h4s": ("resid_post",), "h16s": ("resid_post",),
+          **dict.fromkeys(_STEERING, ("resid_post",))}
 _BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt", "f1": "prompt", "p1": "prompt", "u20": "prompt",
             "sae16": "prompt",
-            "sae65": "prompt", "h4": "prompt", "h16": "prompt", "h4s": "prompt", "h16s": "prompt"}  # request_args' capture
-_LAYER_COUNT = {"f1": 1, "p1": 1, "h4": 4, "h16": 16, "h4s": 4, "h16s": 16}  # case -> layers hooked (the others: every one)
+            "sae65": "prompt", "h4": "prompt", "h16": "prompt", "h4s": "prompt", "h16s": "prompt",
+            **dict.fromkeys(_STEERING, "none")}  # request_args' capture
+_LAYER_COUNT = {"f1": 1, "p1": 1, "h4": 4, "h16": 16, "h4s": 4, "h16s": 16, **dict.fromkeys(_STEERING, 1)}  # case ->
+# layers hooked (the others: every one)
 _SINK = ("s", "h4s", "h16s")  # cases that write their rows to a sink directory
 _UNEMBED = {"u20": 20}  # case -> logits kept per token (unembed's top_k) of the last layer's rows
 _SAES = {"sae16": 16384, "sae65": 65536}  # case -> features of its SAE (random, standard), features only, no rows
@@ -119,7 +130,8 @@ _EAGER = ("e", "plain-eager", "tl-e")
 _PLAIN = ("plain", "plain-eager")
 _PEER = ("tl-b", "tl-e")  # TransformerLens's plugin, its four files loaded as the package tl_peer_plugin
 _PEER_FILES = ("plugin.py", "internals.py", "worker_extension.py", "intervention_specs.py")
-_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b", "f1", "u20", "sae16", "sae65", *_LAYER_COUNT)  # identity
+_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b", "f1", "u20", "sae16", "sae65",
+                        *(c for c in _LAYER_COUNT if c not in _STEERING), "k0")  # identity
 
 # Llama-3.2-1B's shape, and a tiny one whose head_dim (64) vLLM's CPU attention accepts.
 _FULL_MODEL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -315,6 +327,9 @@ class _Engine:
                 extra_args = tl.request_args(config, capture=_BATCHED[name])
         self.params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
                                      detokenize=False, extra_args=extra_args)
+        self.options_seconds = None
+        if name in _STEERING:
+            self.params = self._steering_params(name, hf_config, dtype)
         # TransformerLens's batched flavour reads the V1 model runner's input_batch, which vLLM 0.24's default
         # runner (V2) has not; its engine core starts with V1's (an environment variable it reads at start).
         # An engine core started in this process freezes vLLM's environment reads (envs.enable_envs_cache): reset
@@ -341,6 +356,28 @@ class _Engine:
         if name == "d":
             tl.set_edits(self.llm, {"blocks.0.hook_resid_post": {"op": "scale", "value": 1.0}})
         self.clock = _SmClockSamples(self.on_gpu)
+
+    def _steering_params(self, name: str, hf_config, dtype) -> list:
+        """One SamplingParams per prompt, each with its request's options (see _STEERING), built as a user's driver
+        builds them (request_args, timed: self.options_seconds)."""
+        import torch
+        from vllm import SamplingParams
+
+        (hook,) = self.config.capture_specs
+        distinct = _STEERING[name]
+        vectors = torch.randn(max(distinct or 1, 1), hf_config.hidden_size, generator=torch.Generator().manual_seed(0))
+        vectors = (vectors * 0.05).to(dtype)
+        positions = list(range(0, self.args.prompt_len, 16))
+        start = time.perf_counter()
+        if distinct is None:
+            edits = [{hook: {"op": "scale", "value": 0.5, "positions": positions}}] * len(self.prompts)
+        else:
+            edits = [{hook: {"op": "add", "value": vectors[i % distinct]}} if distinct else None
+                     for i in range(len(self.prompts))]
+        options = [self.tl.request_args(self.config, "none", edit) for edit in edits]
+        self.options_seconds = time.perf_counter() - start
+        return [SamplingParams(max_tokens=self.args.max_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
+                               extra_args=extra) for extra in options]
 
     def generate(self) -> tuple:
         """(outputs, generate seconds, read seconds (None without hooks), what was read,
@@ -375,6 +412,9 @@ class _Engine:
             check = (f"{len(dataset)} requests so far; this generate's {read_bytes / 1e6:.0f} MB in {len(shards)} "
                      f"shards, on disk {read_s:.3f} s after generate returned; the writer thread busy {busy:.3f} s: "
                      f"{read_bytes / busy / 1e9:.2f} GB/s")
+        elif name in _STEERING:  # no row kept
+            read_s = None
+            check = f"options of {len(self.prompts)} requests built in {self.options_seconds * 1e3:.1f} ms"
         elif name in _BATCHED:
             captured = tl.read_batched(llm, [o.request_id for o in outputs])  # also frees the rows
             if name in _UNEMBED:  # the rows in hand are the logits
@@ -438,7 +478,7 @@ class _Engine:
             "peak_bytes": gpu_peak if self.on_gpu else rss,
             "peak_gpu_bytes": gpu_peak, "peak_rss_bytes": rss,
             "kv_blocks": self.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-            "read_s": read_s, "capture_check": check, "read_bytes": read_bytes, "writer_busy_s": busy,
+            "read_s": read_s, "options_build_s": self.options_seconds, "capture_check": check, "read_bytes": read_bytes, "writer_busy_s": busy,
             # Rows in the user's hands (in memory, or on disk for the sink cases): generate, then read.
             "in_hand_seconds_each": [_in_hand_seconds(run) for run in runs],
             "in_process": _IN_PROCESS,
@@ -502,7 +542,8 @@ def _run_case(name: str, args: argparse.Namespace) -> dict:
 
 
 # What a profile summary lists beside the kernels: calls whose name holds one of these.
-_PROFILED_CALLS = ("Memcpy", "cudaMalloc", "cudaFree", "cudaHostRegister", "Synchronize", "cudaStreamWaitEvent")
+_PROFILED_CALLS = ("Memcpy", "cudaMalloc", "cudaFree", "cudaHostRegister", "Synchronize", "cudaStreamWaitEvent",
+                   "aten::copy_", "aten::index_copy_")
 
 
 def _profile_generate(engine: _Engine, directory: str) -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -253,8 +254,10 @@ def test_engines_run_into_one_directory_come_in_the_order_run(tmp_path):
 # --- no leftovers ---------------------------------------------------------------------------
 
 
-def _stop_command(command: subprocess.Popen, stop: signal.Signals) -> tuple[str, str, float]:
-    command.send_signal(stop)
+def _stop_command(command: subprocess.Popen, stop: signal.Signals | None) -> tuple[str, str, float]:
+    """The command's output and how long it took to end after ``stop`` was sent to it (None: sent already)."""
+    if stop is not None:
+        command.send_signal(stop)
     sent = time.monotonic()
     stdout, stderr = command.communicate(timeout=60)
     return stdout, stderr, time.monotonic() - sent
@@ -288,8 +291,9 @@ def _environment() -> dict[str, str]:
 
 
 def test_serve_stopped_by_sigint_says_so_exits_130_and_removes_its_log(two_tinies, tmp_path, request):
-    """The serve command stopped by SIGINT once serving: it printed nothing and exited 0, and its temporary log stayed
-    in the temporary directory."""
+    """The serve command stopped by a terminal's Ctrl-C (SIGINT to its process group, vLLM's processes included) as
+    soon as a request is answered: it says so, exits 130 and removes its temporary log, and the request's rows are
+    in its sink, whose open shard would otherwise close only after --shard-seconds."""
     a, _b, _model = two_tinies
     # A temporary directory of its own, short: vLLM makes its engine's sockets there, and a socket path past 107
     # characters (pytest's tmp_path under xdist) stops its start.
@@ -297,8 +301,9 @@ def test_serve_stopped_by_sigint_says_so_exits_130_and_removes_its_log(two_tinie
     request.addfinalizer(lambda: shutil.rmtree(temporary, ignore_errors=True))
     port = free_port()
     command = subprocess.Popen(
-        [sys.executable, "-m", "tl_vllm_hooks", "serve", str(a / "tiny"), "--port", str(port), "--enforce-eager",
-         "--max-model-len", "256", "--gpu-memory-utilization", "0.05"],
+        [sys.executable, "-m", "tl_vllm_hooks", "serve", str(a / "tiny"), "--port", str(port), "--sites", "resid_post",
+         "--sink-dir", "acts", "--shard-seconds", "600", "--enforce-eager", "--max-model-len", "256",
+         "--gpu-memory-utilization", "0.05"],
         cwd=tmp_path, env={**_environment(), "PYTHONPATH": str(HERE), "TMPDIR": str(temporary)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
@@ -308,10 +313,20 @@ def test_serve_stopped_by_sigint_says_so_exits_130_and_removes_its_log(two_tinie
         pytest.fail(f"the serve command did not come up: {said!r}\n{command.communicate()[1][-4000:]}")
     log = Path(re.search(r"; log (\S+)\)", said[1]).group(1))
     assert log.parent == temporary and log.exists()
-    stdout, stderr, took = _stop_command(command, signal.SIGINT)
+    body = json.dumps({"model": str(a / "tiny"), "prompt": [5, 9, 33], "max_tokens": 2, "temperature": 0.0}).encode()
+    post = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                  headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(post, timeout=120) as answer:
+        request_id = json.load(answer)["id"] + "-0"  # (the server's id of a completion's first prompt)
+    os.killpg(command.pid, signal.SIGINT)  # a terminal's Ctrl-C
+    stdout, stderr, took = _stop_command(command, None)
     assert command.returncode == 130 and took < 20, stdout + stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == "SIGINT: stopped the server", stderr[-3000:]
     assert not list(temporary.glob("tl_vllm_hooks-serve-*.log")), "the temporary log is removed"
+    rows = tlh.CaptureDataset(str(tmp_path / "acts"))[request_id]
+    assert {name: tuple(tensor.shape) for name, tensor in rows.items()} == {
+        f"blocks.{layer}.hook_resid_post": (4, 128) for layer in range(3)
+    }, "its 3 prompt tokens' rows and its first generated token's"
 
 
 @NO_ENGINE

@@ -26,6 +26,7 @@ process boundary as pickle: the config is JSON, tensors travel as dtype, shape a
 from __future__ import annotations
 
 import atexit
+import base64
 import collections
 import concurrent.futures
 import contextlib
@@ -184,6 +185,7 @@ _NORM_SITES = (
 _HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
 
+@functools.lru_cache(maxsize=4096)  # (each request's options name their hooks)
 def parse_hook_name(name: str) -> tuple[str, int | None] | None:
     """(site, layer) of a TransformerLens hook name this module knows (a key of SITES, and the layer or None for a
     site outside the layers), else None: ``parse_hook_name("blocks.3.hook_resid_post") == ("resid_post", 3)``."""
@@ -701,9 +703,22 @@ FAMILIES = {family.name: family for family in (
 _LM = "language_model."
 
 
+# A multimodal checkpoint's image features replace its placeholder tokens' embeddings before layer 0. Where hook_embed
+# is what layer 0 receives (embed_at_layer0: Gemma's), it would read the image features at an image's positions, where
+# TransformerLens's is the placeholder's scaled embedding (Gemma 3's tiny model: rows 1.2-1.3 apart, 2026-12-07).
+_EMBED_AT_LAYER0_UNDER_IMAGES = (
+    "what vLLM's layer 0 receives, which is TransformerLens's hook_embed at text positions, holds the image features at "
+    "an image's (TransformerLens's: the placeholder token's scaled embedding): read blocks.0.hook_resid_pre, the same "
+    "rows at text positions"
+)
+
+
 def _text_model_under_lm(text: str, name: str, architecture: str, text_classes: tuple[str, ...], **changes) -> _Family:
     """The record of a multimodal checkpoint whose text model is the ``text`` family's, at language_model."""
-    return dataclasses.replace(FAMILIES[text], name=name, architecture=architecture, text_prefix=_LM,
+    family = FAMILIES[text]
+    if family.embed_at_layer0:
+        changes["refused"] = {**family.refused, **changes.get("refused", {}), "embed": _EMBED_AT_LAYER0_UNDER_IMAGES}
+    return dataclasses.replace(family, name=name, architecture=architecture, text_prefix=_LM,
                                text_classes=text_classes, **changes)
 
 
@@ -1438,9 +1453,10 @@ def _scale_and_bias(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...
     try:
         if _holds_bool(raw):
             raise TypeError("a bool is not a number")
-        vector = torch.tensor(raw, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}") from None
+        vector = _values_from_wire(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as error:
+        why = f" ({error})" if isinstance(raw, dict) else ""
+        raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}{why}") from None
     if vector.dim() == 0:
         vector = vector.expand(width)
     if tuple(vector.shape) not in shapes:
@@ -1449,6 +1465,41 @@ def _scale_and_bias(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...
     if not torch.isfinite(value).all():
         raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
     return tuple(value if part == "value" else part for part in form)
+
+
+# A tensor value travels in request options (JSON text, which `vllm serve`'s vllm_xargs carries too) as its raw
+# little-endian bytes in base64, not as decimal text: exact for every float dtype, and 2,048 floats take ~11 KB and
+# microseconds where a list of numbers takes ~40 KB and milliseconds. Lists of numbers are taken as well.
+_WIRE_VALUE_KEYS = {"dtype", "shape", "base64"}
+_WIRE_VALUE_DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def _values_to_wire(tensor: torch.Tensor) -> dict[str, Any]:
+    """A float tensor's wire form, ``{"dtype": str, "shape": list[int], "base64": str}`` (other dtypes as float64)."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    if _dtype_name(tensor.dtype) not in _WIRE_VALUE_DTYPES:
+        tensor = tensor.to(torch.float64)
+    data = base64.b64encode(tensor.reshape(-1).view(torch.uint8).numpy().tobytes()).decode("ascii")
+    return {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape), "base64": data}
+
+
+def _values_from_wire(message: dict[str, Any]) -> torch.Tensor:
+    """Inverse of _values_to_wire, as float64; ValueError saying what is wrong with the message."""
+    if set(message) != _WIRE_VALUE_KEYS:
+        raise ValueError(f"a tensor's wire form has the keys {sorted(_WIRE_VALUE_KEYS)}, not {sorted(message)}")
+    if message["dtype"] not in _WIRE_VALUE_DTYPES:
+        raise ValueError(f"dtype {message['dtype']!r} is not one of {_WIRE_VALUE_DTYPES}")
+    shape = message["shape"]
+    if not isinstance(shape, list) or not all(_int_at_least(size, 0) for size in shape):
+        raise ValueError(f"shape must be a list of ints >= 0, got {shape!r:.100}")
+    try:
+        data = base64.b64decode(message["base64"], validate=True)
+    except (TypeError, ValueError):
+        raise ValueError("base64 is not base64 text") from None
+    dtype = getattr(torch, message["dtype"])
+    if len(data) != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"{len(data)} bytes for {message['dtype']} values of shape {shape}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape).to(torch.float64)
 
 
 def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
@@ -2465,6 +2516,15 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     state.attach(worker)
     _after_warm_up(worker, state.forget_warm_up)
     worker._tl_hooks = state
+    # vLLM's engine shuts its worker down on SIGINT and SIGTERM (a server's Ctrl-C): the hooks go first, so that a
+    # sink writes the rows it holds (a process vLLM forks never runs atexit) and the row files are removed.
+    shutdown = worker.shutdown
+
+    def shutdown_after_the_hooks(*args: Any, **kwargs: Any) -> Any:
+        _uninstall(worker)
+        return shutdown(*args, **kwargs)
+
+    _patch(worker, "shutdown", shutdown_after_the_hooks)
     _key_compile_cache(worker.vllm_config, config)
     logger.info("tl_vllm_hooks: %d %s hooks, %d absent on this rank", len(state.placed), state.name, len(state.absent))
 
@@ -2671,10 +2731,9 @@ class _EditTables:
             rows = table if table.dim() == 1 else table[: _global_rows(self.state.config)]
             rows.copy_(self.local(value) if values is not None else torch.tensor(same))
 
-    def write_edit(self, row: int, rows: tuple[torch.Tensor, ...]) -> None:
-        """Write a request's table rows into row ``row`` of the tables."""
-        for table, value in zip(self.tables, rows):
-            table[row].copy_(self.local(value))
+    def slot_writes(self, rows: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(table, its new row as this rank holds it) for each of a request's table rows (see _SlotWrites)."""
+        return [(table, self.local(value)) for table, value in zip(self.tables, rows)]
 
 
 @dataclasses.dataclass(eq=False)
@@ -3516,6 +3575,8 @@ class _Batched(_HookState):
         self.row_edit_index_dirty = False
         self.table_rows = _global_rows(self.config) + 1 + self.max_num_seqs
         self.slots: dict[str, int] = {}  # request id -> slot holding its edits
+        self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
+        self.edit_plan: _EditPlan | None = None  # of the last step whose requests had edits
         self.running: dict[str, _RunningRequest] = {}
         self.arrivals = itertools.count()  # see _RunningRequest.arrival
         self.unread_said = 0  # unread requests when _say_unread last warned
@@ -3546,11 +3607,16 @@ class _Batched(_HookState):
         self.running.clear()
         self.request_table = _RequestTable()
         self.slots.clear()
+        self.free_slots = list(range(self.max_num_seqs - 1, -1, -1))
+        self.edit_plan = None
         self.reset_batched()
 
     def close(self) -> None:
         super().close()
         if self.sink is not None:
+            # The requests vLLM had not reported finished (a shutdown right after a request's last token, before the
+            # step that would report it, or one that cuts requests short): their rows as held, each entry saying so.
+            self.sink.write(self.held_request_ids(), at_shutdown=True)
             self.sink.close()
         self._wait_for_copies()
         self.shared.close()
@@ -3631,7 +3697,9 @@ class _Batched(_HookState):
         for request_id in step.finished:
             self.running.pop(request_id, None)
             self.request_table.remove(request_id)
-            self.slots.pop(request_id, None)
+            slot = self.slots.pop(request_id, None)
+            if slot is not None:
+                self.free_slots.append(slot)
         if step.new and not self.running and self.records:
             self._say_unread()
         for request_id, prompt_len, prompt_token_ids, extra_args, _first_position in step.new:
@@ -3673,38 +3741,59 @@ class _Batched(_HookState):
                 self.row_edit_index_dirty = False
             return
         self.row_edit_index_dirty = True
-        lanes = self.lanes
-        index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(lanes), 0)
-        for i in edited:
-            edits = self.running[request_ids[i]].options.slot_tables
-            slot_row = self._slot_row(request_ids[i], edits, request_ids)
-            rows = slice(starts[i], starts[i + 1])
-            for k, name in enumerate(lanes):
-                if name in edits and edits[name][1] is None:
-                    index[k, rows] = slot_row
-                elif name in edits:
-                    hit = np.isin(row_positions[rows], edits[name][1])
-                    index[k, rows] = np.where(hit, slot_row, global_rows)  # identity row
+        plan = self._edit_plan(self.step.requests)
+        index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(self.lanes), 0)
+        counts = self.step.counts[edited]
+        if self.step.one_row_each:  # (row i is request i's)
+            rows, owner = edited, np.arange(edited.size)
+        else:
+            owner = np.repeat(np.arange(edited.size), counts)
+            rows = np.repeat(starts[edited] - (np.cumsum(counts) - counts), counts) + np.arange(owner.size)
+        every = plan.every[owner]  # [edited rows, lanes]: the lane's edit at every position
+        for k in np.flatnonzero(every.any(axis=0)):
+            index[k, rows[every[:, k]]] = plan.slot_rows[owner[every[:, k]]]
+        for i, k, positions in plan.listed:  # (lanes edited at a list of positions)
+            request_rows = slice(starts[edited[i]], starts[edited[i] + 1])
+            hit = np.isin(row_positions[request_rows], positions)
+            index[k, request_rows] = np.where(hit, plan.slot_rows[i], global_rows)  # else the identity row
         _copy_to_device(index, self.row_edit_index[:, : starts[-1]])
 
-    def _slot_row(self, request_id: str, edits: dict, step_ids: list[str]) -> int:
-        """The edit-table row of the slot holding this request's edits, written there on first use."""
+    def _edit_plan(self, requests: _StepRequests) -> _EditPlan:
+        """The edit-table rows of a step's requests with edits (requests.edited), each in the slot holding them
+        (new ones written there with one copy a table, see _SlotWrites), and which lanes each edits: the last plan
+        again while the step's requests are the last step's (a decode step's usually), so that a step's host work
+        is a few array operations whatever its number of edited requests."""
+        if self.edit_plan is not None and self.edit_plan.requests is requests:
+            return self.edit_plan
         first_slot_row = _global_rows(self.config) + 1  # past the engine-wide rows and identity
-        if request_id in self.slots:
-            return first_slot_row + self.slots[request_id]
-        taken = set(self.slots.values())
-        free = [slot for slot in range(self.max_num_seqs) if slot not in taken]
-        if not free:
-            # A step holds at most max_num_seqs requests, so some slot belongs to a request outside this step
-            # (preempted or finished).
-            holder = next(r for r in self.slots if r not in set(step_ids))
-            free = [self.slots.pop(holder)]
-        self.slots[request_id] = free[0]
-        row = first_slot_row + free[0]
-        for name, (rows, _positions) in edits.items():
-            if name in self.targets:  # (else on another pipeline stage)
-                self.targets[name].write_edit(row, rows)
-        return row
+        writes, in_step = _SlotWrites(), None
+        slot_rows = np.empty(requests.edited.size, dtype=np.int64)
+        every = np.zeros((requests.edited.size, len(self.lanes)), dtype=bool)
+        listed = []
+        for n, i in enumerate(requests.edited.tolist()):
+            request_id = requests.request_ids[i]
+            edits = self.running[request_id].options.slot_tables
+            slot = self.slots.get(request_id)
+            if slot is None:
+                if not self.free_slots:
+                    # A step holds at most max_num_seqs requests, so some slot belongs to a request outside this
+                    # step (preempted, or finished without vLLM saying so yet).
+                    in_step = in_step or set(requests.request_ids)
+                    holder = next(r for r in self.slots if r not in in_step)
+                    self.free_slots.append(self.slots.pop(holder))
+                slot = self.slots[request_id] = self.free_slots.pop()
+                for name, (rows, _positions) in edits.items():
+                    if name in self.targets:  # (else on another pipeline stage)
+                        writes.add(first_slot_row + slot, self.targets[name].slot_writes(rows))
+            slot_rows[n] = first_slot_row + slot
+            for k, name in enumerate(self.lanes):
+                if name in edits and edits[name][1] is None:
+                    every[n, k] = True
+                elif name in edits:
+                    listed.append((n, k, edits[name][1]))
+        writes.write()
+        self.edit_plan = _EditPlan(requests, slot_rows, every, listed)
+        return self.edit_plan
 
     def executed(self) -> None:
         """After the forward: the kept rows to host memory, per request, with numpy over the
@@ -3929,6 +4018,40 @@ def _match_request_ids(user_ids: list[str], worker_ids: list[str], read: dict[st
             )
         matches[user_id] = found[0]
     return matches
+
+
+class _EditPlan(typing.NamedTuple):
+    """Where a step's requests with edits (its _StepRequests' edited, in order) find them: slot_rows, int64 [edited],
+    each one's row of the edit tables; every, bool [edited, lanes], the lanes it edits at every position; listed, (its
+    index among them, lane, its positions) for each lane it edits at a list of positions."""
+
+    requests: _StepRequests
+    slot_rows: np.ndarray
+    every: np.ndarray
+    listed: list[tuple[int, int, np.ndarray]]
+
+
+class _SlotWrites:
+    """A step's new slot rows, written with one index_copy_ per table from one host tensor: a copy per request and
+    table would make the host wait on the stream each time (a CPU tensor not pinned), 512 waits in a step that starts
+    256 requests' edits."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, tuple[torch.Tensor, list[int], list[torch.Tensor]]] = {}  # id -> table, rows, values
+
+    def add(self, row: int, writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for table, value in writes:
+            _table, rows, values = self.tables.setdefault(id(table), (table, [], []))
+            rows.append(row)
+            values.append(value.expand(table.shape[1:]))
+
+    def write(self) -> None:
+        for table, rows, values in self.tables.values():
+            source = torch.stack(values).to(table.dtype)
+            index = torch.tensor(rows, dtype=torch.int64)
+            if table.device.type == "cuda":  # queued, not waited on; pinned memory outlives the copy
+                source, index = source.pin_memory(), index.pin_memory()
+            table.index_copy_(0, index.to(table.device, non_blocking=True), source.to(table.device, non_blocking=True))
 
 
 def _copy_to_device(array: np.ndarray, target: torch.Tensor) -> None:
@@ -4655,13 +4778,17 @@ def logit_lens(engine: Any, rows: dict[str, torch.Tensor], top_k: int = 0) -> di
 
 
 def _edits_to_wire(edits: Any) -> dict[str, Any]:
-    """Edits with tensor and numpy values as (nested) lists of numbers, for JSON and collective_rpc alike (exact:
-    every float dtype's values are float64's)."""
+    """Edits for JSON and collective_rpc alike: a float tensor or numpy value in its wire form (see
+    _values_to_wire, exact), another tensor (positions, features) as a list."""
     if not isinstance(edits, dict):
         raise ValueError(f"edits: expected a dict {{hook_name: edit}}, got {edits!r:.200}")
 
     def plain(value: Any) -> Any:
-        return value.tolist() if isinstance(value, (torch.Tensor, np.ndarray)) else value
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(value)
+        if isinstance(value, torch.Tensor):
+            return _values_to_wire(value) if value.is_floating_point() and value.dim() else value.tolist()
+        return value
 
     return {name: {k: plain(v) for k, v in e.items()} if isinstance(e, dict) else e for name, e in edits.items()}
 

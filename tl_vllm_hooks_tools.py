@@ -227,10 +227,12 @@ class RankSink:
         if self.writer is not None:
             self.writer.close()
 
-    def write(self, request_ids: list[str]) -> None:
+    def write(self, request_ids: list[str], at_shutdown: bool = False) -> None:
         """Write these finished requests' kept rows (or why they have none) and forget them; every step, to give the
         row files the writer thread is done with back to the steps. The writer thread, not this step, waits for the
-        rows' copies to host memory; their row files stay held until it has written them."""
+        rows' copies to host memory; their row files stay held until it has written them. at_shutdown: requests the
+        engine had not reported finished when its worker shut down, their entries marked ``"at_shutdown": true``
+        (one that was still running stops short)."""
         state = self.state
         while self.written:  # (popleft, as the writer thread extends it meanwhile)
             state.release([self.written.popleft()])
@@ -240,10 +242,11 @@ class RankSink:
                 self.written.extend(request.files)
                 continue
             order = [self.writer.engine, request.arrival]  # (see CaptureDataset.entry)
+            marked = {"at_shutdown": True} if at_shutdown else {}
             if request.error is not None:
                 self.written.extend(request.files)
                 entry = {"prompt_token_ids": request.prompt_token_ids, "positions": [], "error": request.error}
-                self.writer.write(request.request_id, {**entry, "order": order}, [], copied)
+                self.writer.write(request.request_id, {**entry, "order": order, **marked}, [], copied)
             else:
                 record = request.rows
                 positions = record.positions
@@ -256,6 +259,7 @@ class RankSink:
                     "prompt_token_ids": request.prompt_token_ids,
                     "positions": _position_ranges(positions),
                     "order": order,
+                    **marked,
                 }
                 written = functools.partial(self.written.extend, request.files)
                 self.writer.write(request.request_id, entry, parts, copied, written)
@@ -1149,7 +1153,9 @@ _TINY_MODELS.update({
                     vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                        num_attention_heads=2, image_size=56, patch_size=14, vision_use_head=False),
                     mm_tokens_per_image=4, boi_token_index=512, eoi_token_index=513, image_token_index=514),
-        tokens=dict(_IMAGE_TOKENS, words={512: "<start_of_image>", 513: "<end_of_image>", 514: "<image_soft_token>"},
+        # (the newlines: its processor writes "\n\n" around each image, and vLLM's merges them by their ids)
+        tokens=dict(_IMAGE_TOKENS, words={512: "<start_of_image>", 513: "<end_of_image>", 514: "<image_soft_token>",
+                                          **{515 + n: "\n" * (n + 1) for n in range(4)}},
                     extra_special_tokens=dict(boi_token="<start_of_image>", eoi_token="<end_of_image>",
                                               image_token="<image_soft_token>")),
         processor=("Gemma3Processor", dict(image_processor=("Gemma3ImageProcessorPil",
@@ -1182,7 +1188,9 @@ _TINY_MODELS.update({
     "llama4_mm": dataclasses.replace(
         _TINY_MODELS["llama4"],
         config=dict(text_config=_TINY_MODELS["llama4"].config,
-                    vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                    # (intermediate_size: the pixel shuffle's width, hidden_size / pixel_shuffle_ratio², which
+                    # its MLP's first layer takes, in transformers as in vLLM)
+                    vision_config=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=1,
                                        num_attention_heads=2, image_size=56, patch_size=14, vision_output_dim=64,
                                        projector_input_dim=64, projector_output_dim=64, pixel_shuffle_ratio=0.5),
                     boi_token_index=512, eoi_token_index=513, image_token_index=515, tie_word_embeddings=False),
