@@ -4524,6 +4524,37 @@ def run_probe(directory: Path, model_dir: Path, specs: dict, mode: str, **env):
     return done.returncode, result, done.stdout + done.stderr
 
 
+CORE_ALONE = """
+import json, sys
+import torch
+import tl_vllm_hooks as tlh
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+model, hook, sae = sys.argv[1:]
+config = tlh.configure({hook: 128}, 256, torch.float32, enable_batching=True, saes={hook: sae}, sae_top_k=64)
+llm = LLM(model, dtype="float32", max_model_len=512, skip_tokenizer_init=True, enforce_eager=True,
+          gpu_memory_utilization=0.05, **config.llm_kwargs)
+prompt = TokensPrompt(prompt_token_ids=list(range(1, 21)))
+features = hook + tlh.SAE_FEATURES
+options = [tlh.request_args(config, "prompt"),
+           tlh.request_args(config, "prompt", {hook: {"op": "add", "value": 0.25}}),
+           tlh.request_args(config, "prompt", {features: {"op": "set", "features": [3], "value": 5.0}}),
+           tlh.request_args(config, "prompt")]
+params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=o) for o in options]
+outputs = llm.generate([prompt] * 4, params, use_tqdm=False)
+rows = tlh.read_batched(llm, [o.request_id for o in outputs])
+plain, edited, featured, again = (rows[o.request_id] for o in outputs)
+moved = float((featured[hook] - plain[hook]).norm() / plain[hook].norm())
+print("PROBE " + json.dumps({
+    "module": tlh.__file__, "tools_imported": "tl_vllm_hooks_tools" in sys.modules,
+    "plain": plain[hook].tolist(), "edited": edited[hook].tolist(), "plain_again": again[hook].tolist(),
+    "indices": plain[features + ".indices"].tolist(), "values": plain[features + ".values"].tolist(),
+    "feature_edit_moved": moved,
+}))
+"""
+
+
 class TestLoading:
     """Spawned workers: the copied-in core, the installed entry point, engine configs refused at startup."""
 
@@ -4542,6 +4573,38 @@ class TestLoading:
         edited = models["llama"].reference(prompt, [hook], {hook: {"op": "scale", "value": 0.5}})[hook]
         assert relative_error(torch.tensor(result["rows"][0]), plain) <= TOLERANCE
         assert relative_error(torch.tensor(result["rows"][1]), edited[10:]) <= TOLERANCE
+
+    def test_the_core_copied_in_alone_captures_edits_per_request_and_runs_an_sae(self, tmp_path, models):
+        """tl_vllm_hooks.py alone in an empty directory (a tl_vllm_hooks_tools.py there that refuses to import stands
+        for its absence; the installed entry point off): the batched flavour keeps each request's rows, a request's
+        own edit and its SAE feature edit change only its rows, and the SAE's features are read, all as
+        TransformerLens computes them."""
+        (tmp_path / "tl_vllm_hooks.py").write_text((HERE / "tl_vllm_hooks.py").read_text())
+        (tmp_path / "tl_vllm_hooks_tools.py").write_text('raise ImportError("the core imported its companion")\n')
+        hook = "blocks.1.hook_resid_post"
+        write_sae(tmp_path / "sae", hook=hook, d_sae=64)
+        script = tmp_path / "alone.py"
+        script.write_text(CORE_ALONE)
+        environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ""}
+        environment.pop("PYTHONPATH", None)
+        done = subprocess.run([sys.executable, str(script), str(models["llama"].path), hook, str(tmp_path / "sae")],
+                              cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+        assert done.returncode == 0 and lines, f"the copied core failed:\n{(done.stdout + done.stderr)[-4000:]}"
+        result = json.loads(lines[-1][len("PROBE "):])
+        assert result["module"] == str(tmp_path / "tl_vllm_hooks.py") and not result["tools_imported"]
+        prompt, edit = list(range(1, 21)), {hook: {"op": "add", "value": 0.25}}
+        plain, edited = (models["llama"].reference(prompt, [hook], edits)[hook] for edits in (None, edit))
+        assert relative_error(torch.tensor(result["plain"]), plain) <= TOLERANCE
+        assert relative_error(torch.tensor(result["edited"]), edited) <= TOLERANCE
+        assert relative_error(torch.tensor(result["plain"]), edited) > 0.01, "the edit changed nothing"
+        from safetensors.torch import load_file
+
+        weights = load_file(str(tmp_path / "sae" / "sae_weights.safetensors"))  # a standard SAE's encode, by hand
+        sae = ((plain - weights["b_dec"]) @ weights["W_enc"] + weights["b_enc"]).relu()
+        top = torch.zeros_like(sae).scatter_(1, torch.tensor(result["indices"]).long(), torch.tensor(result["values"]))
+        assert relative_error(top, sae) <= 1e-5, "the SAE's features are SAELens's encode of the rows"
+        assert result["feature_edit_moved"] > 0.01 and result["plain_again"] == result["plain"]
 
     def test_installed_entry_point_installs_hooks_in_spawned_worker(self, tmp_path, models):
         from importlib.metadata import entry_points

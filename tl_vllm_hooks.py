@@ -14,8 +14,8 @@ and applies ``out * scale + bias`` from tables the host rewrites between forward
 * batched (``enable_batching=True``): many requests per generate, each with its own rows to keep and its own edits
   (``request_args``, also the OpenAI server's ``vllm_xargs``), whole across chunked prefill, preemption and decode;
   with a ``sink_dir``, finished requests' rows go to safetensors shards on disk, written and read (``CaptureDataset``)
-  by the companion module tl_vllm_hooks_tools, which also reads SAELens's files (``saes``): imported only for those
-  (and tiny_model, serve, the command line), through _companion alone.
+  by the companion module tl_vllm_hooks_tools: imported only for those (and tiny_model, serve, the command line),
+  through _companion alone. SAEs in SAELens's format (``saes``) are read and run here.
 
 The driver helpers take an ``LLM``, or an ``AsyncLLM`` and then return awaitables. Installed with pip, the
 ``vllm.general_plugins`` entry point calls ``register()`` in every vLLM process; copied in, the file registers itself
@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 
 def _companion(name: str) -> Any:
     """``name`` of the companion module, tl_vllm_hooks_tools, imported when first asked for: the one way in from this
-    module, for the companion's documented features, none of which a core copied in alone needs: read_sae (``saes``),
+    module, for the companion's documented features, none of which a core copied in alone needs:
     check_sink_dir, RankSink and CaptureDataset (``sink_dir``), and the names forwarded to it (CaptureDataset, serve,
     tiny_model, the command line's main). The way back: the companion uses this module's public names, and the
     batched flavour's sink interface (see _Batched)."""
@@ -1139,9 +1139,8 @@ def model_sites(hf_config: Any) -> list[str]:
 # Config channel. vLLM builds its workers in other processes, so a module global set in the driver never reaches
 # them: the config travels as JSON in vLLM's own additional_config (which every worker receives, Ray's included, and
 # which vLLM hashes into its compile-cache key), or, for servers started by hand, in one environment variable.
-# Validated when written and again when read (a worker may run another copy); a config's saes are read by the
-# companion's read_sae as it is made (in the driver and in each worker), its sink_dir checked by the companion in
-# configure.
+# Validated when written and again when read (a worker may run another copy); a config's saes are read as it is made
+# (_read_sae, in the driver and in each worker), its sink_dir checked by the companion in configure.
 # ---------------------------------------------------------------------------
 
 _CONFIG_ENV = "TL_VLLM_HOOKS_CONFIG"
@@ -1219,7 +1218,7 @@ class CaptureConfig:
                 f"them), got {self.sae_chosen_features!r}"
             )
         object.__setattr__(self, "saes", {n: os.path.abspath(d) if isinstance(d, str) else d for n, d in saes.items()})
-        object.__setattr__(self, "_sae_specs", {n: _companion("read_sae")(n, d, self) for n, d in self.saes.items()})
+        object.__setattr__(self, "_sae_specs", {n: _read_sae(n, d, self) for n, d in self.saes.items()})
         for field in ("max_num_batched_tokens", "shard_bytes"):
             if not _int_at_least(getattr(self, field), 1):
                 raise ValueError(f"{field}: must be a positive int, got {getattr(self, field)!r}")
@@ -3123,8 +3122,8 @@ _HOOK_BUILDERS = {  # tap kind -> the builder of its hooks
 # each token's top-k features are kept beside (or instead of) its rows, and an edit of features f changes the
 # stream by (new_f - old_f) * W_dec[f] alone, so the SAE's reconstruction error stays in it and an unedited row is
 # left as it was. A transcoder encodes the rows of one hook, and its edits change those of its layer's hook_mlp_out.
-# The companion reads SAELens's files (tl_vllm_hooks_tools.read_sae, when the config is made and checked against the
-# hook); each worker loads the weights onto its device before the first forward (_SAE). The rest of SAE handling is
+# SAELens's files are read here (_read_sae, as a config is made, in the driver and in each worker, and checked against
+# its hooks); each worker loads the weights onto its device before the first forward (_SAE). The rest of SAE handling is
 # here too: the feature edits' parsing and the features a batched request reads densely; elsewhere SAEs are only
 # named (a config's saes, the lanes, sources and targets of a worker's hooks, the width _place_hooks checks).
 # ---------------------------------------------------------------------------
@@ -3160,8 +3159,8 @@ _FEATURE_EDITS = 8  # the most features one edit changes at a hook: the width of
 
 @dataclasses.dataclass(frozen=True)
 class SAESpec:
-    """An SAE as its cfg.json and the header of its weights file describe it (``config.sae(hook)``; the companion's
-    read_sae reads them): architecture, a key of SAE_WEIGHTS; d_in, d_sae, d_out: widths of its input rows, features
+    """An SAE as its cfg.json and the header of its weights file describe it (``config.sae(hook)``; _read_sae reads
+    them): architecture, a key of SAE_WEIGHTS; d_in, d_sae, d_out: widths of its input rows, features
     and output rows; k: a topk SAE's features per token; writes: the hook a transcoder writes (its layer's
     hook_mlp_out), else None."""
 
@@ -3173,6 +3172,97 @@ class SAESpec:
     k: int | None
     writes: str | None
     d_out: int
+
+
+def _read_sae(name: Any, directory: Any, config: CaptureConfig) -> SAESpec:
+    """One ``saes`` entry as its files describe it, checked against them and the config; ValueError naming the
+    problem."""
+    where = f"saes[{name!r}]"
+    site = (parse_hook_name(name) if isinstance(name, str) else None) or (None,)
+    if site[0] not in SAE_SITES:
+        raise ValueError(
+            f"{where}: an SAE reads a TransformerLens hook whose rows this module can edit, one of "
+            f"{[SITES[s] for s in SAE_SITES]}; got {name!r}"
+        )
+    if not isinstance(directory, str) or not os.path.isdir(directory):
+        raise ValueError(
+            f"{where}: expected a directory holding cfg.json and sae_weights.safetensors, got {directory!r}"
+        )
+    try:
+        with open(os.path.join(directory, "cfg.json")) as file:
+            cfg = json.load(file)
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{where}: {directory}/cfg.json: {error}") from None
+    architecture = cfg.get("architecture", "standard")
+    if architecture not in SAE_WEIGHTS:
+        raise ValueError(
+            f"{where}: architecture {architecture!r} is not implemented here; implemented: {list(SAE_WEIGHTS)}"
+        )
+    # (SAELens before 6 wrote normalize_activations as a bool, the hook name at the top level, as hook_point too)
+    implemented = {  # key -> (values implemented, as said)
+        "normalize_activations": ((None, "none", False), "'none'"),
+        "reshape_activations": ((None, "none", "hook_z"), "'none' and 'hook_z'"),
+        "rescale_acts_by_decoder_norm": ((None, False), "false"),
+    }
+    for key, (allowed, said) in implemented.items():
+        if cfg.get(key) not in allowed:
+            raise ValueError(f"{where}: {key} {cfg.get(key)!r} is not implemented here, only {said}")
+    metadata = cfg.get("metadata") or {}
+    trained_on = metadata.get("hook_name", cfg.get("hook_name", cfg.get("hook_point")))
+    # SAELens names Gemma Scope 2's transcoders' input blocks.L.hook_mlp_in, which TransformerLens 4.3 means as ln2's
+    # input; their hf_hook_name, pre_feedforward_layernorm's output, is the MLP's input: mlp.hook_in.
+    gemma_scope_2 = re.fullmatch(r"blocks\.(\d+)\.hook_mlp_in", str(trained_on))
+    if gemma_scope_2 and str(metadata.get("hf_hook_name")).endswith("pre_feedforward_layernorm.output"):
+        trained_on = SITES["mlp_in"].format(i=gemma_scope_2[1])
+    if trained_on is not None and trained_on != name:
+        raise ValueError(f"{where}: the SAE in {directory} was trained on {trained_on!r}, not {name!r}")
+    transcoder = "transcoder" in architecture
+    d_in, d_sae, k = cfg.get("d_in"), cfg.get("d_sae"), cfg.get("k")
+    d_out = cfg.get("d_out") if transcoder else d_in
+    sizes = (d_in, d_sae, d_out, k if architecture == "topk" else 1)
+    if not all(isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in sizes):
+        raise ValueError(
+            f"{where}: {directory}/cfg.json must give d_in and d_sae (d_out for a transcoder, k for topk) as positive "
+            "ints"
+        )
+    writes = None
+    if transcoder:  # it reads a hook of a layer before that layer's MLP output, and writes that output
+        writes, wrote = SITES["mlp_out"].format(i=site[1]), metadata.get("hook_name_out", cfg.get("hook_name_out"))
+        layer_before_mlp_out = site[1] is not None and list(SITES).index(site[0]) < list(SITES).index("mlp_out")
+        if not layer_before_mlp_out or wrote not in (None, writes):
+            raise ValueError(
+                f"{where}: a transcoder reads a hook of a layer before its hook_mlp_out and writes that hook_mlp_out; "
+                f"this one reads {name!r} and writes {wrote!r}"
+            )
+        if cfg.get("apply_b_dec_to_input"):
+            raise ValueError(f"{where}: apply_b_dec_to_input is for SAEs; a transcoder's b_dec is of its output")
+    for hook, width, verb in ((name, d_in, "reads"), (writes, d_out, "writes")):
+        if hook in config.capture_specs and config.width(hook) != width:
+            raise ValueError(
+                f"{where}: the SAE {verb} rows of {width} at {hook}, but its rows are {config.width(hook)} wide"
+            )
+    for field in ("sae_top_k", "sae_chosen_features"):
+        if getattr(config, field) > d_sae:
+            raise ValueError(f"{field}: {getattr(config, field)} is more than the {d_sae} features of {where}")
+    shapes = {"W_enc": [d_in, d_sae], "W_dec": [d_sae, d_out], "b_enc": [d_sae], "b_dec": [d_out], "threshold": [d_sae]}
+    path = os.path.join(directory, "sae_weights.safetensors")
+    try:
+        import safetensors  # (vLLM brings it)
+
+        with safetensors.safe_open(path, framework="pt") as weights:
+            found = {key: weights.get_slice(key).get_shape() for key in weights.keys()}
+    except Exception as error:  # a missing or damaged file: safetensors' own error types differ by version
+        raise ValueError(f"{where}: {path} is not a readable safetensors file ({error})") from None
+    for key in SAE_WEIGHTS[architecture]:
+        if found.get(key) != shapes[key]:
+            raise ValueError(
+                f"{where}: {path} must hold {key} of shape {shapes[key]} (d_in {d_in}, d_sae {d_sae}, d_out {d_out}), "
+                f"found {found.get(key, 'none')}"
+            )
+    apply_b_dec = bool(cfg.get("apply_b_dec_to_input", not transcoder))
+    return SAESpec(directory, architecture, d_in, d_sae, apply_b_dec, k, writes, d_out)
 
 
 class _SAE(_EditTables):

@@ -1,4 +1,4 @@
-"""Tools beside tl_vllm_hooks: activation datasets on disk, SAELens's files, tiny models, the command line.
+"""Tools beside tl_vllm_hooks: activation datasets on disk, tiny models, the command line.
 
 The hook engine is ``tl_vllm_hooks.py`` and works alone; this file is what it loads
 when asked for one of these (both ship in the package; copy both to use them):
@@ -6,7 +6,6 @@ when asked for one of these (both ship in the package; copy both to use them):
 * the dataset sink: ``configure(..., sink_dir=directory)`` has each vLLM worker write
   finished requests' rows to safetensors shards there (``ShardWriter``), ``flush_sink``
   writes what is held, and ``CaptureDataset`` reads them in any process, without vLLM;
-* SAELens's files: ``configure(..., saes=...)`` reads each SAE's here (``read_sae``);
 * ``tiny_model``, a small random model of any supported family, made on the spot;
 * ``python3 -m tl_vllm_hooks`` (``demo``, ``capture``, ``compare``).
 """
@@ -51,12 +50,9 @@ from tl_vllm_hooks import (
     FAMILIES,
     REFUSED,
     SAE_FEATURES,
-    SAE_SITES,
-    SAE_WEIGHTS,
     SITES,
     ActivationRows,
     CaptureConfig,
-    SAESpec,
     __version__,
     capture_specs,
     configure,
@@ -80,7 +76,6 @@ __all__ = [
     "check_sink_dir",
     "main",
     "model_fingerprint",
-    "read_sae",
     "serve",
     "sink_header",
     "tiny_model",
@@ -771,104 +766,6 @@ class CaptureDataset:
         if name.endswith(SAE_FEATURES + ".indices"):
             return torch.int32
         return torch.int64 if name.endswith("hook_expert_indices") else self.dtype
-
-
-# ---------------------------------------------------------------------------
-# SAELens's files. configure(..., saes=...) reads each SAE's cfg.json and the header of its weights file here, in
-# the driver and again in each worker, and checks them against the hook before anything runs; the core encodes and
-# steers with the weights in the graph.
-# ---------------------------------------------------------------------------
-
-
-def read_sae(name: Any, directory: Any, config: CaptureConfig) -> SAESpec:
-    """One ``saes`` entry as its files describe it, checked against them and the config; ValueError naming the
-    problem."""
-    where = f"saes[{name!r}]"
-    site = (parse_hook_name(name) if isinstance(name, str) else None) or (None,)
-    if site[0] not in SAE_SITES:
-        raise ValueError(
-            f"{where}: an SAE reads a TransformerLens hook whose rows this module can edit, one of "
-            f"{[SITES[s] for s in SAE_SITES]}; got {name!r}"
-        )
-    if not isinstance(directory, str) or not os.path.isdir(directory):
-        raise ValueError(
-            f"{where}: expected a directory holding cfg.json and sae_weights.safetensors, got {directory!r}"
-        )
-    try:
-        with open(os.path.join(directory, "cfg.json")) as file:
-            cfg = json.load(file)
-        if not isinstance(cfg, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{where}: {directory}/cfg.json: {error}") from None
-    architecture = cfg.get("architecture", "standard")
-    if architecture not in SAE_WEIGHTS:
-        raise ValueError(
-            f"{where}: architecture {architecture!r} is not implemented here; implemented: {list(SAE_WEIGHTS)}"
-        )
-    # (SAELens before 6 wrote normalize_activations as a bool, the hook name at the top level, as hook_point too)
-    implemented = {  # key -> (values implemented, as said)
-        "normalize_activations": ((None, "none", False), "'none'"),
-        "reshape_activations": ((None, "none", "hook_z"), "'none' and 'hook_z'"),
-        "rescale_acts_by_decoder_norm": ((None, False), "false"),
-    }
-    for key, (allowed, said) in implemented.items():
-        if cfg.get(key) not in allowed:
-            raise ValueError(f"{where}: {key} {cfg.get(key)!r} is not implemented here, only {said}")
-    metadata = cfg.get("metadata") or {}
-    trained_on = metadata.get("hook_name", cfg.get("hook_name", cfg.get("hook_point")))
-    # SAELens names Gemma Scope 2's transcoders' input blocks.L.hook_mlp_in, which TransformerLens 4.3 means as ln2's
-    # input; their hf_hook_name, pre_feedforward_layernorm's output, is the MLP's input: mlp.hook_in.
-    gemma_scope_2 = re.fullmatch(r"blocks\.(\d+)\.hook_mlp_in", str(trained_on))
-    if gemma_scope_2 and str(metadata.get("hf_hook_name")).endswith("pre_feedforward_layernorm.output"):
-        trained_on = SITES["mlp_in"].format(i=gemma_scope_2[1])
-    if trained_on is not None and trained_on != name:
-        raise ValueError(f"{where}: the SAE in {directory} was trained on {trained_on!r}, not {name!r}")
-    transcoder = "transcoder" in architecture
-    d_in, d_sae, k = cfg.get("d_in"), cfg.get("d_sae"), cfg.get("k")
-    d_out = cfg.get("d_out") if transcoder else d_in
-    sizes = (d_in, d_sae, d_out, k if architecture == "topk" else 1)
-    if not all(isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in sizes):
-        raise ValueError(
-            f"{where}: {directory}/cfg.json must give d_in and d_sae (d_out for a transcoder, k for topk) as positive "
-            "ints"
-        )
-    writes = None
-    if transcoder:  # it reads a hook of a layer before that layer's MLP output, and writes that output
-        writes, wrote = SITES["mlp_out"].format(i=site[1]), metadata.get("hook_name_out", cfg.get("hook_name_out"))
-        layer_before_mlp_out = site[1] is not None and list(SITES).index(site[0]) < list(SITES).index("mlp_out")
-        if not layer_before_mlp_out or wrote not in (None, writes):
-            raise ValueError(
-                f"{where}: a transcoder reads a hook of a layer before its hook_mlp_out and writes that hook_mlp_out; "
-                f"this one reads {name!r} and writes {wrote!r}"
-            )
-        if cfg.get("apply_b_dec_to_input"):
-            raise ValueError(f"{where}: apply_b_dec_to_input is for SAEs; a transcoder's b_dec is of its output")
-    for hook, width, verb in ((name, d_in, "reads"), (writes, d_out, "writes")):
-        if hook in config.capture_specs and config.width(hook) != width:
-            raise ValueError(
-                f"{where}: the SAE {verb} rows of {width} at {hook}, but its rows are {config.width(hook)} wide"
-            )
-    for field in ("sae_top_k", "sae_chosen_features"):
-        if getattr(config, field) > d_sae:
-            raise ValueError(f"{field}: {getattr(config, field)} is more than the {d_sae} features of {where}")
-    shapes = {"W_enc": [d_in, d_sae], "W_dec": [d_sae, d_out], "b_enc": [d_sae], "b_dec": [d_out], "threshold": [d_sae]}
-    path = os.path.join(directory, "sae_weights.safetensors")
-    try:
-        import safetensors
-
-        with safetensors.safe_open(path, framework="pt") as weights:
-            found = {key: weights.get_slice(key).get_shape() for key in weights.keys()}
-    except Exception as error:  # a missing or damaged file: safetensors' own error types differ by version
-        raise ValueError(f"{where}: {path} is not a readable safetensors file ({error})") from None
-    for key in SAE_WEIGHTS[architecture]:
-        if found.get(key) != shapes[key]:
-            raise ValueError(
-                f"{where}: {path} must hold {key} of shape {shapes[key]} (d_in {d_in}, d_sae {d_sae}, d_out {d_out}), "
-                f"found {found.get(key, 'none')}"
-            )
-    apply_b_dec = bool(cfg.get("apply_b_dec_to_input", not transcoder))
-    return SAESpec(directory, architecture, d_in, d_sae, apply_b_dec, k, writes, d_out)
 
 
 # ---------------------------------------------------------------------------
