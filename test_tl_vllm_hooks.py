@@ -4528,6 +4528,7 @@ CORE_ALONE = """
 import json, sys
 import torch
 import tl_vllm_hooks as tlh
+from tl_vllm_hooks import *  # (every public name of the core alone)
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 

@@ -58,12 +58,12 @@ __version__ = "0.3.0"
 
 # fmt: off
 __all__ = [
-    "ATTENTION_READ_BYTES", "ATTENTION_SITES", "ActivationRows", "CAPTURE_DTYPES", "CaptureConfig", "CaptureDataset",
-    "FAMILIES", "REFUSED", "SAESpec", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION",
-    "WorkerExtension", "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks",
-    "logit_lens", "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts",
-    "register", "remove_hooks", "request_args", "reset_batched", "reset_edits", "reset_fire_counts",
-    "segment_by_request", "serve", "set_edits", "status", "tiny_model", "unembed", "unregister", "user_request_id",
+    "ATTENTION_READ_BYTES", "ATTENTION_SITES", "ActivationRows", "CAPTURE_DTYPES", "CaptureConfig", "FAMILIES",
+    "REFUSED", "SAESpec", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION", "WorkerExtension",
+    "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "logit_lens",
+    "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts", "register",
+    "remove_hooks", "request_args", "reset_batched", "reset_edits", "reset_fire_counts", "segment_by_request",
+    "set_edits", "status", "unembed", "unregister", "user_request_id",
 ]
 # fmt: on
 
@@ -4537,7 +4537,7 @@ def __getattr__(name: str) -> Any:
         # point to register it: it registers here.
         register()
         return _WorkerExtension
-    if name in ("CaptureDataset", "serve", "tiny_model", "main"):
+    if name in ("CaptureDataset", "serve", "tiny_model", "main"):  # (the companion's, not in __all__)
         return _companion(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
