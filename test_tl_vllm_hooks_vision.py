@@ -106,21 +106,17 @@ def test_each_multimodal_checkpoint_refuses_attention_scores_exactly_where_trans
 
 IMAGE_TEXT = "t5 t6 {} t7 t8"
 # The multimodal text models whose image path vLLM's CPU runs, each through its towers (vLLM's native class).
-# Gemma 3's differs from TransformerLens's at the image positions, where measured (2026-12-07, vLLM 0.32):
-# - vLLM's CPU attends causally among an image's tokens: Gemma 3 is an mm_prefix model (its image tokens see each
-#   other), which vLLM's CPU attention backend does not support, and vLLM's CPU platform picks it unchecked;
-#   transformers, given the processor's token_type_ids, attends bidirectionally within the image. Rows differ from
-#   blocks.0's attention on, by up to 1.07 a row (blocks.1.attn.hook_attn_scores; ln_final.hook_normalized 0.57).
-# Against a causal reference (the bridge without token_type_ids) every hook matched, within 1.9e-6 a row. (Gemma's
-# hook_embed, what layer 0 receives, is refused on its multimodal records: see the test.)
-GEMMA3_IMAGE = (
-    "vLLM's CPU attends causally among Gemma 3's image tokens (no mm_prefix attention on the CPU; transformers attends "
-    "bidirectionally within the image: up to 1.07 a row)"
-)
-IMAGE_FAMILIES = (
-    pytest.param("gemma3_mm", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=GEMMA3_IMAGE)),
-    "mistral3", "qwen2_5_vl", "qwen3_vl", "llama4_mm", "llava",
-)
+# Gemma 3's differs from TransformerLens's at the image positions, where measured (2026-12-07, vLLM 0.32): vLLM's CPU
+# attends causally among an image's tokens. Gemma 3 is an mm_prefix model (its image tokens see each other), which
+# vLLM's CPU attention backend does not support, and vLLM's CPU platform picks it unchecked; transformers, given the
+# processor's token_type_ids, attends bidirectionally within the image. Rows differ from blocks.0's attention on, by up
+# to 1.07 a row (blocks.1.attn.hook_attn_scores; ln_final.hook_normalized 0.57); against a causal reference (the
+# bridge without token_type_ids) every hook matched, within 1.9e-6 a row. (Gemma's hook_embed, what layer 0 receives,
+# is refused on its multimodal records: see the test.)
+IMAGE_FAMILIES = ("gemma3_mm", "mistral3", "qwen2_5_vl", "qwen3_vl", "llama4_mm", "llava")
+# Compared with the bridge run without token_type_ids (attending causally, as vLLM's CPU does), after the check that
+# the bidirectional run differs from layer 0's attention on (above).
+CAUSAL_AMONG_IMAGE_TOKENS = ("gemma3_mm",)
 
 
 def image():
@@ -190,7 +186,7 @@ def test_an_image_prompt_matches_transformer_lens_at_every_position(models, fami
 
     At image positions hook_embed is the embedding of the image placeholder token (in vLLM as in
     TransformerLens: the image features replace it after the embedding), so the text model's input
-    there, the image features, is blocks.0.hook_resid_pre, not hook_embed (Gemma 3's aside: see GEMMA3_IMAGE)."""
+    there, the image features, is blocks.0.hook_resid_pre, not hook_embed (Gemma 3's aside: see IMAGE_FAMILIES)."""
     from transformers import AutoProcessor
     from vllm import SamplingParams
 
@@ -213,6 +209,11 @@ def test_an_image_prompt_matches_transformer_lens_at_every_position(models, fami
     # (in the reference's fp32: Llama 4's image processor gives bf16 pixel values, which vLLM casts to its dtype)
     inputs = {key: value.float() if value.is_floating_point() else value for key, value in inputs.items()}
     complex_buffers_restored(model.bridge.original_model)
+    if family in CAUSAL_AMONG_IMAGE_TOKENS:  # (see IMAGE_FAMILIES: bidirectional, then causal)
+        bidirectional = model.reference(token_ids, llm.hook_names, **inputs)
+        with pytest.raises(AssertionError, match="attn.hook_attn_scores"):
+            base.assert_matches(captured, bidirectional, f"{family} image prompt", base.PerRow(0.1))
+        inputs.pop("token_type_ids")
     expected = model.reference(token_ids, llm.hook_names, **inputs)
     worst = base.assert_matches(captured, expected, f"{family} image prompt", tolerance(family))
     text_input = captured["blocks.0.hook_resid_pre"][image_positions]
