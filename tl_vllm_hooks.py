@@ -62,8 +62,8 @@ __all__ = [
     "REFUSED", "SAESpec", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION", "WorkerExtension",
     "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "logit_lens",
     "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts", "register",
-    "remove_hooks", "request_args", "reset_batched", "reset_edits", "reset_fire_counts", "segment_by_request",
-    "set_edits", "status", "unembed", "unregister", "user_request_id",
+    "remove_hooks", "request_args", "reset_batched", "reset_edits", "reset_fire_counts", "row_dtype",
+    "segment_by_request", "set_edits", "status", "unembed", "unregister", "user_request_id",
 ]
 # fmt: on
 
@@ -2758,7 +2758,7 @@ class _Hook(_EditTables):
     def bind(self, state: _HookState, index: int) -> None:
         self.state, self.index, rows, device = state, index, state.config.max_num_batched_tokens, state.device
         self.keeps_rows = self.name in state.config.capture_specs  # (else only its SAE's features are kept)
-        self.buffer = torch.zeros(rows, self.width, dtype=_row_dtype(self.name, state.config.dtype), device=device)
+        self.buffer = torch.zeros(rows, self.width, dtype=row_dtype(self.name, state.config.dtype), device=device)
         self.flag = state.capture_flags.narrow(0, index, 1)
         self.fire_count = state.fire_counts.narrow(0, index, 1)
         # Edit tables, out = out * scale + bias, of the flavour's rows.
@@ -2874,9 +2874,12 @@ def _rows_of_tables(tables: tuple[torch.Tensor, ...], row_index: torch.Tensor | 
     return tuple(table.index_select(0, picked) for table in tables)
 
 
-def _row_dtype(name: str, capture_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a hook's rows: int64 for the router's expert indices (as TransformerLens's, and exact past the
-    256 experts bfloat16 holds), else the capture dtype."""
+def row_dtype(name: str, capture_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the rows a read (or a dataset) gives under ``name``: int64 for the router's expert indices (as
+    TransformerLens's, and exact past the 256 experts bfloat16 holds), int32 for an SAE's feature indices
+    (``{features name}.indices``), else the capture dtype."""
+    if name.endswith(SAE_FEATURES + ".indices"):
+        return torch.int32
     return torch.int64 if name.endswith("hook_expert_indices") else capture_dtype
 
 

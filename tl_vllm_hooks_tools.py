@@ -64,6 +64,7 @@ from tl_vllm_hooks import (
     read_captures,
     request_args,
     reset_edits,
+    row_dtype,
     set_edits,
     user_request_id,
 )
@@ -734,7 +735,7 @@ class CaptureDataset:
                         "shards"
                     )
                 start, end = (listed["__data_start__"] + offset for offset in tensor["data_offsets"])
-                rows[name] = torch.from_numpy(mapped[start:end]).view(self._dtype_of(name)).view(tensor["shape"])
+                rows[name] = torch.from_numpy(mapped[start:end]).view(row_dtype(name, self.dtype)).view(tensor["shape"])
             per_writer.append((header["shards"], rows))
         return ActivationRows(join_ranks(per_writer), self._writers[0][0].get("n_layers"))  # (None: an older dataset)
 
@@ -753,19 +754,13 @@ class CaptureDataset:
             data_bytes = os.path.getsize(shard) - 8 - length
             for key, tensor in header.items():
                 start, end = tensor["data_offsets"]
-                dtype = self._dtype_of(key)
+                dtype = row_dtype(key, self.dtype)
                 code, item = _SAFETENSORS_DTYPES[_torch_dtype_name(dtype)], dtype.itemsize
                 if tensor["dtype"] != code or end - start != math.prod(tensor["shape"]) * item or end > data_bytes:
                     raise ValueError(f"{shard}: tensor {key!r} ({tensor}) does not fit the shard or its {code} dtype")
             self._shard_headers[shard] = {**header, "__data_start__": 8 + length}
         return self._shard_headers[shard]
 
-    def _dtype_of(self, name: str) -> torch.dtype:
-        """A tensor's dtype: the capture dtype, int32 for SAE feature indices, int64 for the router's expert indices
-        (what the workers keep them as)."""
-        if name.endswith(SAE_FEATURES + ".indices"):
-            return torch.int32
-        return torch.int64 if name.endswith("hook_expert_indices") else self.dtype
 
 
 # ---------------------------------------------------------------------------
