@@ -1215,6 +1215,7 @@ def engine(
     sae_top_k=64,
     sae_chosen_features=0,
     attention_heads=None,
+    logit_lens=None,
     rows=MAX_TOKENS_PER_FORWARD,
     **llm_kwargs,
 ):
@@ -1235,6 +1236,7 @@ def engine(
         sae_top_k=sae_top_k,
         sae_chosen_features=sae_chosen_features,
         attention_heads=attention_heads or {},
+        logit_lens=logit_lens or {},
     )
     layout = "0" if in_process else "1"
     with environment_restored(VLLM_ENABLE_V1_MULTIPROCESSING=layout, **dict(environment)):
@@ -3134,6 +3136,40 @@ def check_mixed_requests(llm, model, engine_edits=None, tolerance=TOLERANCE):
     plain = list(generate(llm, [MIXED_REQUESTS[-1][0]], max_tokens=3)[0].outputs[0].token_ids)
     tlh.reset_batched(llm)
     assert plain != suppressed, "the edit of the last request must not outlive it"
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "separate"])
+def test_the_logit_lens_kept_in_the_step_is_the_models_logits_and_unembeds(models, tmp_path, in_process):
+    """configure(..., logit_lens={hook: k}): each kept row's top k logits, made in the step: the last layer's are
+    TransformerLens's logits' top k, an earlier layer's what unembed makes of the rows read (itself checked against
+    TransformerLens), per request, in a read and in a sink."""
+    model, k = models["llama"], 5
+    last = model.hf.config.num_hidden_layers - 1
+    lens = {"blocks.1.hook_resid_post": k, f"blocks.{last}.hook_resid_post": k}
+    prompts = [PROMPT[:40], PROMPT[5:17]]
+    with engine(model, sites=("resid_post",), in_process=in_process, eager=True, batching=True, logit_lens=lens) as llm:
+        outputs = generate(llm, prompts, 3, [tlh.request_args(llm.config, "prompt")] * 2)
+        rows = tlh.read_batched(llm, [output.request_id for output in outputs])
+        for prompt, output in zip(prompts, outputs):
+            got = rows[output.request_id]
+            assert got[f"blocks.{last}.hook_resid_post.logits.values"].dtype == torch.float32
+            assert got[f"blocks.{last}.hook_resid_post.logits.indices"].dtype == torch.int64
+            with torch.no_grad():
+                logits = model.bridge.run_with_cache(torch.tensor([prompt]), names_filter=[])[0][0]
+            best = logits.topk(k)
+            assert torch.equal(got[f"blocks.{last}.hook_resid_post.logits.indices"], best.indices)
+            assert_matches({"values": got[f"blocks.{last}.hook_resid_post.logits.values"]}, {"values": best.values})
+            unembedded = tlh.unembed(llm, got["blocks.1.hook_resid_post"], top_k=k)
+            assert torch.equal(got["blocks.1.hook_resid_post.logits.indices"], unembedded.indices)
+            assert_matches({"values": got["blocks.1.hook_resid_post.logits.values"]}, {"values": unembedded.values})
+    with engine(model, sites=("resid_post",), in_process=in_process, eager=True, batching=True, logit_lens=lens,
+                sink_dir=str(tmp_path / "acts")) as llm:
+        sunk = generate(llm, prompts, 3, [tlh.request_args(llm.config, "prompt")] * 2)
+        dataset = tlh.flush_sink(llm)
+        for output, read in zip(sunk, outputs):
+            written, held = dataset[output.request_id], rows[read.request_id]
+            assert set(written) == set(held)
+            assert all(torch.equal(written[name], held[name]) for name in held), "the sink's are the read's"
 
 
 class TestBatched:

@@ -181,6 +181,8 @@ _READ_ONLY_SITES = {  # site -> why an edit of it is refused
 _NORM_SITES = (
     "ln1_scale", "ln1", "block_norm_scale", "block_norm", "ln2_scale", "ln2", "final_norm_scale", "final_norm"
 )
+_RESIDUAL_SITES = ("resid_pre", "resid_mid", "resid_post")  # the rows the logit lens reads (logit_lens, config's too)
+_LOGITS = ".logits"  # a config's logit_lens keeps {hook}.logits.values and .indices
 
 _HOOK_NAME = {re.compile("^" + re.escape(name).replace(r"\{i\}", r"(\d+)") + "$"): site for site, name in SITES.items()}
 
@@ -1185,6 +1187,10 @@ class CaptureConfig:
     attention_heads: ``{attn_scores or pattern hook: [head, ...]}``: the heads whose scores or pattern a read of that
         hook rebuilds, in this order, ``[len(heads), queries, keys]`` (every head of a hook not named). Its rows, and
         so its cost on the engine, stay every head's query and key; the read's work and memory shrink by heads kept.
+    logit_lens: batched flavour: ``{residual-stream hook in capture_specs: k}``: the workers unembed each kept row of
+        that hook (the final norm, then the unembedding, as ``unembed`` does) in the step that makes it, and keep its
+        k highest logits, highest first, as ``{hook}.logits.values`` (float32 ``[k]``) and ``.indices`` (int64
+        ``[k]``): a read or the sink hands them over beside the rows, and no row travels back for ``unembed``.
     """
 
     capture_specs: dict[str, tuple[int, ...] | tuple[str, int]]
@@ -1199,6 +1205,7 @@ class CaptureConfig:
     sae_top_k: int = 64
     sae_chosen_features: int = 0
     attention_heads: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    logit_lens: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         specs, saes = self.capture_specs, self.saes
@@ -1239,6 +1246,7 @@ class CaptureConfig:
                 )
             object.__setattr__(self, "sink_dir", os.path.abspath(self.sink_dir))
         object.__setattr__(self, "attention_heads", self._checked_attention_heads())
+        self._check_logit_lens()
         seconds = self.shard_seconds
         if seconds is not None and (
             not isinstance(seconds, (int, float)) or seconds is True or not 0 < seconds < math.inf
@@ -1266,6 +1274,27 @@ class CaptureConfig:
                     f"{heads!r:.200}"
                 )
         return {name: tuple(heads) for name, heads in chosen.items()}
+
+    def _check_logit_lens(self) -> None:
+        """ValueError naming what is wrong with logit_lens (its k is checked against the vocabulary in the workers)."""
+        lens = self.logit_lens
+        residual = [n for n in self.capture_specs if (parse_hook_name(n) or ("",))[0] in _RESIDUAL_SITES]
+        if not isinstance(lens, dict) or lens and not self.enable_batching:
+            raise ValueError(
+                "logit_lens: a dict {residual-stream hook: k}, with enable_batching=True (the batched flavour keeps "
+                f"each request's logits), got {lens!r:.200}"
+            )
+        for name, k in lens.items():
+            if name not in residual:
+                raise ValueError(f"logit_lens: {name!r} is not a residual-stream hook in capture_specs; those are {residual}")
+            if not _int_at_least(k, 1):
+                raise ValueError(f"logit_lens[{name!r}]: k must be a positive int, got {k!r}")
+
+    def logit_rows(self, name: str) -> dict[str, tuple[int]]:
+        """What a forward keeps of hook ``name``'s logit lens (a key of logit_lens), each with one row's shape:
+        ``{name}.logits.values`` and ``.indices``."""
+        top = (self.logit_lens[name],)
+        return {name + _LOGITS + ".values": top, name + _LOGITS + ".indices": top}
 
     def row_shape(self, name: str) -> tuple[int, ...]:
         """The shape of one row of hook ``name``: ``(width,)`` or ``(n_heads, d_head)``."""
@@ -2358,6 +2387,7 @@ class _HookState:
     unread_requests = 0
     table_rows: int | None = None
     sink: Any = None  # the batched flavour's, with a sink_dir: tl_vllm_hooks_tools.RankSink
+    logit_buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the batched flavour's logit lens, see _Batched
     shared: _SharedRows | None = None  # the batched flavour's row files
 
     def __init__(self, config: CaptureConfig, engine: _EngineFacts, placed: dict[str, _Hook], absent: list[str]):
@@ -2407,6 +2437,10 @@ class _HookState:
                     buffers["chosen"] = hook.sae.chosen_values
                 rows = self.config.feature_rows(name).items()
                 sources += [_Source(source, buffers[source.rpartition(".")[2]], shape) for source, shape in rows]
+        for name, (values, indices) in self.logit_buffers.items():
+            buffers = {"values": values, "indices": indices}
+            rows = self.config.logit_rows(name).items()
+            sources += [_Source(source, buffers[source.rpartition(".")[2]], shape) for source, shape in rows]
         return sources
 
     @functools.cached_property
@@ -2876,11 +2910,13 @@ def _rows_of_tables(tables: tuple[torch.Tensor, ...], row_index: torch.Tensor | 
 
 def row_dtype(name: str, capture_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the rows a read (or a dataset) gives under ``name``: int64 for the router's expert indices (as
-    TransformerLens's, and exact past the 256 experts bfloat16 holds), int32 for an SAE's feature indices
-    (``{features name}.indices``), else the capture dtype."""
+    TransformerLens's, and exact past the 256 experts bfloat16 holds) and a logit lens's indices, int32 for an SAE's
+    feature indices (``{features name}.indices``), float32 for a logit lens's values, else the capture dtype."""
     if name.endswith(SAE_FEATURES + ".indices"):
         return torch.int32
-    return torch.int64 if name.endswith("hook_expert_indices") else capture_dtype
+    if name.endswith(_LOGITS + ".values"):
+        return torch.float32
+    return torch.int64 if name.endswith(("hook_expert_indices", _LOGITS + ".indices")) else capture_dtype
 
 
 def _router_hooks(site: _Hook) -> None:
@@ -3683,6 +3719,22 @@ class _Batched(_HookState):
         self.incomplete: dict[str, str] = {}  # request id -> why its rows cannot be read
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.shared = _SharedRows(self.copy_stream is not None, self._wait_for_copies)
+        # The config's logit lens on this rank's hooks: each kept row's top k logits, float32 and int64 [rows, k],
+        # written as the step's kept rows go to host memory (_rows_to_host).
+        lens = {name: k for name, k in self.config.logit_lens.items() if name in self.placed}
+        if lens and self.readout[0] is None:
+            raise ValueError(
+                f"logit_lens: {sorted(lens)} run on a pipeline stage without the model's final norm and unembedding; "
+                "read those rows and unembed them, or run one pipeline stage"
+            )
+        for name, k in lens.items():
+            if k > self.hf_config.vocab_size:
+                raise ValueError(f"logit_lens[{name!r}]: k {k} is more than the {self.hf_config.vocab_size} logits")
+        self.logit_buffers = {
+            name: (torch.zeros(rows, k, dtype=torch.float32, device=self.device),
+                   torch.zeros(rows, k, dtype=torch.int64, device=self.device))
+            for name, k in lens.items()
+        }
         self.warmed_up = False  # Model Runner V2's warm-up requests (_warmup_{i}_) are never read
 
     def row_index(self, hook_index: int) -> torch.Tensor:
@@ -3960,6 +4012,8 @@ class _Batched(_HookState):
         if num_rows != kept_rows[-1] + 1:  # not rows 0..n-1
             index = torch.empty(num_rows, dtype=torch.int64, device=self.device)
             _copy_to_device(kept_rows, index)
+        if self.logit_buffers:
+            self._logit_lens(index, num_rows)
         host_rows, gathered, offset = {}, {}, 0
         for (name, buffer, _shape), size in zip(self.sources, sizes):
             host = region[offset : offset + size].view(buffer.dtype)[: num_rows * buffer.shape[1]]
@@ -3977,6 +4031,30 @@ class _Batched(_HookState):
                     host_rows[name].copy_(rows, non_blocking=True)
                     rows.record_stream(self.copy_stream)
         return file, host_rows
+
+    def _logit_lens(self, index: torch.Tensor | None, num_rows: int) -> None:
+        """The config's logit lens of the step's kept rows (index, on the device; None: rows 0..num_rows-1): the top k
+        of each one's logits (unembed's, in chunks of at most _UNEMBED_CHUNK_BYTES of float32 logits), into the
+        logit buffers at those rows; a tensor-parallel rank the unembedding's join leaves without them writes none."""
+        final_norm, bias = self.readout
+        step = max(1, _UNEMBED_CHUNK_BYTES // (4 * self.hf_config.vocab_size))
+        with torch.inference_mode():
+            for name, (values, indices) in self.logit_buffers.items():
+                buffer = self.placed[name].buffer
+                rows = buffer[:num_rows] if index is None else buffer.index_select(0, index)
+                best = []
+                for chunk in rows.split(step):
+                    logits = _readout(self.model, final_norm, chunk.to(self.edit_dtype), True, bias)
+                    if logits is None:
+                        break
+                    best.append(logits.float().topk(values.shape[1], dim=-1))
+                else:
+                    top_values, top_indices = (torch.cat(parts) for parts in zip(*best))
+                    if index is None:
+                        values[:num_rows], indices[:num_rows] = top_values, top_indices
+                    else:
+                        values.index_copy_(0, index, top_values)
+                        indices.index_copy_(0, index, top_indices)
 
     def _region_sizes(self, num_rows: int) -> list[int]:
         """The bytes each source's num_rows rows take in a step's region of host memory, each 64-byte aligned."""
@@ -4807,7 +4885,6 @@ class ActivationRows(dict):
 
 
 _UNEMBED_CALL_BYTES = 64 << 20  # the most logits one worker call of unembed hands back
-_RESIDUAL_SITES = ("resid_pre", "resid_mid", "resid_post")  # the rows logit_lens reads
 
 
 def _unembedded(engine: Any, rows: torch.Tensor, top_k: Any, apply_ln: Any, caller: str) -> Any:
