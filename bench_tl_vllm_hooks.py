@@ -97,6 +97,8 @@ CASES = {
     "f1": "(f) at the middle layer only (the SAE cases' dense rows)",
     "p1": "(f1) as attn.hook_pattern, every head: each token's query and key kept, the patterns rebuilt when read",
     "u20": "(f) at the last layer alone, then each prompt token's top 20 logits (unembed in the workers, top_k=20)",
+    "u20s": "(u20) with the top 20 made in the step (configure's logit_lens), read beside the rows",
+    "l16": "the logit lens: (f) with every layer's top 20 logits made in the step (logit_lens on each hook)",
     "sae16": "batched, compiled: a 16,384-feature SAE at the middle layer's resid_post, top 64 of every prompt token",
     "sae65": "(sae16) with 65,536 features",
     "h4": "harvest: batched, compiled, resid_post of every prompt token at 4 layers, rows read (use --harvest)",
@@ -114,9 +116,9 @@ CASES = {
 _STEERING = {"k0": 0, "k1": 1, "k16": 16, "k256": 256, "kpos": None}
 _SITES = {"b": ("resid_post",), "c": ("resid_post", "attn_out", "mlp_out"), "d": ("resid_post",), "e": ("resid_post",),
           "f": ("resid_post",), "g": ("resid_post",), "s": ("resid_post",), "f1": ("resid_post",),
-          "p1": ("pattern",), "u20": ("resid_post",), "h4": ("resid_post",), "h16": ("resid_post",), "h4s": ("resid_post",), "h16s": ("resid_post",),
+          "p1": ("pattern",), "u20": ("resid_post",), "u20s": ("resid_post",), "l16": ("resid_post",), "h4": ("resid_post",), "h16": ("resid_post",), "h4s": ("resid_post",), "h16s": ("resid_post",),
           **dict.fromkeys(_STEERING, ("resid_post",))}
-_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt", "f1": "prompt", "p1": "prompt", "u20": "prompt",
+_BATCHED = {"e": "all", "f": "prompt", "g": "last_prompt_token", "s": "prompt", "f1": "prompt", "p1": "prompt", "u20": "prompt", "u20s": "prompt", "l16": "prompt",
             "sae16": "prompt",
             "sae65": "prompt", "h4": "prompt", "h16": "prompt", "h4s": "prompt", "h16s": "prompt",
             **dict.fromkeys(_STEERING, "none")}  # request_args' capture
@@ -124,13 +126,14 @@ _LAYER_COUNT = {"f1": 1, "p1": 1, "h4": 4, "h16": 16, "h4s": 4, "h16s": 16, **di
 # layers hooked (the others: every one)
 _SINK = ("s", "h4s", "h16s")  # cases that write their rows to a sink directory
 _UNEMBED = {"u20": 20}  # case -> logits kept per token (unembed's top_k) of the last layer's rows
+_LOGIT_LENS = {"u20s": 20, "l16": 20}  # case -> logits kept per token and hook, made in the step (logit_lens)
 _SAES = {"sae16": 16384, "sae65": 65536}  # case -> features of its SAE (random, standard), features only, no rows
 _SAE_TOP_K = 64
 _EAGER = ("e", "plain-eager", "tl-e")
 _PLAIN = ("plain", "plain-eager")
 _PEER = ("tl-b", "tl-e")  # TransformerLens's plugin, its four files loaded as the package tl_peer_plugin
 _PEER_FILES = ("plugin.py", "internals.py", "worker_extension.py", "intervention_specs.py")
-_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b", "f1", "u20", "sae16", "sae65",
+_SAME_TOKENS_AS_PLAIN = ("a", "b", "c", "d", "f", "g", "s", "tl-b", "f1", "u20", "u20s", "l16", "sae16", "sae65",
                         *(c for c in _LAYER_COUNT if c not in _STEERING), "k0")  # identity
 
 # Llama-3.2-1B's shape, and a tiny one whose head_dim (64) vLLM's CPU attention accepts.
@@ -152,7 +155,7 @@ _TINY_HARVEST_WORKLOAD = (16, 256, 1, 2048, 3, 1)
 def _case_layers(name: str, num_layers: int) -> list[int] | None:
     """The layers a case hooks: None for every layer; the middle one for one layer; else evenly spaced, first and
     last included."""
-    if name in _UNEMBED:
+    if name in _UNEMBED or name == "u20s":
         return [num_layers - 1]
     count = _LAYER_COUNT.get(name)
     if count is None or count >= num_layers:
@@ -321,7 +324,9 @@ class _Engine:
                 specs, saes = tl.capture_specs(hf_config, sites=self.sites, layers=layers), {}
             config = self.config = tl.configure(specs, dtype=dtype, max_num_batched_tokens=args.max_num_batched_tokens,
                                                 enable_batching=name in _BATCHED, sink_dir=self.sink_dir, saes=saes,
-                                                sae_top_k=_SAE_TOP_K)
+                                                sae_top_k=_SAE_TOP_K,
+                                                logit_lens=dict.fromkeys(specs, _LOGIT_LENS[name]) if name in _LOGIT_LENS
+                                                else {})
             engine_args.update(config.llm_kwargs)
             if name in _BATCHED:
                 extra_args = tl.request_args(config, capture=_BATCHED[name])

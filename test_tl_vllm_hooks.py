@@ -1376,6 +1376,12 @@ class TestConfigChannel:
             (dict(shard_seconds=float("nan")), "shard_seconds"),
             (dict(shard_seconds=True), "shard_seconds"),
             (dict(shard_seconds="1"), "shard_seconds"),
+            (dict(logit_lens={"blocks.0.hook_resid_post": 5}), r"logit_lens: .*enable_batching=True"),
+            (dict(enable_batching=True, logit_lens=["blocks.0.hook_resid_post"]), r"logit_lens: a dict"),
+            (dict(enable_batching=True, logit_lens={"blocks.0.hook_resid_pre": 5}), "not a residual-stream hook in "
+             r"capture_specs; those are \['blocks.0.hook_resid_post'\]"),
+            (dict(enable_batching=True, logit_lens={"blocks.0.hook_resid_post": 0}), "k must be a positive int"),
+            (dict(enable_batching=True, logit_lens={"blocks.0.hook_resid_post": True}), "k must be a positive int"),
         ],
     )
     def test_bad_config_names_the_field(self, kwargs, field):
