@@ -1503,12 +1503,12 @@ _WIRE_VALUE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def _values_to_wire(tensor: torch.Tensor) -> dict[str, Any]:
-    """A float tensor's wire form, ``{"dtype": str, "shape": list[int], "base64": str}`` (other dtypes as float64)."""
-    tensor = tensor.detach().to("cpu").contiguous()
+    """A float tensor's wire form, encode_tensor's with its bytes in base64: ``{"dtype": str, "shape": list[int],
+    "base64": str}`` (a dtype not among _WIRE_VALUE_DTYPES as float64)."""
     if _dtype_name(tensor.dtype) not in _WIRE_VALUE_DTYPES:
         tensor = tensor.to(torch.float64)
-    data = base64.b64encode(tensor.reshape(-1).view(torch.uint8).numpy().tobytes()).decode("ascii")
-    return {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape), "base64": data}
+    message = encode_tensor(tensor)
+    return {"dtype": message["dtype"], "shape": message["shape"], "base64": base64.b64encode(message["data"]).decode()}
 
 
 def _values_from_wire(message: dict[str, Any]) -> torch.Tensor:
@@ -1524,10 +1524,7 @@ def _values_from_wire(message: dict[str, Any]) -> torch.Tensor:
         data = base64.b64decode(message["base64"], validate=True)
     except (TypeError, ValueError):
         raise ValueError("base64 is not base64 text") from None
-    dtype = getattr(torch, message["dtype"])
-    if len(data) != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"{len(data)} bytes for {message['dtype']} values of shape {shape}")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape).to(torch.float64)
+    return decode_tensor({"dtype": message["dtype"], "shape": shape, "data": data}).to(torch.float64)
 
 
 def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
@@ -2512,16 +2509,24 @@ class _HookState:
             if not top_k:  # (the driver sends at most _UNEMBED_CALL_BYTES of logits a call)
                 logits = _readout(self.model, final_norm, hidden, apply_ln, bias)
                 return None if logits is None else {"logits": encode_tensor(logits.float())}
-            # top_k: rows in chunks of at most _UNEMBED_CHUNK_BYTES of float32 logits (every rank the same chunks)
-            step = max(1, _UNEMBED_CHUNK_BYTES // (4 * self.hf_config.vocab_size))
-            best = []
-            for chunk in hidden.split(step):
-                logits = _readout(self.model, final_norm, chunk, apply_ln, bias)
-                if logits is None:
-                    return None
-                best.append(logits.float().topk(top_k, dim=-1))
-            values, indices = (torch.cat(parts) for parts in zip(*best))
-            return {"values": encode_tensor(values), "indices": encode_tensor(indices)}
+            best = self.top_logits(hidden, apply_ln, top_k)
+            return None if best is None else {"values": encode_tensor(best[0]), "indices": encode_tensor(best[1])}
+
+    def top_logits(self, rows: torch.Tensor, apply_ln: bool, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The k highest logits of rows [n, d_model] (in the model's dtype, on the device; see _readout), highest
+        first: (float32, int64), each [n, k]; None on a rank without them. Rows go in chunks of at most
+        _UNEMBED_CHUNK_BYTES of float32 logits (every tensor-parallel rank the same chunks). For unembed's top_k and
+        the batched flavour's logit lens."""
+        final_norm, bias = self.readout
+        step = max(1, _UNEMBED_CHUNK_BYTES // (4 * self.hf_config.vocab_size))
+        best = []
+        for chunk in rows.split(step):
+            logits = _readout(self.model, final_norm, chunk, apply_ln, bias)
+            if logits is None:
+                return None
+            best.append(logits.float().topk(k, dim=-1))
+        values, indices = (torch.cat(parts) for parts in zip(*best))
+        return values, indices
 
     def reset_fire_counts(self) -> None:
         self.fire_counts.zero_()
@@ -3888,10 +3893,10 @@ class _Batched(_HookState):
         self.row_edit_index_dirty = True
         plan = self._edit_plan(self.step.requests)
         index = np.minimum(row_positions, global_rows - 1)[None, :].repeat(len(self.lanes), 0)
-        counts = self.step.counts[edited]
         if self.step.one_row_each:  # (row i is request i's)
             rows, owner = edited, np.arange(edited.size)
         else:
+            counts = self.step.counts[edited]
             owner = np.repeat(np.arange(edited.size), counts)
             rows = np.repeat(starts[edited] - (np.cumsum(counts) - counts), counts) + np.arange(owner.size)
         every = plan.every[owner]  # [edited rows, lanes]: the lane's edit at every position
@@ -4034,27 +4039,20 @@ class _Batched(_HookState):
 
     def _logit_lens(self, index: torch.Tensor | None, num_rows: int) -> None:
         """The config's logit lens of the step's kept rows (index, on the device; None: rows 0..num_rows-1): the top k
-        of each one's logits (unembed's, in chunks of at most _UNEMBED_CHUNK_BYTES of float32 logits), into the
-        logit buffers at those rows; a tensor-parallel rank the unembedding's join leaves without them writes none."""
-        final_norm, bias = self.readout
-        step = max(1, _UNEMBED_CHUNK_BYTES // (4 * self.hf_config.vocab_size))
+        of each one's logits (top_logits, as unembed's), into the logit buffers at those rows; a tensor-parallel rank
+        the unembedding's join leaves without them writes none."""
         with torch.inference_mode():
             for name, (values, indices) in self.logit_buffers.items():
                 buffer = self.placed[name].buffer
                 rows = buffer[:num_rows] if index is None else buffer.index_select(0, index)
-                best = []
-                for chunk in rows.split(step):
-                    logits = _readout(self.model, final_norm, chunk.to(self.edit_dtype), True, bias)
-                    if logits is None:
-                        break
-                    best.append(logits.float().topk(values.shape[1], dim=-1))
+                best = self.top_logits(rows.to(self.edit_dtype), True, values.shape[1])
+                if best is None:
+                    continue
+                if index is None:
+                    values[:num_rows], indices[:num_rows] = best
                 else:
-                    top_values, top_indices = (torch.cat(parts) for parts in zip(*best))
-                    if index is None:
-                        values[:num_rows], indices[:num_rows] = top_values, top_indices
-                    else:
-                        values.index_copy_(0, index, top_values)
-                        indices.index_copy_(0, index, top_indices)
+                    values.index_copy_(0, index, best[0])
+                    indices.index_copy_(0, index, best[1])
 
     def _region_sizes(self, num_rows: int) -> list[int]:
         """The bytes each source's num_rows rows take in a step's region of host memory, each 64-byte aligned."""
