@@ -3512,6 +3512,13 @@ class _OnePrompt(_HookState):
         return {"shards": self.shards(), "attention": self.attention(), "rows": encoded}
 
 
+# ---------------------------------------------------------------------------
+# The batched flavour's steps. Every step, decode steps of hundreds of requests included, runs this on the host between
+# forwards, so a step's work is array operations over its requests, cached while its requests are the last step's
+# (_RequestTable, _EditPlan), and Python per request only where one starts, ends or keeps rows.
+# ---------------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class _StepRequests:
     """A step's requests in row order and what the request table holds for each: int64 [num_requests] arrays of
