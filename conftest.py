@@ -1,9 +1,9 @@
-"""The test order: TL_VLLM_HOOKS_TEST_SEED=N shuffles the tests within each class (and a module's tests outside
-classes) by seed N, so that a test that passes only after another has set up what it reads shows itself. Modules and
-classes keep their order (the engines they share and the two CI workers' balance follow it), and pytest's own grouping
-of tests by a shared parametrized engine runs after the shuffle; the seed is printed at the start and the end.
-Without it the order is the files' (what CI runs): seed 101622 found two tests that depend on the order (the LFM2
-SAE check's engine arguments, and the row-file counts after reset_batched), not yet mended.
+"""The test order: the tests within each class (and a module's tests outside classes) are shuffled by a seed, drawn at
+random unless TL_VLLM_HOOKS_TEST_SEED=N gives it, so that a test that passes only after another has set up what it
+reads shows itself; the seed is printed at the start and the end, and TL_VLLM_HOOKS_TEST_SEED=N repeats the order.
+Modules and classes keep their order (the engines they share and the two CI workers' balance follow it), and pytest's
+own grouping of tests by a shared parametrized engine runs after the shuffle. The seed is drawn once, where pytest
+starts, and reaches pytest-xdist's workers through the environment, so every worker collects the same order.
 """
 
 import os
@@ -14,18 +14,20 @@ import pytest
 _SEED = "TL_VLLM_HOOKS_TEST_SEED"
 
 
+def pytest_configure(config):
+    os.environ.setdefault(_SEED, str(random.SystemRandom().randrange(1_000_000)))
+
+
 def _said() -> str:
     return f"test order: shuffled within each class, seed {os.environ[_SEED]} ({_SEED}={os.environ[_SEED]} repeats it)"
 
 
 def pytest_report_header(config):
-    return _said() if _SEED in os.environ else None
+    return _said()
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest groups the tests by their parametrized class- and module-scoped engines
 def pytest_collection_modifyitems(items):
-    if _SEED not in os.environ:
-        return
     shuffle = random.Random(int(os.environ[_SEED])).shuffle
     groups: dict[tuple, list] = {}
     for item in items:
@@ -36,5 +38,4 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _SEED in os.environ:
-        terminalreporter.write_line(_said())
+    terminalreporter.write_line(_said())

@@ -1465,10 +1465,16 @@ def _parse_edit(edit: Any, name: str, config: CaptureConfig) -> tuple[tuple[torc
     width = math.prod(row_shape)
     shapes = [(width,)] + ([row_shape] if len(row_shape) > 1 else [])
     valid = f"a finite number, or finite numbers of shape {' or '.join(map(str, map(list, shapes)))}"
-    keeps, adds = _scale_and_bias(edit, name, shapes, valid)
-    scale_row = torch.zeros(width, dtype=torch.float64).add_(keeps)
-    bias_row = torch.zeros(width, dtype=torch.float64).add_(adds)
-    return (scale_row, bias_row), _edit_positions(edit, name)
+    rows = tuple(_float64_row(part, width) for part in _scale_and_bias(edit, name, shapes, valid))
+    return rows, _edit_positions(edit, name)
+
+
+def _float64_row(part: float | torch.Tensor, width: int) -> torch.Tensor:
+    """One of an edit's (scale, bias), float64 [width]: a number as a row of it, a value (made fresh by the parse) as
+    it is, one number spread over the row made whole."""
+    if isinstance(part, torch.Tensor):
+        return part.contiguous()
+    return torch.full((width,), part, dtype=torch.float64)
 
 
 def _scale_and_bias(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> tuple:
@@ -2194,8 +2200,9 @@ def _parallel_ranks() -> _Ranks:
 class _EngineFacts:
     """What the hooks know of their worker and its engine, read once per install (_engine_facts): the model vLLM
     loaded, its checkpoint's transformers config, the engine's tokens per forward and requests per step, whether it
-    caches prefixes, the device and dtype of the model's parameters (the edit tables'), the worker's ranks, and whether
-    the model's rotary embeddings run vLLM's CPU kernel (see _Family.rotary_3d)."""
+    caches prefixes, the device and dtype of the model's parameters (the edit tables'), the worker's ranks, whether
+    the model's rotary embeddings run vLLM's CPU kernel (see _Family.rotary_3d), and whether the engine's custom_ops
+    asked for vLLM's rotary in torch instead."""
 
     model: torch.nn.Module
     hf_config: Any
@@ -2206,6 +2213,7 @@ class _EngineFacts:
     dtype: torch.dtype
     ranks: _Ranks
     cpu_rotary: bool
+    rotary_in_torch_asked: bool
 
 
 def _engine_facts(worker: Any) -> _EngineFacts:
@@ -2223,8 +2231,15 @@ def _engine_facts(worker: Any) -> _EngineFacts:
     )
     return _EngineFacts(
         model, vllm_config.model_config.hf_config, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, caching,
-        parameter.device, parameter.dtype, _parallel_ranks(), cpu_rotary,
+        parameter.device, parameter.dtype, _parallel_ranks(), cpu_rotary, _rotary_in_torch_asked(vllm_config),
     )  # fmt: skip
+
+
+def _rotary_in_torch_asked(vllm_config: Any) -> bool:
+    """Whether the engine's compilation_config.custom_ops turn vLLM's rotary op off (vLLM's rule: '-rotary_embedding',
+    or 'none' without 'all' or '+rotary_embedding'; vLLM fills in 'none' or 'all' when it starts)."""
+    ops = list(vllm_config.compilation_config.custom_ops or ())
+    return "-rotary_embedding" in ops or ("none" in ops and "all" not in ops and "+rotary_embedding" not in ops)
 
 
 def _wrap_forward(module: torch.nn.Module, pre_hook: Any, hook: Any) -> Any:
@@ -2592,6 +2607,15 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
                 f"{sorted(_ARCHITECTURES)}"
             )
         prefix = _text_prefix(family, modules)
+        if family.rotary_3d and engine.cpu_rotary and engine.rotary_in_torch_asked:
+            raise ValueError(
+                f"architecture {family.architecture}: this engine's custom_ops ask for vLLM's rotary in torch, but its "
+                "rotary embedding runs vLLM's CPU kernel (RotaryEmbedding.forward_cpu), which rotates this family's q "
+                "and k of [tokens, heads, d_head] as if each head were a token: vLLM's get_rope keeps one rotary module "
+                "per shape for the whole process, and an earlier engine in this process built this one with the kernel. "
+                "Start this engine in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default), or "
+                "clear vllm.model_executor.layers.rotary_embedding._ROPE_DICT before it starts"
+            )
         if family.rotary_3d and engine.cpu_rotary:
             raise ValueError(
                 f"architecture {family.architecture}: vLLM hands its rotary embedding q and k of [tokens, heads, "
