@@ -22,8 +22,10 @@ def _said() -> str:
     return f"test order: shuffled within each class, seed {os.environ[_SEED]} ({_SEED}={os.environ[_SEED]} repeats it)"
 
 
-def pytest_report_header(config):
-    return _said()
+def pytest_sessionstart(session):  # (pytest's header is not printed under -q; xdist's workers have no terminal)
+    terminal = session.config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None and not hasattr(session.config, "workerinput"):
+        terminal.write_line(_said())
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest groups the tests by their parametrized class- and module-scoped engines

@@ -297,12 +297,17 @@ def family_engine_arguments(family: str) -> dict:
         arguments.update(dtype="bfloat16")
     if record.rotary_3d:  # vLLM's rotary in torch, not its CPU kernel, which mis-rotates 3-D q and k
         arguments.update(compilation_config={"custom_ops": ["-rotary_embedding"]})
+    if record.latent_attention and AMX_MLA:  # (see test_latent_keys_on_vllms_amx_mla_backend_are_refused)
+        arguments.update(attention_config={"backend": "CPU_MLA"})
     if record.latent_attention:  # vLLM's CPU turns chunked prefill off for it, and schedules up to 2048 tokens a step
         arguments.update(rows=LATENT_ROWS)
     return arguments
 
 
 LATENT_ROWS = 2048
+# vLLM's CPU picks its AMX_MLA backend for latent attention where the CPU has AMX tiles, and that backend releases
+# kv_b_proj's weight, which the latent keys and values are projected up by: the module refuses those hooks there.
+AMX_MLA = not torch.cuda.is_available() and torch.cpu._is_amx_tile_supported()
 
 
 # --- models and the references -----------------------------------------------------------
@@ -2824,6 +2829,7 @@ class TestExamples:
             ("parity.py", "worst "),
             ("steer.py", "after reset:"),
             ("per_request.py", "last-token row matches the unedited request's row 29: True"),
+            ("activation_patching.py", "(within 0.0001 of the largest effect)"),
             ("capture_batch.py", "blocks.1.hook_resid_post: (203, 128)"),
         ],
     )
@@ -3523,6 +3529,18 @@ def test_an_eager_engine_running_the_cpu_rotary_kernel_on_3d_queries_is_refused(
                        r".*an earlier engine in this process built this one with the kernel.*_ROPE_DICT"):
         with engine(models["lfm2"], sites=("resid_post",), in_process=True, eager=True, earlier_rotary=True,
                     **family_engine_arguments("lfm2")):
+            pass
+
+
+@pytest.mark.skipif(not AMX_MLA, reason="vLLM's CPU picks its AMX_MLA backend only on a CPU with AMX tiles")
+def test_latent_keys_on_vllms_amx_mla_backend_are_refused(models):
+    """GLM-4.7-Flash's latent attention where vLLM's CPU picks its AMX_MLA backend (a CPU with AMX tiles), which
+    releases kv_b_proj's weight after packing it: the per-head key, projected up from the latent by it, is refused,
+    naming attention_config={'backend': 'CPU_MLA'} (which the other tests pass there)."""
+    arguments = {k: v for k, v in family_engine_arguments("glm4_moe_lite").items() if k != "attention_config"}
+    with pytest.raises(Exception, match=r"attn\.hook_k: vLLM released .*kv_b_proj's weight after packing it for its "
+                       r"AMX_MLA backend.*attention_config=\{'backend': 'CPU_MLA'\}"):
+        with engine(models["glm4_moe_lite"], sites=("attn_k",), in_process=True, eager=True, **arguments):
             pass
 
 

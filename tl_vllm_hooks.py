@@ -89,12 +89,10 @@ def _companion(name: str) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# Hook names and families. What a TransformerLens hook name means is fixed by TransformerLens 4.3's
-# TransformerBridge; where that tensor lives depends on the model class vLLM instantiates. Each family is one record
-# (_Family), the one owner of what the module knows of it: module paths, norms, residual layout, multipliers, routing
-# and its config's settings (its tiny test model is the companion's, which builds it). _taps reads a record and places
-# every site of one layer. The records drive tiny_model, the tests and the README's table; an architecture no record
-# describes is refused, with the measured reason where REFUSED holds one, never guessed.
+# Hook names and sites. What a TransformerLens hook name means is fixed by TransformerLens 4.3's TransformerBridge,
+# the same for every family: SITES names each site's hook, and the tap kinds say how a site's tensor is read from a
+# vLLM module and how an edit of it flows on. Where that tensor lives depends on the model class vLLM instantiates,
+# which the family records below say.
 # ---------------------------------------------------------------------------
 
 # fmt: off
@@ -256,6 +254,14 @@ _TORCH_NORM_INPUT = (("input", 0),)  # torch.nn.LayerNorm
 _LINEAR_INPUT = (("input_", 0),)  # vLLM's RowParallelLinear
 _QUERY, _KEY = (("query", 0),), (("key", 1),)  # vLLM's Attention(query, key, value)
 _LATENT_INPUTS = (("q", 0), ("kv_c_normed", 1), ("k_pe", 2))  # vLLM's MLAAttention(q, kv_c_normed, k_pe)
+
+
+# ---------------------------------------------------------------------------
+# Family records. Each family is one record (_Family), the one owner of what the module knows of it: module paths,
+# norms, residual layout, multipliers, routing and its config's settings (its tiny test model is the companion's,
+# which builds it). The records drive tiny_model, the tests and the README's table; an architecture no record
+# describes is refused, with the measured reason where REFUSED holds one, never guessed.
+# ---------------------------------------------------------------------------
 
 # the config attribute that says which layers hold the experts (the others a dense MLP) -> whether layer i does
 _MOE_LAYERS = {
@@ -836,6 +842,12 @@ def _family(hf_config: Any) -> _Family:
                 "TransformerLens's bridge computes them otherwise than vLLM (the record's comment says which)"
             )
     return family
+
+
+# ---------------------------------------------------------------------------
+# A layer's sites. _taps reads a record and places every site of one layer (its tap), _row_shapes gives each site's
+# row shape there; capture_specs and model_sites, the public view of both, list what a config's model offers.
+# ---------------------------------------------------------------------------
 
 
 def _moe_layer(family: _Family, config: Any, layer: int) -> bool:
@@ -3146,6 +3158,14 @@ def _latent_hooks(site: _Hook) -> None:
     projected = [h for h in site.state.placed.values() if h.module is module and h.tap.part in ("k", "v", "qk")]
     if part in ("k", "v", "qk") and site is not projected[0]:
         return
+    if part in ("k", "v", "qk") and not module.kv_b_proj.weight.numel():
+        raise ValueError(
+            f"{site.name}: vLLM released {site.tap.module}.kv_b_proj's weight after packing it for its AMX_MLA "
+            "backend (vLLM's choice on a CPU with AMX tiles), and a latent attention's per-head key and value are "
+            "its latent projected up by that weight. Start the engine with attention_config={'backend': "
+            "'CPU_MLA'} (vLLM's reference CPU MLA, which keeps it), or leave out the attn hook_k, hook_v, "
+            "hook_attn_scores and hook_pattern hooks"
+        )
 
     def pre_hook(_module, args, kwargs):
         query, latent, rotary_key = (kwargs[n] if n in kwargs else args[at] for n, at in site.tap.inputs)

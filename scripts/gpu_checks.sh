@@ -19,6 +19,7 @@
 #                                                # (the GPU machine has no transformer_lens) on a machine that has it:
 #     mkdir .tl-peer && cp "$(python3 -c 'import importlib.util as u; print(u.find_spec("transformer_lens")
 #       .submodule_search_locations[0])')"/model_bridge/sources/vllm/{plugin,internals,worker_extension,intervention_specs}.py .tl-peer
+#   bash scripts/gpu_checks.sh patching   # examples/activation_patching.py at the 1B shape: its sweep's time
 #   bash scripts/gpu_checks.sh bench-tp [flags]  # plain vs compiled capture, tensor parallel 2
 # Results land in $OUT (default ./gpu-results): logs, summaries, bench*.json.
 set -uo pipefail
@@ -77,12 +78,18 @@ case "$what" in
   bench)
     python3 bench_tl_vllm_hooks.py --out "$out/bench.json" "${@:2}" > "$out/bench.log" 2>&1 || status=1
     tail -n 20 "$out/bench.log" ;;
+  patching)  # examples/activation_patching.py at the benchmark's 1B shape (a random bf16 Llama made here): 16 layers
+    # x 128 positions, 2,048 patched requests in one generate, beside the same requests unedited
+    python3 -c "import bench_tl_vllm_hooks as b; b._make_model('/tmp/patching-model', b._FULL_MODEL)" &&
+      python3 examples/activation_patching.py --model /tmp/patching-model --prompt-len 128 --no-compare \
+      > "$out/patching.log" 2>&1 || status=1
+    grep -A2 "patched requests" "$out/patching.log" ;;
   bench-tp)
     python3 bench_tl_vllm_hooks.py --cases plain,b --tensor-parallel-size 2 --out "$out/bench-tp.json" "${@:2}" \
       > "$out/bench-tp.log" 2>&1 || status=1
     tail -n 12 "$out/bench-tp.log" ;;
   *)
-    echo "usage: bash scripts/gpu_checks.sh tests|families|parallel|bench|bench-tp [flags]" >&2
+    echo "usage: bash scripts/gpu_checks.sh tests|families|parallel|bench|patching|bench-tp [flags]" >&2
     exit 2 ;;
 esac
 exit $status
