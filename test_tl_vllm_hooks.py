@@ -1254,7 +1254,14 @@ def engine(
         # vLLM's start-up collects the whole heap three times (0.6 s each beside TransformerLens and ~900k objects);
         # frozen, those collections skip it. vLLM's shutdown unfreezes it again.
         gc.freeze()
-        llm = LLM(str(model.path), **arguments)
+        try:
+            llm = LLM(str(model.path), **arguments)
+        except Exception:
+            if in_process:  # a refused start leaves vLLM's parallel groups of its model to the next engine here
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+            raise
         llm.hook_names = list(specs)
         llm.config = config
         try:

@@ -1476,6 +1476,15 @@ def families_markdown(detail: bool = False) -> str:
 _SERVER_LINES = 30  # of vLLM's log, shown when a server dies
 
 
+def _sink_shutdown_args() -> list[str]:
+    """vLLM's --shutdown-timeout for a server with a sink, where this vLLM has it: by default (0) a Ctrl-C or SIGTERM
+    has the API server kill its engine at once, racing the worker's shutdown, which writes the rows the sink still
+    holds (seen lost on a loaded 2-core host, 2 runs of 2); with it the engine drains and exits in order (3 of 3)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return ["--shutdown-timeout", "30"] if "shutdown_timeout" in EngineArgs.__dataclass_fields__ else []
+
+
 def serve(
     model: str,
     config: CaptureConfig,
@@ -1491,10 +1500,13 @@ def serve(
     which stays; by default to a temporary file, removed once the server is stopped so (its path is the process's
     ``log`` attribute). A server that exits first raises ``RuntimeError`` with its last log lines, at once; one
     that does not answer within ``timeout`` seconds is stopped and raises ``TimeoutError``; each names the log,
-    which then stays."""
+    which then stays. With a sink_dir, and no --shutdown-timeout among ``vllm_args``, vLLM's ``--shutdown-timeout 30``
+    (where this vLLM has it): a stop then waits for its engine to write the rows its sink holds."""
     _check_model(model)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host]
     command += ["--port", str(port), *config.serve_args, *vllm_args]
+    if config.sink_dir is not None and not any(arg.startswith("--shutdown-timeout") for arg in vllm_args):
+        command += _sink_shutdown_args()
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU; vLLM's default asks for far more
     from importlib.metadata import entry_points
