@@ -3532,8 +3532,9 @@ def test_an_eager_engine_running_the_cpu_rotary_kernel_on_3d_queries_is_refused(
             pass
     # Asked for, but handed the rotary module that engine built (vLLM's get_rope keeps it for the process): refused,
     # naming the cache, where the message above would send the user to the custom_ops they already gave.
-    with pytest.raises(Exception, match=r"Lfm2ForCausalLM: this engine's custom_ops ask for vLLM's rotary in torch, but "
-                       r".*an earlier engine in this process built this one with the kernel.*_ROPE_DICT"):
+    with pytest.raises(Exception, match=r"Lfm2ForCausalLM: vLLM hands its rotary embedding q and k of \[tokens, heads"
+                       r".*This engine's custom_ops ask for vLLM's rotary in torch, but .*an earlier engine in this "
+                       r"process built this one with the kernel.*_ROPE_DICT"):
         with engine(models["lfm2"], sites=("resid_post",), in_process=True, eager=True, earlier_rotary=True,
                     **family_engine_arguments("lfm2")):
             pass

@@ -2619,21 +2619,23 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
                 f"{sorted(_ARCHITECTURES)}"
             )
         prefix = _text_prefix(family, modules)
-        if family.rotary_3d and engine.cpu_rotary and engine.rotary_in_torch_asked:
-            raise ValueError(
-                f"architecture {family.architecture}: this engine's custom_ops ask for vLLM's rotary in torch, but its "
-                "rotary embedding runs vLLM's CPU kernel (RotaryEmbedding.forward_cpu), which rotates this family's q "
-                "and k of [tokens, heads, d_head] as if each head were a token: vLLM's get_rope keeps one rotary module "
-                "per shape for the whole process, and an earlier engine in this process built this one with the kernel. "
-                "Start this engine in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default), or "
-                "clear vllm.model_executor.layers.rotary_embedding._ROPE_DICT before it starts"
-            )
         if family.rotary_3d and engine.cpu_rotary:
-            raise ValueError(
+            mis_rotates = (
                 f"architecture {family.architecture}: vLLM hands its rotary embedding q and k of [tokens, heads, "
                 "d_head], which vLLM's CPU rotary kernel (RotaryEmbedding.forward_cpu) rotates as if each head were a "
                 "token: every row from the first attention layer on would differ from transformers' (by ~0.3 on a "
-                "tiny model). Start the engine with compilation_config={'custom_ops': ['-rotary_embedding']} (vLLM's "
+                "tiny model). "
+            )
+            if engine.rotary_in_torch_asked:  # asked, and handed an earlier engine's module
+                raise ValueError(
+                    mis_rotates + "This engine's custom_ops ask for vLLM's rotary in torch, but vLLM's get_rope keeps "
+                    "one rotary module per shape for the whole process, and an earlier engine in this process built "
+                    "this one with the kernel. Start this engine in a process of its own "
+                    "(VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default), or clear "
+                    "vllm.model_executor.layers.rotary_embedding._ROPE_DICT before it starts"
+                )
+            raise ValueError(
+                mis_rotates + "Start the engine with compilation_config={'custom_ops': ['-rotary_embedding']} (vLLM's "
                 "own rotary in torch; a compiled engine's default, custom_ops ['none'], already runs it)"
             )
 
