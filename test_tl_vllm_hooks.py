@@ -3579,17 +3579,22 @@ class TestSink:
     TestSinkFullDisk)."""
 
     @pytest.fixture(scope="class")
-    def llm(self, models, tmp_path_factory):
+    def engine_and_written(self, models, tmp_path_factory):
+        """The engine, and a copy of the dataset its first requests wrote, for the tests that damage it:
+        written before any test runs a request of its own there, in whatever order they run."""
         with sink_engine(models["llama"], tmp_path_factory.mktemp("sink"), "24m") as llm:
-            yield llm
+            outputs, _dataset = check_sink_requests(llm, llm.model, MIXED_REQUESTS)
+            copy_dir = tmp_path_factory.mktemp("written") / "dataset"
+            shutil.copytree(llm.sink_dir, copy_dir)
+            yield llm, (outputs, copy_dir)
 
     @pytest.fixture(scope="class")
-    def written(self, llm, tmp_path_factory):
-        """A copy of the dataset the first test wrote, for the tests that damage it."""
-        outputs, _dataset = check_sink_requests(llm, llm.model, MIXED_REQUESTS)
-        copy_dir = tmp_path_factory.mktemp("written") / "dataset"
-        shutil.copytree(llm.sink_dir, copy_dir)
-        return outputs, copy_dir
+    def llm(self, engine_and_written):
+        return engine_and_written[0]
+
+    @pytest.fixture(scope="class")
+    def written(self, engine_and_written):
+        return engine_and_written[1]
 
     def test_each_request_on_disk_matches_its_own_transformer_lens_run(self, llm, written):
         outputs, directory = written
@@ -3616,7 +3621,6 @@ class TestSink:
         with pytest.raises(RuntimeError, match="writes captured rows to its sink_dir .*flush_sink"):
             tlh.read_batched(llm, [output.request_id])
         tlh.flush_sink(llm)
-
 
     def test_a_shard_cut_short_is_named_and_not_read(self, written, tmp_path):
         directory = tmp_path / "dataset"
