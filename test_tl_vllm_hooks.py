@@ -1799,11 +1799,11 @@ def test_bad_request_args_are_refused_in_the_driver(config, kwargs, message):
 
 
 @NO_ENGINE
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
 def test_request_args_travel_as_plain_values(dtype):
     """A tensor value travels as its raw bytes in base64 inside the JSON text, exact in its own dtype; a list of
     numbers, as a hand-written request sends, parses to the same table rows."""
-    vector = torch.linspace(0, 1, 128, dtype=torch.float64).to(dtype)
+    vector = torch.linspace(-3, 3, 128, dtype=torch.float64).to(dtype)  # signs and exponents both vary
     options = tlh.request_args(
         BATCHED_CONFIG, "prompt", {"blocks.0.hook_resid_post": {"op": "add", "value": vector, "positions": [300]}}
     )

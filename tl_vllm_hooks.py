@@ -1483,15 +1483,16 @@ def _parse_edit(edit: Any, name: str, config: CaptureConfig) -> tuple[tuple[torc
 
 def _float64_row(part: float | torch.Tensor, width: int) -> torch.Tensor:
     """One of an edit's (scale, bias), float64 [width]: a number as a row of it, a value (made fresh by the parse) as
-    it is, one number spread over the row made whole."""
+    it is."""
     if isinstance(part, torch.Tensor):
-        return part.contiguous()
-    return torch.full((width,), part, dtype=torch.float64)
+        return part
+    return torch.from_numpy(np.full(width, part, dtype=np.float64))
 
 
 def _scale_and_bias(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...]], valid: str) -> tuple:
-    """An edit's (scale, bias) as its op says (see _EDIT_OPS), its value float64 [the first shape's elements]: one
-    number for every element, or finite numbers of one of ``shapes``; ValueError saying ``valid`` otherwise."""
+    """An edit's (scale, bias) as its op says (see _EDIT_OPS), its value float64 [the first shape's elements], made
+    fresh: one number for every element, or finite numbers of one of ``shapes``; ValueError saying ``valid``
+    otherwise. In numpy, where a request's few small arrays cost microseconds each, not torch's tens."""
     form, width = _EDIT_OPS[edit["op"]], math.prod(shapes[0])
     if "value" not in form:
         return form
@@ -1499,25 +1500,26 @@ def _scale_and_bias(edit: dict[str, Any], name: str, shapes: list[tuple[int, ...
     try:
         if _holds_bool(raw):
             raise TypeError("a bool is not a number")
-        vector = _values_from_wire(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64)
+        # torch's list parse, which refuses text ("1") that numpy would read as a number
+        vector = _values_from_wire(raw) if isinstance(raw, dict) else torch.tensor(raw, dtype=torch.float64).numpy()
     except (TypeError, ValueError, RuntimeError) as error:
         why = f" ({error})" if isinstance(raw, dict) else ""
         raise ValueError(f"edits[{name!r}]: value must be {valid}, got {raw!r:.100}{why}") from None
-    if vector.dim() == 0:
-        vector = vector.expand(width)
-    if tuple(vector.shape) not in shapes:
+    if vector.ndim == 0:
+        vector = np.full(width, vector, dtype=np.float64)
+    if vector.shape not in shapes:
         raise ValueError(f"edits[{name!r}]: value must be {valid}, got shape {list(vector.shape)}")
     value = vector.reshape(width)
-    if not torch.isfinite(value).all():
+    if not np.isfinite(value).all():
         raise ValueError(f"edits[{name!r}]: value must be {valid}; it holds NaN or infinite numbers")
-    return tuple(value if part == "value" else part for part in form)
+    return tuple(torch.from_numpy(value) if part == "value" else part for part in form)
 
 
 # A tensor value travels in request options (JSON text, which `vllm serve`'s vllm_xargs carries too) as its raw
 # little-endian bytes in base64, not as decimal text: exact for every float dtype, and 2,048 floats take ~11 KB and
 # microseconds where a list of numbers takes ~40 KB and milliseconds. Lists of numbers are taken as well.
 _WIRE_VALUE_KEYS = {"dtype", "shape", "base64"}
-_WIRE_VALUE_DTYPES = ("float32", "float64", "bfloat16", "float16")
+_WIRE_VALUE_DTYPES = {"float32": "<f4", "float64": "<f8", "bfloat16": "<u2", "float16": "<f2"}  # bfloat16 as its bits
 
 
 def _values_to_wire(tensor: torch.Tensor) -> dict[str, Any]:
@@ -1529,12 +1531,12 @@ def _values_to_wire(tensor: torch.Tensor) -> dict[str, Any]:
     return {"dtype": message["dtype"], "shape": message["shape"], "base64": base64.b64encode(message["data"]).decode()}
 
 
-def _values_from_wire(message: dict[str, Any]) -> torch.Tensor:
-    """Inverse of _values_to_wire, as float64; ValueError saying what is wrong with the message."""
+def _values_from_wire(message: dict[str, Any]) -> np.ndarray:
+    """Inverse of _values_to_wire, as a new float64 array; ValueError saying what is wrong with the message."""
     if set(message) != _WIRE_VALUE_KEYS:
         raise ValueError(f"a tensor's wire form has the keys {sorted(_WIRE_VALUE_KEYS)}, not {sorted(message)}")
     if message["dtype"] not in _WIRE_VALUE_DTYPES:
-        raise ValueError(f"dtype {message['dtype']!r} is not one of {_WIRE_VALUE_DTYPES}")
+        raise ValueError(f"dtype {message['dtype']!r} is not one of {list(_WIRE_VALUE_DTYPES)}")
     shape = message["shape"]
     if not isinstance(shape, list) or not all(_int_at_least(size, 0) for size in shape):
         raise ValueError(f"shape must be a list of ints >= 0, got {shape!r:.100}")
@@ -1542,7 +1544,13 @@ def _values_from_wire(message: dict[str, Any]) -> torch.Tensor:
         data = base64.b64decode(message["base64"], validate=True)
     except (TypeError, ValueError):
         raise ValueError("base64 is not base64 text") from None
-    return decode_tensor({"dtype": message["dtype"], "shape": shape, "data": data}).to(torch.float64)
+    stored = np.dtype(_WIRE_VALUE_DTYPES[message["dtype"]])
+    if len(data) != math.prod(shape) * stored.itemsize:
+        raise ValueError(f"{len(data)} bytes for a {message['dtype']} tensor of shape {shape}")
+    values = np.frombuffer(data, stored)
+    if message["dtype"] == "bfloat16":  # a float32's upper half
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float64).reshape(shape)
 
 
 def _check_edit_keys(edit: Any, name: str, keys: set[str]) -> None:
