@@ -59,10 +59,10 @@ __version__ = "0.3.0"
 # fmt: off
 __all__ = [
     "ATTENTION_READ_BYTES", "ATTENTION_SITES", "ActivationRows", "CAPTURE_DTYPES", "CaptureConfig", "FAMILIES",
-    "REFUSED", "SAESpec", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "WORKER_EXTENSION", "WorkerExtension",
-    "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "logit_lens",
-    "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts", "register",
-    "remove_hooks", "request_args", "reset_batched", "reset_edits", "reset_fire_counts", "row_dtype",
+    "REFUSED", "SAESpec", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "SinkRequest", "WORKER_EXTENSION",
+    "WorkerExtension", "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "logit_lens",
+    "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts",
+    "register", "remove_hooks", "request_args", "reset_batched", "reset_edits", "reset_fire_counts", "row_dtype",
     "segment_by_request", "set_edits", "status", "unembed", "unregister", "user_request_id",
 ]
 # fmt: on
@@ -169,6 +169,8 @@ ATTENTION_SITES = ("attn_scores", "pattern")
 """The sites whose rows are each token's query and key, from which a read rebuilds TransformerLens's [n_heads,
 queries, keys] (read-only; a sink stores no such rows)."""
 
+# Which edits are refused, decided here alone (_read_only_reason): sites read-only on every model, and those read-only
+# where the model's attention is multi-head latent attention (known once the model is).
 _READ_ONLY_SITES = {  # site -> why an edit of it is refused
     **dict.fromkeys(("expert_weights", "expert_indices", "moe_expert_weights", "moe_expert_indices"), "vLLM's fused "
                     "mixture of experts routes inside its kernel, from the router's logits; edit the block's input "
@@ -176,6 +178,18 @@ _READ_ONLY_SITES = {  # site -> why an edit of it is refused
     **dict.fromkeys(ATTENTION_SITES, "vLLM's attention kernels never hold the [query, key] matrix, which is "
                     "rebuilt when read; edit the query or key (attn.hook_rot_q, hook_rot_k, hook_q, hook_k) instead"),
 }
+_READ_ONLY_UNDER_LATENT_ATTENTION = dict.fromkeys(
+    ("attn_k", "attn_v"), "multi-head latent attention attends from the cached latent, and vLLM's decode never projects "
+    "it up to per-head keys and values (the hook computes them); edit the latent (attn.hook_kv_latent) or the rotary "
+    "key (attn.hook_rot_k) instead"
+)
+
+
+def _read_only_reason(name: str, latent_attention: bool = False) -> str | None:
+    """Why an edit of this hook is refused (None: it is editable), on a model with multi-head latent attention or
+    not (not yet known: only the sites read-only on every model)."""
+    site = (parse_hook_name(name) or ("",))[0]
+    return _READ_ONLY_SITES.get(site) or (_READ_ONLY_UNDER_LATENT_ATTENTION.get(site) if latent_attention else None)
 _NORM_SITES = (
     "ln1_scale", "ln1", "block_norm_scale", "block_norm", "ln2_scale", "ln2", "final_norm_scale", "final_norm"
 )
@@ -1621,22 +1635,18 @@ def _check_hook_name(name: Any, config: CaptureConfig) -> None:
             + (f"; close matches: {close}" if close else "")
             + f"; configured: {sorted(editable)}"
         )
-    site = (parse_hook_name(name) or ("",))[0]
-    if site in _READ_ONLY_SITES:
-        raise ValueError(f"edits: {name!r} is read-only: {_READ_ONLY_SITES[site]}")
+    reason = _read_only_reason(name)
+    if reason is not None:
+        raise ValueError(f"edits: {name!r} is read-only: {reason}")
 
 
 def _check_editable(names: Any, hf_config: Any) -> None:
-    """ValueError for an edit of multi-head latent attention's keys or values (the model's, whose checkpoint config
-    is hf_config), which vLLM never holds."""
+    """ValueError for an edit of a hook the model (whose checkpoint config is hf_config) makes read-only."""
+    latent_attention = bool(names) and bool(_family(hf_config).latent_attention)
     for name in names:
-        site = (parse_hook_name(name) or ("",))[0]
-        if site in ("attn_k", "attn_v") and _family(hf_config).latent_attention:
-            raise ValueError(
-                f"edits: {name!r} is read-only: multi-head latent attention attends from the cached latent, and vLLM's "
-                "decode never projects it up to per-head keys and values (the hook computes them); edit the latent "
-                "(attn.hook_kv_latent) or the rotary key (attn.hook_rot_k) instead"
-            )
+        reason = _read_only_reason(name, latent_attention)
+        if reason is not None:
+            raise ValueError(f"edits: {name!r} is read-only: {reason}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3567,9 +3577,10 @@ class _OnePrompt(_HookState):
 
 
 # ---------------------------------------------------------------------------
-# The batched flavour's steps. Every step, decode steps of hundreds of requests included, runs this on the host between
-# forwards, so a step's work is array operations over its requests, cached while its requests are the last step's
-# (_RequestTable, _EditPlan), and Python per request only where one starts, ends or keeps rows.
+# The batched flavour's records: what a step reads of its requests (_StepRequests, _RequestTable, _StepLayout), what a
+# running request is and keeps (_RunningRequest, _RowChunk, _RequestRows), and what a finished one hands its sink
+# (SinkRequest, the one record of this flavour that code outside this module reads). A decode step reads hundreds of
+# requests, so a step's view of them is int64 arrays, not a Python object per request.
 # ---------------------------------------------------------------------------
 
 
@@ -3740,18 +3751,36 @@ class _RequestRows:
 
 
 @dataclasses.dataclass(frozen=True)
-class _FinishedRequest:
-    """A finished request as _Batched.take_finished hands it to the sink: its rows, or why it has none (neither for
-    one that kept nothing, or one of vLLM's warm-up requests), the row files its rows are in, which the sink
-    gives back (_Batched.release) once it has written them, and its arrival (see _RunningRequest; None for a request
-    the hooks never saw start)."""
+class SinkRequest:
+    """A finished request as the batched flavour's sink interface hands it over (_Batched.take_finished), once.
+
+    request_id: the worker's (vLLM's) id. prompt_token_ids: None for prompt embeddings, or a request the hooks never
+    saw start. arrival: how many requests this worker scheduled before it first ran (None where the hooks never saw
+    it start).
+    positions: int64 [rows], each kept row's token position in order; None where it keeps none, or was one of vLLM's
+    warm-up requests.
+    rows: for each of sink_sources(), the request's rows step by step, CPU tensors [step's rows, *row shape] (or
+    [step's rows, columns[name]]) whose rows add up to len(positions); whole once take_finished's event has passed.
+    columns: the first columns of a source the request keeps, where fewer (see request_args' top_k and features).
+    error: why it has no rows, else None.
+    files: the row files its rows are in: give them back with release() once they are written.
+    """
 
     request_id: str
     prompt_token_ids: list[int] | None
     arrival: int | None
-    rows: _RequestRows | None
+    positions: np.ndarray | None
+    rows: dict[str, list[torch.Tensor]]
+    columns: dict[str, int]
     error: str | None
     files: list[_RowFile | None]
+
+
+# ---------------------------------------------------------------------------
+# The batched flavour's steps. Every step, decode steps of hundreds of requests included, runs this on the host between
+# forwards, so a step's work is array operations over its requests, cached while its requests are the last step's
+# (_RequestTable, _EditPlan), and Python per request only where one starts, ends or keeps rows.
+# ---------------------------------------------------------------------------
 
 
 class _Batched(_HookState):
@@ -3871,23 +3900,35 @@ class _Batched(_HookState):
             len(self.records), rows * row_bytes / 2**20,
         )
 
-    # The sink's interface: tl_vllm_hooks_tools.RankSink reads this flavour through these, config, sent_sources,
-    # shards() and ranks, and nothing else of this module's internals.
+    # The sink's interface, all a sink (tl_vllm_hooks_tools.RankSink) reads of this flavour: config, writer_name,
+    # sink_sources(), shards(), take_finished (SinkRequest records), held_request_ids and release.
 
-    def take_finished(self, request_ids: list[str]) -> tuple[list[_FinishedRequest], Any]:
+    @property
+    def writer_name(self) -> str:
+        """This rank's name among a sink's writers: ``pp{pipeline stage}-tp{tensor-parallel rank}``."""
+        return f"pp{self.ranks.stage}-tp{self.ranks.tensor_rank}"
+
+    def sink_sources(self) -> dict[str, tuple[int, ...]]:
+        """{source name: row shape} of what this rank hands over (see sent_sources), in order."""
+        return {source.name: tuple(source.row_shape) for source in self.sent_sources}
+
+    def take_finished(self, request_ids: list[str]) -> tuple[list[SinkRequest], Any]:
         """These finished requests, each handed over once (its rows forgotten here), and a CUDA event by which the
         copies of their rows to host memory are done (None on the CPU)."""
         copied = self._copies_queued() if request_ids else None
         finished = []
         for request_id in request_ids:
-            error, rows = self.incomplete.pop(request_id, None), self.records.pop(request_id, None)
+            error, record = self.incomplete.pop(request_id, None), self.records.pop(request_id, None)
             request = self.running.get(request_id)
             prompt = None if request is None or request.prompt_token_ids is None else list(request.prompt_token_ids)
-            files = rows.files if rows is not None else []
+            files = record.files if record is not None else []
             if not self.warmed_up:
-                rows = error = None
+                record = error = None
             arrival = None if request is None else request.arrival
-            finished.append(_FinishedRequest(request_id, prompt, arrival, rows, error, files))
+            kept = record is not None and error is None
+            rows = {source.name: record.rows(source.name) for source in self.sent_sources} if kept else {}
+            positions, columns = (record.positions, record.columns) if kept else (None, {})
+            finished.append(SinkRequest(request_id, prompt, arrival, positions, rows, columns, error, files))
         return finished, copied
 
     def held_request_ids(self) -> list[str]:

@@ -188,19 +188,20 @@ def check_sink_dir(config: CaptureConfig) -> None:
 
 class RankSink:
     """A batched worker's part of the sink: each rank of each pipeline stage writes the rows it sends (the flavour's
-    sent_sources: the first tensor-parallel rank its stage's hooks, the other ranks their parts of split ones), each
-    through a ShardWriter of its own (none where a rank writes nothing)."""
+    sink_sources(): the first tensor-parallel rank its stage's hooks, the other ranks their parts of split ones), each
+    through a ShardWriter of its own (none where a rank writes nothing). It reads the flavour (state) through its sink
+    interface alone (see the core's SinkRequest)."""
 
     def __init__(self, state: Any, worker: Any):
         self.state = state
         shards = state.shards()
-        self.sources = [(source.name, source.row_shape) for source in state.sent_sources]
+        self.sources = state.sink_sources()
         # Row files holding rows the writer thread has written, one entry per chunk: the steps may fill them again.
         self.written: collections.deque = collections.deque()
-        self.hooks = [name for name, _shape in self.sources]
+        self.hooks = list(self.sources)
         self.writer: ShardWriter | None = None
         if self.hooks:
-            writer, config = f"pp{state.ranks.stage}-tp{state.ranks.tensor_rank}", state.config
+            writer, config = state.writer_name, state.config
             model_config = worker.vllm_config.model_config
             model, fingerprint = _model_source(model_config.model, model_config.revision)
             header = {
@@ -234,7 +235,7 @@ class RankSink:
             state.release([self.written.popleft()])
         finished, copied = state.take_finished(request_ids)
         for request in finished:
-            if self.writer is None or (request.rows is None and request.error is None):
+            if self.writer is None or (request.positions is None and request.error is None):
                 self.written.extend(request.files)
                 continue
             order = [self.writer.engine, request.arrival]  # (see CaptureDataset.entry)
@@ -244,13 +245,12 @@ class RankSink:
                 entry = {"prompt_token_ids": request.prompt_token_ids, "positions": [], "error": request.error}
                 self.writer.write(request.request_id, {**entry, "order": order, **marked}, [], copied)
             else:
-                record = request.rows
-                positions = record.positions
+                positions = request.positions
                 parts = []
-                for name, row_shape in self.sources:  # (a source a request keeps fewer columns of: those)
-                    columns = record.columns.get(name)
+                for name, row_shape in self.sources.items():  # (a source a request keeps fewer columns of: those)
+                    columns = request.columns.get(name)
                     shape = [positions.size, *(row_shape if columns is None else [columns])]
-                    parts.append((name, shape, record.rows(name)))
+                    parts.append((name, shape, request.rows[name]))
                 entry = {
                     "prompt_token_ids": request.prompt_token_ids,
                     "positions": _position_ranges(positions),
