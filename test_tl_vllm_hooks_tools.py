@@ -1,4 +1,4 @@
-"""Tests of tl_vllm_hooks_tools's commands and datasets beside test_tl_vllm_hooks.py (whose helpers they use): which
+"""Tests of tl_vllm_hooks_tools's commands and datasets beside the core's (whose helpers, in conftest.py, they use): which
 model compare loads, the order of a dataset's requests, what a stopped command leaves behind, and the pictures.
 
 One in-process engine (eager, batched, a sink) serves the dataset tests; the command tests start their own, each as a
@@ -24,16 +24,7 @@ import torch
 
 import tl_vllm_hooks as tlh
 import tl_vllm_hooks_tools as tools
-from test_tl_vllm_hooks import (  # noqa: F401 (stub_vllm: a fixture)
-    HERE,
-    NO_ENGINE,
-    Model,
-    engine,
-    free_port,
-    manifest_lines,
-    run_command,
-    stub_vllm,
-)
+from conftest import HERE, NO_ENGINE, Model, engine, free_port, manifest_lines, run_command  # the shared helpers
 
 SITES = ("resid_post", "attn_out")
 # Request 0 generates longest, so it finishes last: the sink writes requests as they finish.

@@ -1,9 +1,9 @@
 """Multimodal checkpoints (a text model beside vision or audio towers) against TransformerLens, as
-test_tl_vllm_hooks.py compares the text families, with its helpers.
+test_families.py compares the text families, with the helpers in conftest.py.
 
 Runs in the environment scripts/vision_env.sh builds, where torchvision imports: vLLM's native
 multimodal classes import transformers' image processors, which import torchvision, and
-TransformerLens 4.3's Qwen-VL adapters require it (test_tl_vllm_hooks.py runs this file there,
+TransformerLens 4.3's Qwen-VL adapters require it (test_families.py runs this file there,
 test_multimodal_checkpoints_in_the_vision_environment). For every multimodal record, in the
 batched flavour (in the one-prompt flavour too where it is among base.ONE_PROMPT_FAMILIES): every
 hook of its text model on text prompts (vLLM with language_model_only=True, the towers not built),
@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-import test_tl_vllm_hooks as base
+import conftest as base
+import test_attention_and_logits
+import test_families
 import tl_vllm_hooks as tlh
 
 assert importlib.util.find_spec("torchvision") is not None, (
@@ -30,7 +32,7 @@ assert importlib.util.find_spec("torchvision") is not None, (
 MULTIMODAL = base.MULTIMODAL
 # vLLM runs the text model alone (no tower is built) and reads the checkpoint's tokenizer.
 TEXT_ONLY = dict(language_model_only=True, skip_tokenizer_init=False)
-# Each record shares its text family's engine arguments and tolerances (see test_tl_vllm_hooks.py).
+# Each record shares its text family's engine arguments and tolerances (see conftest.py).
 TEXT_FAMILY = {"gemma4_mm": "gemma4", "gemma4_unified": "gemma4", "llama4_mm": "llama4"}
 
 
@@ -66,7 +68,7 @@ def family_llm(request, models):
         yield llm
 
 
-class TestMultimodalFamilies(base.TestFamilies):
+class TestMultimodalFamilies(test_families.TestFamilies):
     """TestFamilies on each multimodal checkpoint's text model: batched flavour, every site the
     bridge runs, unedited (a 300-token prompt chunked over three steps among the requests) and
     under an edit at each site, one request per site, and one layer's edits composed."""
@@ -81,7 +83,7 @@ def one_prompt_flavour_llm(request, models):
         yield llm
 
 
-class TestMultimodalFamiliesOnePromptFlavour(base.TestFamiliesOnePromptFlavour):
+class TestMultimodalFamiliesOnePromptFlavour(test_families.TestFamiliesOnePromptFlavour):
     """TestFamiliesOnePromptFlavour on the multimodal records among base.ONE_PROMPT_FAMILIES."""
 
 
@@ -89,9 +91,9 @@ class TestMultimodalFamiliesOnePromptFlavour(base.TestFamiliesOnePromptFlavour):
 @pytest.mark.parametrize("family", MULTIMODAL)
 def test_each_multimodal_checkpoint_places_exactly_the_hooks_transformer_lens_runs(models, family):
     """test_each_family_places_exactly_the_hooks_transformer_lens_runs, for every multimodal record
-    (test_tl_vllm_hooks.py checks those whose checkpoint and bridge need no torchvision): the bridge
+    (test_families.py checks those whose checkpoint and bridge need no torchvision): the bridge
     booted on the multimodal checkpoint, text prompts."""
-    base.test_each_family_places_exactly_the_hooks_transformer_lens_runs(models, family)
+    test_families.test_each_family_places_exactly_the_hooks_transformer_lens_runs(models, family)
 
 
 @base.NO_ENGINE
@@ -101,7 +103,7 @@ def test_each_multimodal_checkpoint_refuses_attention_scores_exactly_where_trans
 ):
     """test_attention_scores_are_refused_exactly_where_transformer_lens_gives_the_pattern_there, for every multimodal
     record."""
-    base.test_attention_scores_are_refused_exactly_where_transformer_lens_gives_the_pattern_there(models, family)
+    test_attention_and_logits.test_attention_scores_are_refused_exactly_where_transformer_lens_gives_the_pattern_there(models, family)
 
 
 IMAGE_TEXT = "t5 t6 {} t7 t8"
@@ -237,10 +239,7 @@ def test_an_image_prompt_matches_transformer_lens_at_every_position(models, fami
 @pytest.mark.parametrize("family", [family for family in MULTIMODAL if tlh.FAMILIES[family].refused])
 def test_each_multimodal_checkpoint_refuses_each_site_for_the_reason_its_record_gives(models, family):
     """test_each_refused_site_is_refused_for_the_reason_its_record_gives, for every multimodal record."""
-    base.test_each_refused_site_is_refused_for_the_reason_its_record_gives(models, family)
-
-
-sae_lens_python = base.sae_lens_python  # (the fixture, here too)
+    test_families.test_each_refused_site_is_refused_for_the_reason_its_record_gives(models, family)
 
 
 def test_saes_read_and_edit_a_linear_attention_familys_hooks(sae_lens_python, models, tmp_path):

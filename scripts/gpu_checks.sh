@@ -36,7 +36,7 @@ tests() {  # tests LOG_NAME PYTEST_K [GPU_INDEX]
   (if [[ -n ${3:-} ]]; then export CUDA_VISIBLE_DEVICES=$3; fi
    export VLLM_CACHE_ROOT="/tmp/vllm-cache-$1"  # compiled graphs: no two runs write one cache at once
    timeout "${TESTS_TIMEOUT:-3600}" python3 -m pytest -q -s -p no:cacheprovider --basetemp="/tmp/pytest-$1" \
-     -k "$2" test_tl_vllm_hooks.py > "$out/$1.log" 2>&1)
+     -k "$2" test_gpu.py > "$out/$1.log" 2>&1)
   local status=$?
   grep -E "worst relative error|routings followed|passed|failed|Error" "$out/$1.log" | grep -v "^E  " \
     > "$out/$1-summary.txt"

@@ -32,7 +32,7 @@ import tl_vllm_hooks as tlh  # noqa: E402
 import tl_vllm_hooks_tools as tools  # noqa: E402
 from hook_errors import placed  # noqa: E402  (this folder is on sys.path when run as a script)
 # The tests' prompts, their edit oracle and their TransformerLens reference, not copies.
-from test_tl_vllm_hooks import (  # noqa: E402
+from conftest import (  # noqa: E402
     BATCH, BF16_TOLERANCE, CUDA_EAGER, CUDA_RUNNER_V1, PROMPT, ROUTER_LOGITS, ROUTER_TIE, Model, comparable,
     hook_row_errors, router_logits, site_edits,
 )

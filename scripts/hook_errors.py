@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tl_vllm_hooks as tlh  # noqa: E402
-from test_tl_vllm_hooks import PROMPT, Model  # noqa: E402  (the tests' prompt and TransformerLens reference)
+from conftest import PROMPT, Model  # noqa: E402  (the tests' prompt and TransformerLens reference)
 
 FAMILIES = tuple(tlh.FAMILIES)  # every family a record describes
 
