@@ -190,6 +190,8 @@ def _read_only_reason(name: str, latent_attention: bool = False) -> str | None:
     not (not yet known: only the sites read-only on every model)."""
     site = (parse_hook_name(name) or ("",))[0]
     return _READ_ONLY_SITES.get(site) or (_READ_ONLY_UNDER_LATENT_ATTENTION.get(site) if latent_attention else None)
+
+
 _NORM_SITES = (
     "ln1_scale", "ln1", "block_norm_scale", "block_norm", "ln2_scale", "ln2", "final_norm_scale", "final_norm"
 )
@@ -208,6 +210,15 @@ def parse_hook_name(name: str) -> tuple[str, int | None] | None:
         if match:
             return site, int(match.group(1)) if match.groups() else None
     return None
+
+
+def _forward_order(name: str) -> tuple:
+    """Sorts hook names in the order a forward reaches them, decided here alone: the sites outside the layers, each
+    layer's in SITES' order, the final norm's; then names of modules (not hook names), as given."""
+    site, layer = parse_hook_name(name) or (None, None)
+    if site is None:
+        return (2,)
+    return (int(site.startswith("final_norm")), -1 if layer is None else layer, list(SITES).index(site))
 
 
 # Tap kinds: how a site's tensor is read from its module, and how an edit of it flows on.
@@ -1092,10 +1103,9 @@ def capture_specs(
     config = hf_config.get_text_config()
     sites, layers = _sites_and_layers(sites, layers, config.num_hidden_layers, family, config)
     specs, found = {}, set()
-    for layer in (None, *layers, "final"):  # forward order: the embeddings, the layers, the final norm
-        at = None if layer == "final" else layer
-        taps, shapes = _taps(family, config, at), _row_shapes(family, config, at)
-        chosen = [site for site in taps if site in sites and (layer == "final") == site.startswith("final_norm")]
+    for layer in (None, *layers):
+        taps, shapes = _taps(family, config, layer), _row_shapes(family, config, layer)
+        chosen = [site for site in taps if site in sites]
         specs.update({SITES[site].format(i=layer): shapes[site] for site in chosen})
         found.update(chosen)
     missing = [site for site in sites if site not in found]
@@ -1110,7 +1120,7 @@ def capture_specs(
             f"{family.architecture} " + "; ".join(problems) + f" (layers {layers}); its sites: "
             f"{_family_sites(family, config)}"
         )
-    return specs
+    return {name: specs[name] for name in sorted(specs, key=_forward_order)}
 
 
 def _sites_and_layers(
@@ -2657,14 +2667,8 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
                 "own rotary in torch; a compiled engine's default, custom_ops ['none'], already runs it)"
             )
 
-    def forward_order(name: str) -> tuple:  # modules of the user's choosing last, as given
-        site, layer = parse_hook_name(name) or (None, None)
-        if site is None:
-            return (2,)
-        return (site.startswith("final_norm"), -1 if layer is None else layer, list(SITES).index(site))
-
     placed, absent = {}, []
-    for name in sorted(hook_names, key=forward_order):
+    for name in sorted(hook_names, key=_forward_order):
         spec = config.capture_specs.get(name)
         if spec is not None and isinstance(spec[0], str):
             tap, path = _Tap(spec[0], _OUTPUT), spec[0]
