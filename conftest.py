@@ -136,7 +136,8 @@ def tap_kinds(family: str) -> set:
     text = tools.tiny_config(family).get_text_config()
     kinds = {("text_prefix", record.text_prefix)}
     for layer in [None, *range(text.num_hidden_layers)]:
-        kinds |= {(site, dataclasses.replace(tap, module="")) for site, tap in tlh._taps(record, text, layer).items()}
+        placed = tlh._layer_sites(record, text, layer)
+        kinds |= {(site, dataclasses.replace(here.tap, module="")) for site, here in placed.items()}
     return kinds
 
 

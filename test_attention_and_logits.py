@@ -61,7 +61,7 @@ def test_attention_patterns_keep_each_query_and_key_and_refuse_what_they_cannot_
         every = tlh._attention_rows(site, rows, {**facts, "chosen": None}, [2, 5, 8])
         chosen = tlh._attention_rows(site, rows, {**facts, "chosen": [3, 0]}, [2, 5, 8])
         assert every.shape == (4, 3, 9) and torch.equal(chosen, every[[3, 0]]), site
-    tap = tlh._taps(tlh.FAMILIES["llama"], llama, 1)["pattern"]  # a worker's placement, under tensor parallelism
+    tap = tlh._layer_sites(tlh.FAMILIES["llama"], llama, 1)["pattern"].tap  # a worker's placement, under tensor parallelism
     with pytest.raises(ValueError, match="splits across ranks; read them with tensor_parallel_size=1"):
         tlh._tensor_parallel_share(torch.nn.Identity(), tap, 96, tlh._Ranks(0, 2, 0))
 

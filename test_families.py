@@ -225,7 +225,7 @@ def test_a_mamba_mixers_split_tensors_are_refused_under_tensor_parallelism():
     and dt, and its gated norm its heads' part of y and z, which a read does not join: refused where the hooks are
     placed (a worker's placement, with modules of vLLM's class names); its output, reduced across ranks, is whole."""
     config = tools.tiny_config("falcon_h1")
-    taps = tlh._taps(tlh.FAMILIES["falcon_h1"], config, 1)
+    taps = {site: placed.tap for site, placed in tlh._layer_sites(tlh.FAMILIES["falcon_h1"], config, 1).items()}
     modules = {"mamba_in_proj": "MergedColumnParallelLinear", "mamba_norm_in": "Mixer2RMSNormGated",
                "mamba_norm_gate": "Mixer2RMSNormGated"}
     for site, class_name in modules.items():
@@ -241,7 +241,7 @@ def test_latent_attentions_head_hooks_are_refused_under_tensor_parallelism():
     """DeepSeek V3's attention hooks on what its MLAAttention receives are refused under tensor parallelism, where
     the hooks are placed (a worker's placement); its latents, each rank's whole, are placed."""
     config = tools.tiny_config("deepseek_v3")
-    taps = tlh._taps(tlh.FAMILIES["deepseek_v3"], config, 1)
+    taps = {site: placed.tap for site, placed in tlh._layer_sites(tlh.FAMILIES["deepseek_v3"], config, 1).items()}
     for site in ("attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k", "attn_scores", "pattern"):
         with pytest.raises(ValueError, match=re.escape(taps[site].module) + ": multi-head latent attention's .* "
                            "tensor_parallel_size=1"):

@@ -870,26 +870,118 @@ def _family(hf_config: Any) -> _Family:
 
 
 # ---------------------------------------------------------------------------
-# A layer's sites. _taps reads a record and places every site of one layer (its tap), _row_shapes gives each site's
-# row shape there; capture_specs and model_sites, the public view of both, list what a config's model offers.
+# A layer's sites. _layer_sites decides, for one layer of a model, each site's tap and row shape together (_Site), from
+# the family's record and the (text) config: what the layer is (its kind, whether it holds experts, whether it reuses
+# an earlier layer's keys and values, its widths) is worked out once, in _layer; _taps and _row_shapes read that, and
+# renames, the sites a layer's kind lacks and the record's refusals are applied once, to both. capture_specs and
+# model_sites, the public view, list what a config's model offers.
 # ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """One site on one layer: where its tensor is (its tap), and the shape of one token's row of it."""
+
+    tap: _Tap
+    row_shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """One layer as the family's record and the (text) model's config make it, the facts every site of it reads.
+
+    index: the layer, None for the sites outside the layers. kind: its kind as the config names it (a key of
+    _Family.kind_sites; "" where layers do not differ). moe: its mixture-of-experts block, where it holds one.
+    kv_shared: it reuses an earlier layer's keys and values (see _Family.kv_shared); k_as_v: its keys are its values
+    too (see _Family.k_as_v). Widths, from the config, whose attribute names differ between families: d_model,
+    n_heads, d_head, n_kv_heads, d_mlp (its MLP's, d_model where experts hold the MLP's place); num_experts and
+    experts_per_token where it holds experts.
+    """
+
+    index: int | None
+    kind: str
+    moe: _MoE | None
+    kv_shared: bool
+    k_as_v: bool
+    d_model: int
+    n_heads: int
+    d_head: int
+    n_kv_heads: int
+    d_mlp: int
+    num_experts: int | None
+    experts_per_token: int | None
+
+
+def _layer(family: _Family, config: Any, index: int | None) -> _Layer:
+    """The facts of layer ``index`` (None: outside the layers) of the model whose (text) config is ``config``."""
+    kind = _layer_kind(family, config, index)
+    moe = family.moe if index is not None and _moe_layer(family, config, index) else None
+    kv_shared = index is not None and _kv_shared(family, config, index)
+    k_as_v = bool(index is not None and family.k_as_v and getattr(config, family.k_as_v)
+                  and config.layer_types[index] == "full_attention")
+    d_model, n_heads = config.hidden_size, getattr(config, "num_attention_heads", 1)  # (none: Mamba-2's)
+    attention = config  # a layer's own, where layers differ (transformers' per_layer_config)
+    if getattr(config, "is_heterogeneous", False):
+        attention = config.per_layer_config[index or 0]
+    d_head = getattr(attention, "head_dim", None) or d_model // n_heads
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        n_kv_heads = 1  # Falcon's multi-query attention
+    else:
+        n_kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+    names = (family.d_mlp,) if family.d_mlp else ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+    d_mlp = next(filter(None, (getattr(config, name, None) for name in names)), 4 * d_model)
+    if getattr(config, "block_auto_adjust_ff_dim", False):  # LFM2's: 2/3 of it, scaled, to a multiple (transformers')
+        d_mlp = int(2 * d_mlp / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            multiple = config.block_multiple_of
+            d_mlp = multiple * ((int(config.block_ffn_dim_multiplier * d_mlp) + multiple - 1) // multiple)
+    if kv_shared and getattr(config, "use_double_wide_mlp", False):
+        d_mlp *= 2
+    if moe is not None:  # TransformerLens's mlp hooks: the block's
+        d_mlp = d_model
+    return _Layer(
+        index, kind, moe, kv_shared, k_as_v, d_model, n_heads, d_head, n_kv_heads or n_heads, d_mlp,
+        _num_experts(config) if moe is not None else None, config.num_experts_per_tok if moe is not None else None,
+    )
 
 
 def _moe_layer(family: _Family, config: Any, layer: int) -> bool:
     return family.moe is not None and _MOE_LAYERS[family.moe.layers](config, layer)
 
 
-def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
-    """Each site the family has on ``layer`` (None: the sites outside the layers) -> its tap, in forward order; the
-    sites in ``family.refused`` are left out. config: the (text) model's transformers config."""
+def _layer_sites(family: _Family, config: Any, layer: int | None) -> dict[str, _Site]:
+    """Each site the family has on ``layer`` (None: the sites outside the layers) -> its tap and row shape, in
+    forward order, under the name TransformerLens gives it on the family; the sites in ``family.refused`` are left
+    out. config: the (text) model's transformers config."""
+    facts = _layer(family, config, layer)
+    taps, shapes = _taps(family, config, facts), _row_shapes(family, config, facts)
+    absent = (*(_ATTENTION_SITES if not family.attention else ()), *(_MLP_SITES if not family.mlp_up else ()))
+    held = family.kind_sites[facts.kind] if facts.kind else ""
+    if held == "stream":
+        absent = tuple(site for site in taps if site not in ("resid_pre", "resid_post"))
+    inner = {"attention": _ATTENTION_SITES, "linear": _LINEAR_SITES, "conv": _CONV_SITES, "mixer": _MIXER_SITES,
+             "mixer_ends": _MIXER_ENDS}
+    if held in inner:  # the other kinds' sites
+        absent += tuple(site for other, sites in inner.items() if other != held for site in sites
+                        if site not in inner[held])
+    sites = {family.renamed.get(site, site): None if site in absent or tap is None else _Site(tap, shapes[site])
+             for site, tap in taps.items()}
+    return {
+        site: sites[site]
+        for site, name in SITES.items()
+        if sites.get(site) is not None and site not in family.refused and ("{i}" in name) == (layer is not None)
+    }
+
+
+def _taps(family: _Family, config: Any, layer: _Layer) -> dict[str, _Tap | None]:
+    """Each site's tap on the layer, by the name the record's fields give it (None: not there); see _layer_sites."""
     f, at = family, family.layer
-    pair, kind = f.residual == "pair", _layer_kind(family, config, layer)
-    held = f.kind_sites[kind] if kind else ""
+    pair = f.residual == "pair"
 
     def inputs_of(layer_kind: str) -> tuple[tuple[str, int], ...]:  # a layer's of that kind
         return f.kind_layer_inputs.get(layer_kind) or f.layer_inputs or (_LAYER_PAIR if pair else _LAYER_INPUT)
 
-    layer_inputs = inputs_of(kind)
+    layer_inputs = inputs_of(layer.kind)
     norm_inputs = f.norm_inputs or (_NORM_PAIR if pair else _X_INPUT)
     attention, gated = at if f.attention == "." else at + f.attention, f.mlp_up in _GATED_UP
     mid_norm = at + f.ln2 if f.ln2 else None
@@ -897,7 +989,7 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
     def norm(path: str, kind: str = _NORMALIZED) -> _Tap:
         return _Tap(path, kind, norm_inputs, f.norm)
 
-    moe = f.moe if layer is not None and _moe_layer(f, config, layer) else None
+    moe = layer.moe
     if moe is None:
         mlp = {
             "mlp_in": _Tap(at + f.mlp, _INPUT, f.mlp_inputs),
@@ -971,26 +1063,13 @@ def _taps(family: _Family, config: Any, layer: int | None) -> dict[str, _Tap]:
         "final_norm_scale": norm(f.final_norm, _NORM_SCALE),
         "final_norm": norm(f.final_norm),
         **f.taps,
-        **f.kind_taps.get(kind, {}),
+        **f.kind_taps.get(layer.kind, {}),
     }  # fmt: skip
-    if layer is not None and _kv_shared(f, config, layer):
+    if layer.kv_shared:
         taps.update(attn_q=_Tap(attention + ".q_proj", _OUTPUT), attn_k=None, attn_v=None)
-    elif layer is not None and f.k_as_v and getattr(config, f.k_as_v) and config.layer_types[layer] == "full_attention":
+    elif layer.k_as_v:
         taps.update(attn_k=_Tap(attention + f.qkv, _OUTPUT, part="kv"), attn_v=None)
-    absent = (*(_ATTENTION_SITES if not f.attention else ()), *(_MLP_SITES if not f.mlp_up else ()))
-    if held == "stream":
-        absent = tuple(site for site in taps if site not in ("resid_pre", "resid_post"))
-    inner = {"attention": _ATTENTION_SITES, "linear": _LINEAR_SITES, "conv": _CONV_SITES, "mixer": _MIXER_SITES,
-             "mixer_ends": _MIXER_ENDS}
-    if held in inner:  # the other kinds' sites
-        absent += tuple(site for other, sites in inner.items() if other != held for site in sites
-                        if site not in inner[held])
-    taps = {f.renamed.get(site, site): None if site in absent else tap for site, tap in taps.items()}
-    return {
-        site: taps[site]
-        for site, name in SITES.items()
-        if taps.get(site) is not None and site not in f.refused and ("{i}" in name) == (layer is not None)
-    }
+    return taps
 
 
 _ATTENTION_SITES = ("attn_q_latent", "attn_kv_latent", "attn_q", "attn_k", "attn_v", "attn_rot_q", "attn_rot_k",
@@ -1027,32 +1106,13 @@ def _num_experts(config: Any) -> int | None:
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
 
 
-def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tuple[int, ...]]:
-    """One row's shape at each site of ``layer`` (None: outside the layers), from the (text) model's transformers
-    config, whose attribute names differ between families."""
-    d_model, n_heads = config.hidden_size, getattr(config, "num_attention_heads", 1)  # (none: Mamba-2's)
-    attention = config  # a layer's own, where layers differ (transformers' per_layer_config)
-    if getattr(config, "is_heterogeneous", False):
-        attention = config.per_layer_config[layer or 0]
-    d_head = getattr(attention, "head_dim", None) or d_model // n_heads
-    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
-        n_kv_heads = 1  # Falcon's multi-query attention
-    else:
-        n_kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
-    names = (family.d_mlp,) if family.d_mlp else ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
-    d_mlp = next(filter(None, (getattr(config, name, None) for name in names)), 4 * d_model)
-    if getattr(config, "block_auto_adjust_ff_dim", False):  # LFM2's: 2/3 of it, scaled, to a multiple (transformers')
-        d_mlp = int(2 * d_mlp / 3)
-        if config.block_ffn_dim_multiplier is not None:
-            multiple = config.block_multiple_of
-            d_mlp = multiple * ((int(config.block_ffn_dim_multiplier * d_mlp) + multiple - 1) // multiple)
+def _row_shapes(family: _Family, config: Any, layer: _Layer) -> dict[str, tuple[int, ...]]:
+    """One row's shape at each site of the layer, by the name the record's fields give it; see _layer_sites."""
+    d_model, n_heads, d_head = layer.d_model, layer.n_heads, layer.d_head
     shapes = {site: (d_model,) for site in SITES}
-    if layer is not None and _kv_shared(family, config, layer) and getattr(config, "use_double_wide_mlp", False):
-        d_mlp *= 2
-    if layer is not None and _moe_layer(family, config, layer):  # TransformerLens's mlp hooks: the block's
-        d_mlp = d_model
-        shapes.update(expert_weights=(_num_experts(config),), expert_indices=(config.num_experts_per_tok,))
-    q, kv, mlp = (n_heads, d_head), (n_kv_heads or n_heads, d_head), (d_mlp,)
+    if layer.moe is not None:
+        shapes.update(expert_weights=(layer.num_experts,), expert_indices=(layer.experts_per_token,))
+    q, kv, mlp = (n_heads, d_head), (layer.n_kv_heads, d_head), (layer.d_mlp,)
     shapes.update(attn_q=(2 * n_heads, d_head) if family.query_gate else q, attn_rot_q=q, attn_z=q)
     shapes.update(attn_k=kv, attn_v=kv, attn_rot_k=kv)
     shapes.update(attn_scores=(q[0] + kv[0], d_head), pattern=(q[0] + kv[0], d_head))
@@ -1084,7 +1144,6 @@ def _row_shapes(family: _Family, config: Any, layer: int | None) -> dict[str, tu
                                                                   "num_heads")
         shapes.update(mixer_in_proj=(d_in_proj,), mixer_norm_in=(d_inner,), mixer_norm_gate=(d_inner,),
                       mixer_norm=(d_inner,))
-    shapes.update({renamed: shapes[site] for site, renamed in family.renamed.items()})
     return shapes
 
 
@@ -1104,9 +1163,8 @@ def capture_specs(
     sites, layers = _sites_and_layers(sites, layers, config.num_hidden_layers, family, config)
     specs, found = {}, set()
     for layer in (None, *layers):
-        taps, shapes = _taps(family, config, layer), _row_shapes(family, config, layer)
-        chosen = [site for site in taps if site in sites]
-        specs.update({SITES[site].format(i=layer): shapes[site] for site in chosen})
+        chosen = {site: placed for site, placed in _layer_sites(family, config, layer).items() if site in sites}
+        specs.update({SITES[site].format(i=layer): placed.row_shape for site, placed in chosen.items()})
         found.update(chosen)
     missing = [site for site in sites if site not in found]
     if missing:
@@ -1161,9 +1219,9 @@ def _listed(value: Any, one: type) -> list | None:
 
 def _family_sites(family: _Family, config: Any) -> list[str]:
     """The sites the family has on some layer, or outside them, in forward order."""
-    present = set(_taps(family, config, None))
+    present = set(_layer_sites(family, config, None))
     for layer in range(config.num_hidden_layers):
-        present.update(_taps(family, config, layer))
+        present.update(_layer_sites(family, config, layer))
     return [site for site in SITES if site in present]
 
 
@@ -2676,17 +2734,17 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
             site, layer = parse_hook_name(name)
             if layer is not None and layer >= text_config.num_hidden_layers:
                 raise ValueError(f"{name}: the model has {text_config.num_hidden_layers} layers")
-            taps, shapes = _taps(family, text_config, layer), _row_shapes(family, text_config, layer)
-            if site not in taps:
+            placed_here = _layer_sites(family, text_config, layer).get(site)
+            if placed_here is None:
                 why = family.refused.get(site, "TransformerLens's bridge runs no such hook there")
                 raise ValueError(f"{name}: {family.architecture} has no {SITES[site]} on this layer: {why}")
-            spec = spec or shapes[site]
-            if spec != shapes[site]:
+            spec = spec or placed_here.row_shape
+            if spec != placed_here.row_shape:
                 raise ValueError(
                     f"capture_specs[{name!r}]: row shape {spec}, but this model's {name} has rows "
-                    f"of {shapes[site]}: were the specs written for another model?"
+                    f"of {placed_here.row_shape}: were the specs written for another model?"
                 )
-            tap = taps[site]
+            tap = placed_here.tap
             path = prefix + tap.module.format(i=layer)
         module = _resolve_module(model, modules, path)
         if module is None:
