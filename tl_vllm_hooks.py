@@ -60,10 +60,11 @@ __version__ = "0.3.0"
 __all__ = [
     "ATTENTION_READ_BYTES", "ATTENTION_SITES", "ActivationRows", "CAPTURE_DTYPES", "CaptureConfig", "FAMILIES",
     "REFUSED", "SAESpec", "SAE_FEATURES", "SAE_SITES", "SAE_WEIGHTS", "SITES", "SinkRequest", "WORKER_EXTENSION",
-    "WorkerExtension", "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks", "logit_lens",
-    "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures", "read_fire_counts",
-    "register", "remove_hooks", "request_args", "reset_batched", "reset_edits", "reset_fire_counts", "row_dtype",
-    "segment_by_request", "set_edits", "status", "unembed", "unregister", "user_request_id",
+    "WorkerExtension", "capture_specs", "configure", "decode_tensor", "encode_tensor", "flush_sink", "join_ranks",
+    "logit_lens", "model_sites", "open_capture", "parse_hook_name", "read_batched", "read_captures",
+    "read_fire_counts", "register", "remove_hooks", "request_args", "reset_batched", "reset_edits",
+    "reset_fire_counts", "row_dtype", "segment_by_request", "set_edits", "status", "unembed", "unregister",
+    "user_request_id",
 ]
 # fmt: on
 
@@ -179,9 +180,10 @@ _READ_ONLY_SITES = {  # site -> why an edit of it is refused
                     "rebuilt when read; edit the query or key (attn.hook_rot_q, hook_rot_k, hook_q, hook_k) instead"),
 }
 _READ_ONLY_UNDER_LATENT_ATTENTION = dict.fromkeys(
-    ("attn_k", "attn_v"), "multi-head latent attention attends from the cached latent, and vLLM's decode never projects "
-    "it up to per-head keys and values (the hook computes them); edit the latent (attn.hook_kv_latent) or the rotary "
-    "key (attn.hook_rot_k) instead"
+    ("attn_k", "attn_v"),
+    "multi-head latent attention attends from the cached latent, and vLLM's decode never projects it up to per-head "
+    "keys and values (the hook computes them); edit the latent (attn.hook_kv_latent) or the rotary key "
+    "(attn.hook_rot_k) instead",
 )
 
 
