@@ -12,9 +12,9 @@ import torch
 
 import tl_vllm_hooks as tlh
 from conftest import (  # the shared engines, oracles and helpers
-    NO_ENGINE, PerRow, SAEOracle, SAE_KINDS, SAE_PROMPTS, SAE_TOP_K, TOLERANCE, TRANSCODES, assert_features,
-    assert_matches, capture, engine, family_engine_arguments, family_tolerance, features, fired, generate,
-    made_by_sae_lens, relative_error, row_errors, scan_in_torch, write_sae,
+    FIRST_LAYER_SAE_KINDS, NO_ENGINE, SAE_KINDS, SAE_PROMPTS, SAE_TOP_K, TOLERANCE, TRANSCODES, SAEOracle,
+    assert_features, assert_matches, capture, check_first_layer_saes, engine, family_engine_arguments,
+    family_tolerance, features, fired, generate, made_by_sae_lens, relative_error, scan_in_torch, write_sae,
 )
 
 
@@ -25,56 +25,7 @@ MIXING_SAES = {"mamba2": "blocks.1.mixer.hook_out", "lfm2": "blocks.2.conv.hook_
                "mamba": "blocks.1.mixer.hook_out", "jamba": "blocks.2.mixer.hook_out"}
 MIXING_TRANSCODERS = {"falcon_h1": "blocks.1.mlp.hook_in", "lfm2": "blocks.1.mlp.hook_in",  # (a dense MLP in layer 1)
                       "jamba": "blocks.1.mlp.hook_in"}
-# Latent attention's families and Qwen3-Next (bf16 alone on vLLM's CPU) route their tokens from the second layer on
-# (Qwen3-Next's first layer a Gated DeltaNet before a dense MLP), and Qwen 3.5's dense model runs its first layer's
-# Gated DeltaNet and MLP in bf16 alone too (test_tl_vllm_hooks_vision.py): SAEs on the first layer's MLP output and
-# residual stream, and a transcoder on that MLP, which no routing decides (standard SAEs and a plain transcoder, whose
-# features are continuous in the rows: a topk or jumprelu SAE's cut-off turns bf16's near-ties into features 0 in one
-# and not the other).
-FIRST_LAYER_SAES = ("blocks.0.hook_mlp_out", "blocks.0.hook_resid_post")
-FIRST_LAYER_TRANSCODER = "blocks.0.mlp.hook_in"
-FIRST_LAYER_SAE_KINDS = {**dict.fromkeys(FIRST_LAYER_SAES, ("standard", 256, None)),
-                         FIRST_LAYER_TRANSCODER: ("transcoder", 192, None)}
 LATENT_OR_LINEAR_SAE_FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_next")
-
-
-def check_first_layer_saes(oracle: SAEOracle, tolerance, engine_arguments: dict) -> None:
-    """SAEs on FIRST_LAYER_SAES of a family vLLM's CPU runs in bf16 alone, and a transcoder on that layer's MLP, as on
-    any family's (the oracle's FIRST_LAYER_SAE_KINDS): each request's top features are sae-lens's encode of
-    TransformerLens's rows (fp32, on the bf16-rounded weights: the family's per-row bound), and a feature edit of the
-    MLP output's SAE (the second request) or of the transcoder (the fourth) moves the rows after it as run_with_hooks
-    does with the decoder. Eager, in this process."""
-    mlp_out, resid_post = FIRST_LAYER_SAES
-    model, kinds = oracle.model, oracle.kinds
-    edited = [None, mlp_out, None, FIRST_LAYER_TRANSCODER]  # the hook each request edits
-    edits = [hook and {features(hook): {"op": "scale", "features": fired(oracle, hook, 3), "value": 4.0}}
-             for hook in edited]
-    prompts = [SAE_PROMPTS[i % len(SAE_PROMPTS)] for i in range(len(edits))]
-    with engine(model, sites=("mlp_out", "resid_post"), in_process=True, eager=True, batching=True,
-                saes=oracle.saes(), sae_top_k=SAE_TOP_K, **engine_arguments) as llm:
-        extra = [edit and tlh.request_args(llm.config, edits=edit) for edit in edits]
-        outputs = generate(llm, prompts, 1, extra)
-        read = tlh.read_batched(llm, [o.request_id for o in outputs])
-    worst_features = worst_rows = 0.0
-    moved = []  # the edited requests' largest row change at resid_post
-    for i, (output, edit) in enumerate(zip(outputs, edits)):
-        rows, prompt_index = read[output.request_id], i % len(SAE_PROMPTS)
-        if edit is None:  # (an edit leaves its own SAE's features as they were, and moves the later ones')
-            for hook in kinds:
-                got = rows[features(hook) + ".indices"], rows[features(hook) + ".values"]
-                worst_features = max(worst_features, assert_features(*got, oracle.features[hook][prompt_index],
-                                     SAE_TOP_K, f"request {i} {hook}", tolerance, torch.bfloat16))
-        steering = edit and oracle.steered(prompt_index, edited[i], edit[features(edited[i])])
-        expected = model.reference(prompts[i], list(FIRST_LAYER_SAES), steering)
-        worst_rows = max(worst_rows, assert_matches({n: rows[n] for n in FIRST_LAYER_SAES}, expected, f"request {i}",
-                                                    tolerance))
-        if edit is not None:
-            plain = model.reference(prompts[i], [resid_post])[resid_post]
-            moved.append(float(row_errors(rows[resid_post], plain).max()))
-    bound = tolerance(resid_post) if callable(tolerance) else tolerance
-    assert min(moved) > 2 * bound, f"an edit moves no row past the tolerance ({moved})"
-    print(f"\n{model.family}: SAE and transcoder features worst {worst_features:.2e}, rows {worst_rows:.2e} (whole "
-          f"hook; worst row so far {PerRow.worst_row:.2e}), the edits moved a row by {moved[0]:.2e} and {moved[1]:.2e}")
 
 
 class TestSAEs:
