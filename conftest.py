@@ -399,7 +399,7 @@ class Model:
     def __init__(self, family: str, path: Path, hf_model=None):
         """hf_model: the transformers model saved at path (default: the family's tiny model, built there)."""
         self.family, self.path = family, path
-        self.hf = tlh.tiny_model(str(path), family) if hf_model is None else hf_model
+        self.hf = tools.tiny_model(str(path), family) if hf_model is None else hf_model
         self.routing = {"choices": 0, "followed": 0, "gap": 0.0}  # (see reference's routes)
         # An engine in this process running vLLM's Transformers backend decorates
         # transformers' model classes for torch.compile; these instances (and the
@@ -1249,6 +1249,7 @@ def engine(
     environment=(),
     sink_dir=None,
     shard_bytes=1 << 30,
+    sink_writer="tl_vllm_hooks_tools:RankSink",
     saes=None,
     sae_top_k=64,
     sae_chosen_features=0,
@@ -1273,6 +1274,7 @@ def engine(
         enable_position_interventions=positions,
         sink_dir=sink_dir,
         shard_bytes=shard_bytes,
+        sink_writer=sink_writer,
         saes=saes or {},
         sae_top_k=sae_top_k,
         sae_chosen_features=sae_chosen_features,
@@ -2082,7 +2084,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    """`python3 -m tl_vllm_hooks serve` on the tiny Llama, as a user starts it: the batched config built from its
+    """`python3 -m tl_vllm_hooks_tools serve` on the tiny Llama, as a user starts it: the batched config built from its
     flags, vLLM's arguments passed on (eager, prefix caching turned on after serve_args), a loopback port; the real
     openai client for it, and the same config built here for request_args."""
     import urllib.request
@@ -2098,7 +2100,7 @@ def server(models, tmp_path_factory):
     (root / "chat.jinja").write_text(CHAT_TEMPLATE)
     port = free_port()
     command = [
-        sys.executable, "-m", "tl_vllm_hooks", "serve", str(model.path), "--sites", ",".join(SERVED_SITES),
+        sys.executable, "-m", "tl_vllm_hooks_tools", "serve", str(model.path), "--sites", ",".join(SERVED_SITES),
         "--max-num-batched-tokens", str(MAX_TOKENS_PER_FORWARD), "--sink-dir", str(root / "sink"),
         "--shard-seconds", "0.2", "--port", str(port),
         # vLLM's own arguments, passed on

@@ -23,6 +23,8 @@ from vllm.inputs import TokensPrompt
 
 import tl_vllm_hooks as tlh
 
+import tl_vllm_hooks_tools as tools
+
 
 def _rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as status:
@@ -47,7 +49,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = tempfile.mkdtemp(prefix="tiny_llama_")
-    tlh.tiny_model(model)
+    tools.tiny_model(model)
     config = None
     engine_args = dict(max_num_batched_tokens=1024, enable_prefix_caching=False)
     if not args.plain:

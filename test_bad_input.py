@@ -4,6 +4,7 @@ copied alone, register and unregister) and the config channel.
 
 from __future__ import annotations
 
+import ast
 import glob
 import json
 import os
@@ -267,6 +268,20 @@ class TestConfigChannel:
         # One prefix-caching setting for both: a request without options keeps every row either way.
         assert args[-1] == "--no-enable-prefix-caching" and batched.llm_kwargs["enable_prefix_caching"] is False
         assert tlh.configure(self.SPECS, 64).serve_args[-1] == "--no-enable-prefix-caching"
+
+
+@NO_ENGINE
+def test_the_core_imports_nothing_of_its_companion():
+    """tl_vllm_hooks.py holds no import of tl_vllm_hooks_tools, at its top or inside a function, and loads no module by
+    a name it writes itself: it names the companion only as the default sink writer, which it loads by the name a
+    config carries (the copy-alone test checks the same at run time)."""
+    tree = ast.parse((HERE / "tl_vllm_hooks.py").read_text())
+    imported = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    imported += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    assert not [name for name in imported if name.startswith("tl_vllm_hooks")], imported
+    loads = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) in
+             ("importlib.import_module", "__import__")]
+    assert [ast.unparse(node.args[0]) for node in loads] == ["module_name"], "only _sink_writer loads by name"
 
 
 @NO_ENGINE

@@ -310,14 +310,14 @@ def test_every_decoder_transformer_lens_and_vllm_share_is_supported_or_refused_w
 @NO_ENGINE
 @pytest.mark.parametrize("page, detail", [("README.md", False), ("docs/families.md", True)])
 def test_the_readmes_family_tables_are_the_records(page, detail):
-    """README.md's supported and refused tables are what `python3 -m tl_vllm_hooks families` prints from the
+    """README.md's supported and refused tables are what `python3 -m tl_vllm_hooks_tools families` prints from the
     records, word for word, and docs/families.md's what `families --detail` prints (its links made relative)."""
     text = (HERE / page).read_text()
     tables = re.search(r"<!-- families -->\n(.*?)\n<!-- /families -->", text, re.DOTALL)
     assert tables, f"{page} has no <!-- families --> ... <!-- /families --> section"
     made = tools.families_markdown(detail)
     assert tables.group(1) == (made.replace("](docs/", "](") if detail else made), (
-        f"{page}'s family tables differ from the records: paste `python3 -m tl_vllm_hooks families"
+        f"{page}'s family tables differ from the records: paste `python3 -m tl_vllm_hooks_tools families"
         f"{' --detail' if detail else ''}` between the markers"
     )
 

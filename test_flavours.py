@@ -24,6 +24,8 @@ import pytest
 import torch
 
 import tl_vllm_hooks as tlh
+
+import tl_vllm_hooks_tools as tools
 from conftest import (  # the shared engines, oracles and helpers
     BATCH, BF16_TOLERANCE, EDIT, MAX_TOKENS_PER_FORWARD, MIXED_REQUESTS, NO_ENGINE, PROMPT, SAE_PROMPTS, SAE_TOP_K,
     TOLERANCE, TWO_GPUS, assert_features, assert_matches, bf16_reference, capture, check_batched,
@@ -679,7 +681,7 @@ def test_a_user_id_several_requests_share_is_refused_naming_them(tmp_path):
         for request_id in (first, *others):
             write_request(writer, config, request_id, rows[request_id])
         writer.close()
-    dataset = tlh.CaptureDataset(tmp_path)
+    dataset = tools.CaptureDataset(tmp_path)
     assert dataset.request_ids == ["0-8e6792c5", "1", "0-9fa42abc"] and "0" in dataset  # a user id shared: full ids
     for read in (dataset.__getitem__, dataset.entry):
         with pytest.raises(KeyError, match=r"'0' matches 2 requests: \['0-8e6792c5', '0-9fa42abc'\]; .* full id"):

@@ -38,7 +38,7 @@ def capture_run(tmp_path_factory, models):
     (directory / "prompts.txt").write_text("".join(" ".join(map(str, p)) + "\n\n" for p in CAPTURE_PROMPTS))
     out = directory / "dataset"
     arguments = [
-        "-m", "tl_vllm_hooks", "capture", str(models["gemma2"].path), "--eager", "--token-ids-file", "prompts.txt",
+        "-m", "tl_vllm_hooks_tools", "capture", str(models["gemma2"].path), "--eager", "--token-ids-file", "prompts.txt",
         "--sites", "resid_mid,attn_z", "--layers", "0,2", "--max-in-flight", "4", "--shard-mb", "0.25",
         "--out", str(out),
     ]
@@ -59,7 +59,7 @@ def capture_run(tmp_path_factory, models):
     shard = out / listed[-1]["shard"]
     os.truncate(shard, shard.stat().st_size - 100)
     with pytest.raises(ValueError, match="cut short"):
-        tlh.CaptureDataset(out)
+        tools.CaptureDataset(out)
     return run_command(arguments, directory), out, listed
 
 
@@ -78,9 +78,9 @@ class TestCaptureCommand:
         assert lines[-2].startswith(f"capture: {count}/{count} prompts, "), "progress lines (stderr is no terminal)"
         assert lines[-1] == (
             f"wrote {out}: 300 requests ({whole_before} from an earlier run) x 4 hooks (float32); "
-            "read them with tl_vllm_hooks.CaptureDataset"
+            "read them with tl_vllm_hooks_tools.CaptureDataset"
         )
-        dataset = tlh.CaptureDataset(out)
+        dataset = tools.CaptureDataset(out)
         lines = {f"line-{2 * r + 1}": prompt for r, prompt in enumerate(CAPTURE_PROMPTS)}
         user_ids = [re.sub(r"-[0-9a-f]{8}$", "", request_id) for request_id in dataset]
         assert sorted(user_ids) == sorted(lines), "each prompt once"
@@ -106,7 +106,7 @@ class TestCaptureCommand:
             "serve": ["--port", str(free_port())],
         }[name]
         command = subprocess.Popen(
-            [sys.executable, "-m", "tl_vllm_hooks", name, str(models["llama"].path), *arguments],
+            [sys.executable, "-m", "tl_vllm_hooks_tools", name, str(models["llama"].path), *arguments],
             cwd=tmp_path, env={**environment, "PYTHONPATH": str(HERE)}, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
@@ -130,17 +130,17 @@ class TestCaptureCommand:
 
     def test_capture_command_writes_what_compare_confirms(self, tmp_path, models, capture_run):
         _done, out, _listed = capture_run
-        dataset = tlh.CaptureDataset(out)
+        dataset = tools.CaptureDataset(out)
         rows = dataset["line-3"]
         assert set(rows) == {f"blocks.{i}.{h}" for i in (0, 2) for h in ("hook_resid_mid", "attn.hook_z")}
         assert rows["blocks.2.attn.hook_z"].shape == (len(CAPTURE_PROMPTS[1]), 2, 64)
         expected = models["gemma2"].reference(CAPTURE_PROMPTS[1], list(rows))
         assert_matches(rows, expected, "line-3")
-        compared = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-5"], tmp_path)
+        compared = run_command(["-m", "tl_vllm_hooks_tools", "compare", str(out), "--tolerance", "1e-5"], tmp_path)
         assert compared.returncode == 0, compared.stdout + compared.stderr[-2000:]
         assert "300 requests" in compared.stdout and "over tolerance" not in compared.stdout
         assert compared.stdout.strip().splitlines()[-1].startswith("verdict: all "), compared.stdout
-        strict = run_command(["-m", "tl_vllm_hooks", "compare", str(out), "--tolerance", "1e-12"], tmp_path)
+        strict = run_command(["-m", "tl_vllm_hooks_tools", "compare", str(out), "--tolerance", "1e-12"], tmp_path)
         assert strict.returncode == 1 and "over tolerance" in strict.stdout
         assert "past the tolerance 1e-12 (exit code 1)" in strict.stdout.strip().splitlines()[-1], strict.stdout
 
@@ -261,7 +261,7 @@ class TestServe:
         )
         assert response.usage.completion_tokens == 3
         request_id = f"{response.id}-0"  # the completion's first (only) prompt
-        dataset = tlh.CaptureDataset.wait(server.sink_dir, [request_id])
+        dataset = tools.CaptureDataset.wait(server.sink_dir, [request_id])
         assert dataset.entry(request_id)["prompt_token_ids"] == BATCH[0]
         assert_matches(dataset[request_id], server.model.reference(BATCH[0], names), "served completion")
 
@@ -273,7 +273,7 @@ class TestServe:
             temperature=0.0, stream=True, extra_body={"vllm_xargs": tlh.request_args(server.config, "prompt", edits)},
         )
         chunks = list(stream)
-        dataset = tlh.CaptureDataset.wait(server.sink_dir, [chunks[0].id])
+        dataset = tools.CaptureDataset.wait(server.sink_dir, [chunks[0].id])
         prompt = dataset.entry(chunks[0].id)["prompt_token_ids"]
         assert prompt == [5, 9, 33, 7, 42], "the chat template and the word-level tokenizer add nothing"
         expected = server.model.reference(prompt, names, edits)

@@ -21,8 +21,8 @@ import torch
 import tl_vllm_hooks as tlh
 import tl_vllm_hooks_tools as tools
 from conftest import (  # the shared engines, oracles and helpers
-    BATCH, MIXED_REQUESTS, Model, NO_ENGINE, check_sink_requests, engine, generate, manifest_lines, shard_writer,
-    write_request,
+    BATCH, MIXED_REQUESTS, NO_ENGINE, TOLERANCE, Model, check_sink_requests, engine, generate, manifest_lines,
+    relative_error, shard_writer, write_request,
 )
 
 
@@ -67,6 +67,71 @@ def sink_engine(model: Model, directory: Path, size: str):
             llm.model, llm.sink_dir = model, sink_dir
             yield llm
 
+class RecordingWriter:
+    """A sink writer of the tests' own, through the interface the core declares for one (see its _sink_writer): it
+    keeps each finished request's rows in memory, as the rows' copies stand once take_finished's event has passed.
+    Loaded by its name, test_sink:RecordingWriter, so only where the worker is this process."""
+
+    checked: list[str] = []
+    written: dict[str, dict] = {}
+
+    def __init__(self, state, worker):
+        self.state, self.sources = state, state.sink_sources()
+
+    @staticmethod
+    def check(config):
+        RecordingWriter.checked.append(config.sink_dir)
+
+    @staticmethod
+    def dataset(directory):
+        return {"directory": directory, **RecordingWriter.written}
+
+    def write(self, request_ids, at_shutdown=False):
+        finished, copied = self.state.take_finished(request_ids)
+        if copied is not None:
+            copied.synchronize()
+        for request in finished:
+            if request.positions is not None:
+                rows = {name: torch.cat(request.rows[name]).clone() for name in self.sources}
+                kept = {"positions": request.positions.tolist(), **rows}
+                RecordingWriter.written[tlh.user_request_id(request.request_id)] = kept
+            self.state.release(request.files)
+
+    def status(self):
+        return {"directory": self.state.config.sink_dir, "error": None, "lost": 0}
+
+    def flush(self):
+        self.write(self.state.held_request_ids())
+        return self.status()
+
+    def close(self):
+        pass
+
+
+def test_a_sink_writer_of_ones_own_gets_each_finished_requests_rows_through_the_declared_interface(models, tmp_path):
+    """configure's sink_writer names the class the core loads in the driver (check, dataset) and in each worker (the
+    writer), through the batched flavour's declared interface: each request's rows, whole, are TransformerLens's; a
+    name that is not 'module:Class', or cannot be imported, is refused before any engine starts."""
+    spec = {"blocks.0.hook_resid_post": 128}
+    with pytest.raises(ValueError, match="sink_writer: expected 'module:Class', got 'nope'"):
+        tlh.configure(spec, enable_batching=True, sink_dir=str(tmp_path), sink_writer="nope")
+    with pytest.raises(ValueError, match=r"sink_writer 'no_such_module:Writer' cannot be imported \(No module named"):
+        tlh.configure(spec, enable_batching=True, sink_dir=str(tmp_path), sink_writer="no_such_module:Writer")
+    RecordingWriter.checked.clear(), RecordingWriter.written.clear()
+    model, prompts = models["llama"], [BATCH[0], BATCH[2]]
+    with engine(model, sites=("resid_pre", "attn_out", "resid_post"), in_process=True, eager=True, batching=True,
+                sink_dir=str(tmp_path / "sink"), sink_writer="test_sink:RecordingWriter") as llm:
+        outputs = generate(llm, prompts, max_tokens=4)
+        dataset = tlh.flush_sink(llm)
+    assert RecordingWriter.checked == [str(tmp_path / "sink")] and dataset["directory"] == str(tmp_path / "sink")
+    for output, prompt in zip(outputs, prompts):
+        rows = dataset[output.request_id]
+        tokens = prompt + list(output.outputs[0].token_ids[:-1])  # every token that ran, the last generated never
+        assert rows.pop("positions") == list(range(len(tokens)))
+        expected = model.reference(tokens, list(rows))
+        assert all(relative_error(rows[name], expected[name]) <= TOLERANCE for name in rows), output.request_id
+
+
 
 class TestSink:
     """Rows written to disk as requests finish: Llama, eager, in this process (the sink in
@@ -98,7 +163,7 @@ class TestSink:
         header = manifest_lines(directory)[0]
         assert header["model"] == str(llm.model.path) and header["dtype"] == "float32"
         assert set(header["versions"]) == {"vllm", "torch", "tl_vllm_hooks"}
-        dataset = tlh.CaptureDataset(directory)
+        dataset = tools.CaptureDataset(directory)
         assert len(dataset) == len(outputs) - 1  # the "none" request wrote nothing
         assert all(rows.shape == (2, *dataset.hooks[name]) for name, rows in dataset[outputs[7].request_id].items())
         assert [list(r) for r in dataset.entry(outputs[7].request_id)["positions"]] == [[8, 9], [10, 11]]
@@ -106,7 +171,7 @@ class TestSink:
         assert header["n_layers"] == 3 and rows["resid_post", -1] is rows["blocks.2.hook_resid_post"]
 
     def test_later_requests_go_on_in_new_shards(self, llm, written):
-        before = tlh.CaptureDataset(llm.sink_dir)
+        before = tools.CaptureDataset(llm.sink_dir)
         shards = len(manifest_lines(llm.sink_dir)) - 1
         _outputs, dataset = check_sink_requests(llm, llm.model, [(BATCH[2], "prompt", None), (BATCH[1], None, None)])
         assert len(manifest_lines(llm.sink_dir)) - 1 > shards and len(dataset) == len(before) + 2
@@ -123,7 +188,7 @@ class TestSink:
         shard = directory / manifest_lines(directory)[-1]["shard"]
         os.truncate(shard, shard.stat().st_size - 100)
         with pytest.raises(ValueError, match=f"{re.escape(str(shard))}: .* bytes, but .* lists it with .* cut short"):
-            tlh.CaptureDataset(directory)
+            tools.CaptureDataset(directory)
 
     def test_a_manifest_that_does_not_match_its_shards_is_refused(self, written, tmp_path):
         directory = tmp_path / "dataset"
@@ -133,7 +198,7 @@ class TestSink:
         entry["positions"][0][1] += 1  # one row more than the shard holds
         (directory / "manifest-pp0-tp0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         with pytest.raises(ValueError, match="holds a different row count .* the manifest does not match its shards"):
-            tlh.CaptureDataset(directory)[request_id]
+            tools.CaptureDataset(directory)[request_id]
 
     def test_a_manifest_line_cut_short_claims_nothing(self, written, tmp_path):
         directory = tmp_path / "dataset"
@@ -143,11 +208,11 @@ class TestSink:
         last = text.splitlines()[-1]
         manifest.write_text(text[: -len(last) - 1] + last[: len(last) // 2])  # a crash mid-append
         lost = set(json.loads(last)["requests"])
-        dataset = tlh.CaptureDataset(directory)
-        assert lost and not lost & set(dataset) and len(dataset) == len(tlh.CaptureDataset(written[1])) - len(lost)
+        dataset = tools.CaptureDataset(directory)
+        assert lost and not lost & set(dataset) and len(dataset) == len(tools.CaptureDataset(written[1])) - len(lost)
         manifest.write_text(text.replace(last, last[: len(last) // 2], 1) + "\n")  # damaged, not cut short
         with pytest.raises(ValueError, match="line .* is not JSON: the manifest is damaged"):
-            tlh.CaptureDataset(directory)
+            tools.CaptureDataset(directory)
 
     def test_a_directory_of_other_hooks_is_refused_before_an_engine_starts(self, written):
         with pytest.raises(ValueError, match="holds captures of other hooks or another dtype"):
@@ -171,7 +236,7 @@ class TestSinkFullDisk:
         generate(llm, long_prompts)
         with pytest.raises(RuntimeError, match=r"flush_sink: writing .*\.partial failed \(\[Errno 28\] No space left"):
             tlh.flush_sink(llm)
-        after = tlh.CaptureDataset(llm.sink_dir)
+        after = tools.CaptureDataset(llm.sink_dir)
         assert set(before) <= set(after) and len(after) < len(before) + len(long_prompts)
         assert all(torch.equal(first[name], after[before.request_ids[0]][name]) for name in first)
         assert not list(llm.sink_dir.glob("*.partial")), "the shard being written is removed"
@@ -210,7 +275,7 @@ def test_a_writer_goes_on_after_the_whole_shards_and_drops_the_rest(tmp_path):
     ]
     write(writer, "r3")
     writer.close()
-    dataset = tlh.CaptureDataset(tmp_path)
+    dataset = tools.CaptureDataset(tmp_path)
     assert dataset.request_ids == ["r0", "r2", "r3"] and "r1" not in dataset
     assert manifest_lines(tmp_path)[-1]["shard"] == "shard-pp0-tp0-000004.safetensors"
     for request_id in dataset:
@@ -231,15 +296,15 @@ def test_a_shard_open_shard_seconds_closes_without_a_flush(tmp_path):
     rows = torch.arange(8.0).reshape(2, 4)
     writer.write("cmpl-7-0-0123abcd", {"prompt_token_ids": [5, 6], "positions": [[0, 2]]}, [("blocks.0.hook_resid_post", [2, 4], [rows])])
     with pytest.raises(TimeoutError, match=r"no whole rows of \['cmpl-8-0'\]"):
-        tlh.CaptureDataset.wait(str(tmp_path), ["cmpl-8-0"], timeout=0.1)
+        tools.CaptureDataset.wait(str(tmp_path), ["cmpl-8-0"], timeout=0.1)
     started = time.monotonic()
-    dataset = tlh.CaptureDataset.wait(str(tmp_path), ["cmpl-7-0"], timeout=10)
+    dataset = tools.CaptureDataset.wait(str(tmp_path), ["cmpl-7-0"], timeout=10)
     assert 0.2 < time.monotonic() - started < 5, "closed by age, not at once and not never"
     assert torch.equal(dataset["cmpl-7-0"]["blocks.0.hook_resid_post"], rows)
     # A request the workers refused is on disk with the reason, raised when it is read.
     writer.write("cmpl-9-0-89abcdef", {"prompt_token_ids": [5], "positions": [], "error": "its options were refused: x"}, [])
     with pytest.raises(RuntimeError, match="'cmpl-9-0': its options were refused: x"):
-        tlh.CaptureDataset.wait(str(tmp_path), ["cmpl-9-0"], timeout=10)["cmpl-9-0"]
+        tools.CaptureDataset.wait(str(tmp_path), ["cmpl-9-0"], timeout=10)["cmpl-9-0"]
     writer.close()
     # Both shards are small: each takes about its rows' size (32 bytes, none), not the header's reserve (64 KiB).
     shards = sorted(glob.glob(str(tmp_path / "shard-*.safetensors")))
@@ -325,6 +390,6 @@ def test_the_sinks_row_files_are_filled_again_once_written(models, tmp_path):
             tlh.flush_sink(llm)
             (files,) = tlh.status(llm)["row_files"]
             made.append(files["made_in_step"])
-        dataset = tlh.CaptureDataset(tmp_path / "acts")
+        dataset = tools.CaptureDataset(tmp_path / "acts")
         assert len(dataset) == 15 and all(dataset[r]["blocks.2.hook_resid_post"].shape == (300, 128) for r in dataset)
     assert made == [0, 0, 0], f"row files steps made themselves by the end of each round: {made}"

@@ -49,8 +49,8 @@ def two_tinies(tmp_path_factory):
     transformers model)."""
     root = tmp_path_factory.mktemp("two_tinies")
     a, b = root / "a", root / "b"
-    model = tlh.tiny_model(str(a / "tiny"))
-    random_weights(tlh.tiny_model(str(b / "tiny")), b / "tiny", seed=1)
+    model = tools.tiny_model(str(a / "tiny"))
+    random_weights(tools.tiny_model(str(b / "tiny")), b / "tiny", seed=1)
     return a, b, model
 
 
@@ -94,7 +94,7 @@ def test_the_manifest_names_the_model_by_absolute_path_and_fingerprint(two_tinie
     (header, *_shards) = manifest_lines(directory)
     assert header["model"] == str(a / "tiny"), "the engine was given 'tiny', from directory a"
     assert header["model_fingerprint"] == tools.model_fingerprint(str(a / "tiny"))
-    dataset = tlh.CaptureDataset(directory)
+    dataset = tools.CaptureDataset(directory)
     assert (dataset.model, dataset.model_fingerprint) == (header["model"], header["model_fingerprint"])
     assert tools.model_fingerprint(str(b / "tiny")) != dataset.model_fingerprint, "same config, other weights"
 
@@ -208,7 +208,7 @@ def test_request_ids_are_the_users_ids_in_the_order_given(sink_run):
     written = [request_id for line in manifest_lines(directory)[1:] for request_id in line["requests"]]
     assert [tlh.user_request_id(r) for r in written] != given, "finished in another order than given"
     assert all(re.fullmatch(r"\d+-[0-9a-f]{8}", r) for r in written), written
-    dataset = tlh.CaptureDataset(directory)
+    dataset = tools.CaptureDataset(directory)
     assert dataset.request_ids == given == [str(i) for i in range(6)]
     assert list(dataset) == given
     prompts = PROMPTS + LATER_PROMPTS
@@ -235,7 +235,7 @@ def test_engines_run_into_one_directory_come_in_the_order_run(tmp_path):
             entry = {"prompt_token_ids": [arrival], "positions": [[0, 1]], "order": [writer.engine, arrival]}
             writer.write(request_id, entry, [("blocks.0.hook_resid_post", [1, 4], [torch.full((1, 4), arrival)])])
         writer.close()
-    dataset = tlh.CaptureDataset(tmp_path)
+    dataset = tools.CaptureDataset(tmp_path)
     assert dataset.request_ids == ["0-aaaaaaaa", "1-bbbbbbbb", "2", "0-dddddddd", "1-eeeeeeee"]
     assert dataset.entry("2")["order"] == [0, 2] and dataset.entry("1-eeeeeeee")["order"] == [1, 1]
     with pytest.raises(KeyError, match=r"'0' matches 2 requests: \['0-aaaaaaaa', '0-dddddddd'\]"):
@@ -262,7 +262,7 @@ def test_a_capture_stopped_while_its_engine_starts_leaves_no_directory(two_tinie
     out = tmp_path / "acts"
     (tmp_path / "prompts.txt").write_text("".join(f"{r} 7 8 9 10 11 12 13\n" for r in range(1, 401)))
     command = subprocess.Popen(
-        [sys.executable, "-m", "tl_vllm_hooks", "capture", str(a / "tiny"), "--token-ids-file", "prompts.txt",
+        [sys.executable, "-m", "tl_vllm_hooks_tools", "capture", str(a / "tiny"), "--token-ids-file", "prompts.txt",
          "--eager", "--out", str(out)],
         cwd=tmp_path, env={**_environment(), "PYTHONPATH": str(HERE)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
@@ -292,7 +292,7 @@ def test_serve_stopped_by_sigint_says_so_exits_130_and_removes_its_log(two_tinie
     request.addfinalizer(lambda: shutil.rmtree(temporary, ignore_errors=True))
     port = free_port()
     command = subprocess.Popen(
-        [sys.executable, "-m", "tl_vllm_hooks", "serve", str(a / "tiny"), "--port", str(port), "--sites", "resid_post",
+        [sys.executable, "-m", "tl_vllm_hooks_tools", "serve", str(a / "tiny"), "--port", str(port), "--sites", "resid_post",
          "--sink-dir", "acts", "--shard-seconds", "600", "--enforce-eager", "--max-model-len", "256",
          "--gpu-memory-utilization", "0.05"],
         cwd=tmp_path, env={**_environment(), "PYTHONPATH": str(HERE), "TMPDIR": str(temporary)},
@@ -314,7 +314,7 @@ def test_serve_stopped_by_sigint_says_so_exits_130_and_removes_its_log(two_tinie
     assert command.returncode == 130 and took < 20, stdout + stderr[-3000:]
     assert stderr.strip().splitlines()[-1] == "SIGINT: stopped the server", stderr[-3000:]
     assert not list(temporary.glob("tl_vllm_hooks-serve-*.log")), "the temporary log is removed"
-    rows = tlh.CaptureDataset(str(tmp_path / "acts"))[request_id]
+    rows = tools.CaptureDataset(str(tmp_path / "acts"))[request_id]
     assert {name: tuple(tensor.shape) for name, tensor in rows.items()} == {
         f"blocks.{layer}.hook_resid_post": (4, 128) for layer in range(3)
     }, "its 3 prompt tokens' rows and its first generated token's"
@@ -345,7 +345,7 @@ def test_serve_writes_its_log_where_told_and_says_which_signal_stopped_it(tmp_pa
 
     monkeypatch.setattr(tools, "serve", serve)
     model = tmp_path / "tiny"
-    tlh.tiny_model(str(model))
+    tools.tiny_model(str(model))
     capfd.readouterr()
     assert tools.main(["serve", str(model), "--log", str(tmp_path / "vllm.log"), "--port", "8123"]) == 143
     (call,) = started

@@ -13,9 +13,10 @@ and applies ``out * scale + bias`` from tables the host rewrites between forward
 * one-prompt (default): ``open_capture`` arms the hooks and the next forward's rows are kept.
 * batched (``enable_batching=True``): many requests per generate, each with its own rows to keep and its own edits
   (``request_args``, also the OpenAI server's ``vllm_xargs``), whole across chunked prefill, preemption and decode;
-  with a ``sink_dir``, finished requests' rows go to safetensors shards on disk, written and read (``CaptureDataset``)
-  by the companion module tl_vllm_hooks_tools: imported only for those (and tiny_model, serve, the command line),
-  through _companion alone. SAEs in SAELens's format (``saes``) are read and run here.
+  with a ``sink_dir``, finished requests' rows go to the sink writer the config names (by default the companion
+  module tl_vllm_hooks_tools's, which writes safetensors shards that its ``CaptureDataset`` reads), loaded by that
+  name where it is needed; this module imports nothing of the companion. SAEs in SAELens's format (``saes``) are
+  read and run here.
 
 The driver helpers take an ``LLM``, or an ``AsyncLLM`` and then return awaitables. Installed with pip, the
 ``vllm.general_plugins`` entry point calls ``register()`` in every vLLM process; copied in, the file registers itself
@@ -35,6 +36,7 @@ import difflib
 import functools
 import glob
 import hashlib
+import importlib
 import inspect
 import itertools
 import json
@@ -69,24 +71,6 @@ __all__ = [
 # fmt: on
 
 logger = logging.getLogger(__name__)
-
-
-def _companion(name: str) -> Any:
-    """``name`` of the companion module, tl_vllm_hooks_tools, imported when first asked for: the one way in from this
-    module, for the companion's documented features, none of which a core copied in alone needs:
-    check_sink_dir, RankSink and CaptureDataset (``sink_dir``), and the names forwarded to it (CaptureDataset, serve,
-    tiny_model, the command line's main). The way back: the companion uses this module's public names, and the
-    batched flavour's sink interface (see _Batched)."""
-    try:
-        import tl_vllm_hooks_tools
-    except ModuleNotFoundError as error:
-        if error.name != "tl_vllm_hooks_tools":
-            raise
-        raise ModuleNotFoundError(
-            "sink_dir, saes, CaptureDataset, tiny_model and the command line live in tl_vllm_hooks_tools.py: "
-            f"copy it from the project beside {__file__}"
-        ) from None
-    return getattr(tl_vllm_hooks_tools, name)
 
 
 # ---------------------------------------------------------------------------
@@ -1238,7 +1222,7 @@ def model_sites(hf_config: Any) -> list[str]:
 # them: the config travels as JSON in vLLM's own additional_config (which every worker receives, Ray's included, and
 # which vLLM hashes into its compile-cache key), or, for servers started by hand, in one environment variable.
 # Validated when written and again when read (a worker may run another copy); a config's saes are read as it is made
-# (_read_sae, in the driver and in each worker), its sink_dir checked by the companion in configure.
+# (_read_sae, in the driver and in each worker), its sink_dir checked by its sink writer in configure.
 # ---------------------------------------------------------------------------
 
 _CONFIG_ENV = "TL_VLLM_HOOKS_CONFIG"
@@ -1271,6 +1255,9 @@ class CaptureConfig:
     shard_bytes: a shard is closed once its rows reach this many bytes.
     shard_seconds: and once it has been open this long (seconds), so that a server's requests reach readers soon;
         None: by size (or flush_sink) only.
+    sink_writer: with a sink_dir, the class that writes it in each batched worker, ``"module:Class"``, loaded by that
+        name in the driver and the workers: by default the companion's (tl_vllm_hooks_tools.py beside this file),
+        whose safetensors shards CaptureDataset reads. Any class with the sink writer's interface (see SinkRequest).
     saes: ``{hook_name: directory}`` of sparse autoencoders saved in SAELens's format (``cfg.json`` and
         ``sae_weights.safetensors``; architectures standard, jumprelu and topk) that encode the hook's rows in every
         forward. Their features are read as ``{hook_name}.hook_sae_acts_post`` (see SAE_FEATURES) and edited
@@ -1297,6 +1284,7 @@ class CaptureConfig:
     sink_dir: str | None = None
     shard_bytes: int = 1 << 30
     shard_seconds: float | None = None
+    sink_writer: str = "tl_vllm_hooks_tools:RankSink"
     saes: dict[str, str] = dataclasses.field(default_factory=dict)
     sae_top_k: int = 64
     sae_chosen_features: int = 0
@@ -1341,6 +1329,8 @@ class CaptureConfig:
                     "sink; capture attn.hook_rot_q and hook_rot_k (or hook_q and hook_k) into it instead"
                 )
             object.__setattr__(self, "sink_dir", os.path.abspath(self.sink_dir))
+        if not isinstance(self.sink_writer, str) or not re.fullmatch(r"[\w.]+:\w+", self.sink_writer):
+            raise ValueError(f"sink_writer: expected 'module:Class', got {self.sink_writer!r}")
         object.__setattr__(self, "attention_heads", self._checked_attention_heads())
         self._check_logit_lens()
         seconds = self.shard_seconds
@@ -1522,11 +1512,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def configure(capture_specs: dict[str, tuple[int, ...] | tuple[str, int]], *args: Any, **kwargs: Any) -> CaptureConfig:
     """``CaptureConfig(capture_specs, *args, **kwargs)`` (ValueError naming a bad field), with vLLM patched in this
     process. Build the engine with ``LLM(model, **config.llm_kwargs)``: the config rides in the engine's own
-    arguments, leaving nothing behind for later engines. A ``sink_dir`` is created, and refused if it cannot be
-    written or holds captures of other hooks or another dtype."""
+    arguments, leaving nothing behind for later engines. A ``sink_dir`` is checked by its sink writer (the
+    companion's creates it, and refuses one it cannot write or that holds captures of other hooks or another
+    dtype)."""
     config = CaptureConfig(capture_specs, *args, **kwargs)
     if config.sink_dir is not None:
-        _companion("check_sink_dir")(config)
+        _sink_writer(config.sink_writer).check(config)
     register()
     return config
 
@@ -2498,7 +2489,7 @@ class _HookState:
     name = ""
     unread_requests = 0
     table_rows: int | None = None
-    sink: Any = None  # the batched flavour's, with a sink_dir: tl_vllm_hooks_tools.RankSink
+    sink: Any = None  # the batched flavour's, with a sink_dir: its sink writer (see _sink_writer)
     logit_buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the batched flavour's logit lens, see _Batched
     shared: _SharedRows | None = None  # the batched flavour's row files
 
@@ -3814,6 +3805,25 @@ class _RequestRows:
         return [chunk.file for chunk in self.chunks]
 
 
+def _sink_writer(name: str) -> Any:
+    """The sink writer class a config names (``"module:Class"``, see CaptureConfig.sink_writer), imported by that
+    name: this module knows none of its own. Its interface: ``check(config)``, in configure, refuses a sink_dir it
+    cannot write to; ``Class(state, worker)`` in each batched worker, given this flavour (the interface _Batched
+    declares for it: take_finished's SinkRequest records and the rest) and vLLM's worker; there ``write(request_ids,
+    at_shutdown=False)`` each step, with the requests vLLM reported finished, ``flush()`` (its status, or None where
+    the rank writes nothing), ``status()`` and ``close()``; ``dataset(directory)``, what flush_sink returns. ValueError
+    naming the writer where it cannot be imported."""
+    module_name, _, class_name = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as error:
+        companion = " (the companion file tl_vllm_hooks_tools.py, from the project, beside this one)"
+        raise ValueError(
+            f"sink_writer {name!r} cannot be imported ({error}): a sink_dir is written by it"
+            + (companion if module_name == "tl_vllm_hooks_tools" else "")
+        ) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class SinkRequest:
     """A finished request as the batched flavour's sink interface hands it over (_Batched.take_finished), once.
@@ -3902,7 +3912,7 @@ class _Batched(_HookState):
     def attach(self, worker: Any) -> None:
         super().attach(worker)
         if self.config.sink_dir is not None:
-            self.sink = _companion("RankSink")(self, worker)
+            self.sink = _sink_writer(self.config.sink_writer)(self, worker)
         self.shared.begin(sum(self._region_sizes(self.config.max_num_batched_tokens)))  # the largest step
 
     def forget_warm_up(self) -> None:
@@ -4313,7 +4323,8 @@ class _Batched(_HookState):
     def flush_sink(self) -> dict[str, Any] | None:
         if self.sink is None:
             raise RuntimeError("flush_sink: this engine has no sink: configure(..., sink_dir=directory)")
-        return self.sink.flush()
+        status = self.sink.flush()
+        return None if status is None else {**status, "sink_writer": self.config.sink_writer}
 
 
 _VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")  # what vLLM adds to a user's request id
@@ -4782,8 +4793,6 @@ def __getattr__(name: str) -> Any:
         # point to register it: it registers here.
         register()
         return _WorkerExtension
-    if name in ("CaptureDataset", "serve", "tiny_model", "main"):  # (the companion's, not in __all__)
-        return _companion(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -5229,16 +5238,17 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
 @_driver_helper
 def flush_sink(engine: Any) -> Any:
     """Write every request that ran to the engine's ``sink_dir``, close the open shards, and return the directory's
-    ``CaptureDataset``. Call it once ``generate`` has returned (vLLM tells its workers that a request finished only
-    at their next step). RuntimeError if a write failed (disk full, directory removed), naming the file and the
-    requests not written; the shards the manifests list stay whole and readable."""
+    dataset as its sink writer reads it (the companion's: a ``CaptureDataset``). Call it once ``generate`` has
+    returned (vLLM tells its workers that a request finished only at their next step). RuntimeError if a write failed
+    (disk full, directory removed), naming the file and the requests not written; the shards the manifests list stay
+    whole and readable."""
     if _has_unfinished_requests(engine):
         raise RuntimeError("flush_sink: requests are still running; call it once generate has returned")
     writers = [reply for reply in (yield "flush_sink", ()) if reply is not None]
     failures = [f"{writer['error']}; {writer['lost']} requests not written" for writer in writers if writer["error"]]
     if failures:
         raise RuntimeError("flush_sink: " + " | ".join(failures))
-    return _companion("CaptureDataset")(writers[0]["directory"])
+    return _sink_writer(writers[0]["sink_writer"]).dataset(writers[0]["directory"])
 
 
 @_driver_helper
@@ -5269,8 +5279,3 @@ def remove_hooks(engine: Any) -> None:
     """Remove every hook from every worker (a compiled graph keeps what it traced)."""
     yield "remove_hooks", ()
 
-
-if __name__ == "__main__":
-    # The command line is the companion's; it imports this file as tl_vllm_hooks, whose WORKER_EXTENSION and
-    # registration state are the ones vLLM's workers see.
-    sys.exit(_companion("main")())

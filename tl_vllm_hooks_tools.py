@@ -1,13 +1,14 @@
 """Tools beside tl_vllm_hooks: activation datasets on disk, tiny models, the command line.
 
-The hook engine is ``tl_vllm_hooks.py`` and works alone; this file is what it loads
-when asked for one of these (both ship in the package; copy both to use them):
+The hook engine is ``tl_vllm_hooks.py`` and works alone, importing nothing of this file; this
+file uses it through its public names (both ship in the package; copy both to use these):
 
-* the dataset sink: ``configure(..., sink_dir=directory)`` has each vLLM worker write
-  finished requests' rows to safetensors shards there (``ShardWriter``), ``flush_sink``
-  writes what is held, and ``CaptureDataset`` reads them in any process, without vLLM;
+* the dataset sink: ``configure(..., sink_dir=directory)`` names ``RankSink``, the default sink
+  writer, which the core loads by that name in each vLLM worker to write finished requests' rows to
+  safetensors shards there (``ShardWriter``); ``flush_sink`` writes what is held, and
+  ``CaptureDataset`` reads them in any process, without vLLM;
 * ``tiny_model``, a small random model of any supported family, made on the spot;
-* ``python3 -m tl_vllm_hooks`` (``demo``, ``capture``, ``compare``).
+* ``python3 -m tl_vllm_hooks_tools`` (``demo``, ``capture``, ``compare``, ``serve``, ``families``).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def check_sink_dir(config: CaptureConfig) -> None:
             "engine adds its requests to them, as it does after a crash. An id given again "
             "(llm.generate numbers each engine's requests from 0) then matches several, each read by its full id "
             "(CaptureDataset.request_ids). For a dataset of its own, give an empty directory",
-            stacklevel=3,  # configure's caller
+            stacklevel=4,  # configure's caller (configure, then RankSink.check, called this)
         )
 
 
@@ -191,6 +192,16 @@ class RankSink:
     sink_sources(): the first tensor-parallel rank its stage's hooks, the other ranks their parts of split ones), each
     through a ShardWriter of its own (none where a rank writes nothing). It reads the flavour (state) through its sink
     interface alone (see the core's SinkRequest)."""
+
+    @staticmethod
+    def check(config: CaptureConfig) -> None:
+        """configure's check of config.sink_dir (see check_sink_dir)."""
+        check_sink_dir(config)
+
+    @staticmethod
+    def dataset(directory: str) -> CaptureDataset:
+        """What flush_sink returns: the directory's dataset."""
+        return CaptureDataset(directory)
 
     def __init__(self, state: Any, worker: Any):
         self.state = state
@@ -1950,7 +1961,7 @@ def _capture_into(args: argparse.Namespace) -> int:
     progress.close()
     print(
         f"wrote {dataset.directory}: {len(dataset)} requests ({len(done)} from an earlier run) x "
-        f"{len(dataset.hooks)} hooks ({args.dtype}); read them with tl_vllm_hooks.CaptureDataset"
+        f"{len(dataset.hooks)} hooks ({args.dtype}); read them with tl_vllm_hooks_tools.CaptureDataset"
     )
     return 0
 
@@ -2113,7 +2124,7 @@ def _plot_errors(worst: dict[str, tuple[float, float]], path: str, tolerance: fl
 def main(argv: list[str] | None = None) -> int:
     """The command line; argv None: sys.argv's, this process is the command's own, and SIGINT and SIGTERM stop it and
     its engine (_stop_on_signals), which a caller that passes argv keeps its own handlers for."""
-    parser = argparse.ArgumentParser(prog="python -m tl_vllm_hooks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tl_vllm_hooks_tools", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--verbose", action="store_true", help="show vLLM's logging and progress bars")
@@ -2300,3 +2311,7 @@ def _run_quietly(command: Any, args: argparse.Namespace) -> int:
             for fd, saved in zip((1, 2), terminal):
                 os.dup2(saved, fd)
                 os.close(saved)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,6 +28,8 @@ from vllm.inputs import TokensPrompt
 
 import tl_vllm_hooks as tlh
 
+import tl_vllm_hooks_tools as tools
+
 TOLERANCE = 1e-4  # fp32 on a CPU agrees with TransformerLens to ~1e-6 relative; a logit difference is O(1)
 
 
@@ -61,7 +63,7 @@ if __name__ == "__main__":  # vLLM spawns its workers
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = args.model or tempfile.mkdtemp(prefix="tiny_llama_")
     if not args.model:
-        tlh.tiny_model(model)
+        tools.tiny_model(model)
 
     hf_config = AutoConfig.from_pretrained(model)
     text_config = hf_config.get_text_config()

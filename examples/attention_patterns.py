@@ -28,6 +28,8 @@ from vllm.inputs import TokensPrompt
 
 import tl_vllm_hooks as tlh
 
+import tl_vllm_hooks_tools as tools
+
 if __name__ == "__main__":  # vLLM spawns its workers
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="model directory (default: a tiny random Llama)")
@@ -37,7 +39,7 @@ if __name__ == "__main__":  # vLLM spawns its workers
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = args.model or tempfile.mkdtemp(prefix="tiny_llama_")
     if not args.model:
-        tlh.tiny_model(model)
+        tools.tiny_model(model)
 
     hf_config = AutoConfig.from_pretrained(model)
     specs = tlh.capture_specs(hf_config, sites=("pattern",), layers=[args.layer])

@@ -22,6 +22,8 @@ from vllm.inputs import TokensPrompt
 
 import tl_vllm_hooks as tlh
 
+import tl_vllm_hooks_tools as tools
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="model directory (default: a tiny random Llama)")
@@ -30,7 +32,7 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = args.model or tempfile.mkdtemp(prefix="tiny_llama_")
     if not args.model:
-        tlh.tiny_model(model)
+        tools.tiny_model(model)
     hf_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     specs = tlh.capture_specs(hf_model.config, sites=("resid_post", "attn_out", "mlp_out"))
 

@@ -18,6 +18,8 @@ from vllm.inputs import TokensPrompt
 
 import tl_vllm_hooks as tlh
 
+import tl_vllm_hooks_tools as tools
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="model directory (default: a tiny random Llama)")
@@ -27,7 +29,7 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = args.model or tempfile.mkdtemp(prefix="tiny_llama_")
     if not args.model:
-        tlh.tiny_model(model)
+        tools.tiny_model(model)
     hf_config = AutoConfig.from_pretrained(model)
 
     config = tlh.configure(tlh.capture_specs(hf_config, sites=("resid_post",), layers=[args.layer]))

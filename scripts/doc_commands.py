@@ -18,13 +18,13 @@ the lines shown before the "^C" have all appeared, it is sent one completion req
 a prompt of three token ids, max_tokens 2), which must answer with a choice; then at once SIGINT goes to its process
 group, as a terminal's Ctrl-C sends it, and it must print the text after "^C" and exit 130 (128 + SIGINT), its
 request's rows whole in the sink directory the command names (--sink-dir), read as a client reads them
-(tl_vllm_hooks.CaptureDataset: one request, a row per prompt token and generated token but the last, for each hook):
+(tl_vllm_hooks_tools.CaptureDataset: one request, a row per prompt token and generated token but the last, for each hook):
 the stop writes the rows the sink holds.
 
 Inline commands (INLINE): each must appear verbatim in README.md or docs/guide.md, where a reader copies it from, so
-that a changed doc fails here instead of dropping out. `python3 tl_vllm_hooks.py demo` runs in a fresh directory
+that a changed doc fails here instead of dropping out. `python3 tl_vllm_hooks_tools.py demo` runs in a fresh directory
 holding copies of tl_vllm_hooks.py and tl_vllm_hooks_tools.py alone, without PYTHONPATH, as a user who copied the
-two files in (its exit code is its verdict); `python3 -m tl_vllm_hooks families` must exit 0 and print something;
+two files in (its exit code is its verdict); `python3 -m tl_vllm_hooks_tools families` must exit 0 and print something;
 the README's `serve` command must be the guide's serve session's command, which runs above (not twice).
 
 Exit code 1 if anything fails, with the end of the output concerned.
@@ -48,9 +48,9 @@ GUIDE = "docs/guide.md"
 DOCS = ("README.md", GUIDE)  # where the inline commands are read by a user
 SESSIONS = 2  # shell sessions in GUIDE: a fence that changes would drop one unseen, so another count fails
 # The inline commands run, each as the docs print it (DOCS must hold each verbatim).
-DEMO_COPIED = "python3 tl_vllm_hooks.py demo"
-FAMILIES = "python3 -m tl_vllm_hooks families"
-SERVE = "python3 -m tl_vllm_hooks serve tiny --sites resid_post --sink-dir acts --port 8000"  # = the serve session's
+DEMO_COPIED = "python3 tl_vllm_hooks_tools.py demo"
+FAMILIES = "python3 -m tl_vllm_hooks_tools families"
+SERVE = "python3 -m tl_vllm_hooks_tools serve tiny --sites resid_post --sink-dir acts --port 8000"  # = the serve session's
 INLINE = (DEMO_COPIED, FAMILIES, SERVE)
 COMMAND_SECONDS = 900  # each command's limit (a compiled engine's start on a busy 2-core machine included)
 SERVING_SECONDS = 600  # for a served session to print what the guide shows before its ^C
@@ -159,10 +159,10 @@ def request(command: str) -> tuple[dict, list[int]]:
 def check_sink(directory: str, request_id: str, prompt: list[int], answer: dict, wait: float) -> str | None:
     """What is wrong with the sink's rows of the one request served; None where they are whole."""
     sys.path.insert(0, ROOT)
-    import tl_vllm_hooks as tlh  # (this project's)
+    import tl_vllm_hooks_tools as tools  # (this project's)
 
     try:
-        dataset = tlh.CaptureDataset.wait(directory, [request_id], timeout=wait)
+        dataset = tools.CaptureDataset.wait(directory, [request_id], timeout=wait)
     except (TimeoutError, ValueError) as error:
         return str(error)
     rows = len(prompt) + answer["usage"]["completion_tokens"] - 1  # the last generated token never runs

@@ -55,7 +55,7 @@ def edit_from_json(edit):
 
 def make_models(directory, families):
     for family in families:
-        tlh.tiny_model(os.path.join(directory, family), family)
+        tools.tiny_model(os.path.join(directory, family), family)
         print(f"saved {family}", flush=True)
 
 

@@ -23,11 +23,13 @@ from vllm import LLM, SamplingParams
 
 import tl_vllm_hooks as tlh
 
+import tl_vllm_hooks_tools as tools
+
 if __name__ == "__main__":
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
     model = tempfile.mkdtemp(prefix="tiny_llama_")
-    tlh.tiny_model(model)
+    tools.tiny_model(model)
     from transformers import AutoConfig
 
     config = tlh.configure(

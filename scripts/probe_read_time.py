@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tl_vllm_hooks as tlh  # noqa: E402
+import tl_vllm_hooks_tools as tools
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -30,7 +31,7 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
     path = os.path.join("/tmp", "probe-read-time-model")
-    model = tlh.tiny_model(path)
+    model = tools.tiny_model(path)
     specs = tlh.capture_specs(model.config, sites=("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"))
     config = tlh.configure(specs, enable_batching=True)
     llm = LLM(path, dtype="float32", max_num_seqs=args.requests, gpu_memory_utilization=0.2, enforce_eager=True,
