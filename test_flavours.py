@@ -265,6 +265,15 @@ def test_request_table_reuses_entries_and_keeps_values_as_it_grows():
 # --- one-prompt flavour --------------------------------------------------------
 
 
+def capture_under_edits(llm, edits: dict) -> dict:
+    """PROMPT's rows with these engine-wide edits set, reset afterwards whatever happens."""
+    tlh.set_edits(llm, edits)
+    try:
+        return capture(llm, PROMPT)
+    finally:
+        tlh.reset_edits(llm)
+
+
 class TestOnePrompt:
     """The one-prompt flavour: Llama torch.compiled (inductor) with the engine core in this
     process, Qwen2 eager in vLLM's default separate processes (a compile in a spawned
@@ -307,11 +316,7 @@ class TestOnePrompt:
     def test_edit_matches_transformer_lens_with_the_same_edit(self, llm, baseline, hook, edit):
         if edit.get("value") == "vector":
             edit = {**edit, "value": torch.linspace(-1.0, 1.0, 128)}
-        tlh.set_edits(llm, {hook: edit})
-        try:
-            edited = capture(llm, PROMPT)
-        finally:
-            tlh.reset_edits(llm)
+        edited = capture_under_edits(llm, {hook: edit})
         expected = llm.model.reference(PROMPT, llm.hook_names, {hook: edit})
         assert_matches(edited, expected, f"edit {edit['op']} at {hook}")
         final = "ln_final.hook_normalized"
@@ -328,11 +333,7 @@ class TestOnePrompt:
     def test_position_edit_touches_only_its_rows(self, llm, baseline):
         hook, positions = "blocks.0.hook_resid_post", [3, 17]
         edit = {"op": "add", "value": torch.full((128,), 0.5), "positions": positions}
-        tlh.set_edits(llm, {hook: edit})
-        try:
-            edited = capture(llm, PROMPT)
-        finally:
-            tlh.reset_edits(llm)
+        edited = capture_under_edits(llm, {hook: edit})
         expected = llm.model.reference(PROMPT, llm.hook_names, {hook: edit})
         assert_matches(edited, expected, "position edit")
         for name in baseline:
