@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tl_vllm_hooks as tlh  # noqa: E402
-import tl_vllm_hooks_tools as tools
+import tl_vllm_hooks_tools as tools  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
