@@ -184,7 +184,7 @@ def read_only(name: str, family: str) -> bool:
 
 
 UNSEEN = -1e30  # below: a key the query does not see
-# Multi-head latent attention (tlh._Family.latent_attention): TransformerLens 4.3's bridge fires hook_q, hook_k and
+# Multi-head latent attention (a record's latent_attention): TransformerLens 4.3's bridge fires hook_q, hook_k and
 # hook_v heads first, [batch, heads, pos, d_head], compared here position by position; and it splits hook_z, the
 # output projection's input [batch, pos, n_heads * v_head_dim], into heads of qk_rope_head_dim, not v_head_dim (its
 # exemption for latent attention in conversion_dims reads an attribute set in forward alone), compared here as the

@@ -256,7 +256,7 @@ class TestConfigChannel:
         assert kwargs["max_num_batched_tokens"] == 64 and kwargs["enable_prefix_caching"] is False
         (payload,) = kwargs["additional_config"].values()
         assert tlh.CaptureConfig.from_json(payload) == config
-        assert tlh._CONFIG_ENV not in os.environ, "configure must leave nothing behind for later engines"
+        assert "TL_VLLM_HOOKS_CONFIG" not in os.environ, "configure must leave nothing behind for later engines"
 
     def test_serve_args_carry_the_same_for_the_command_line(self):
         batched = tlh.configure(self.SPECS, 64, torch.bfloat16, enable_batching=True)

@@ -117,14 +117,16 @@ def test_with_prefix_caching_a_request_keeps_rows_only_if_asked_and_marked():
     config = tlh.CaptureConfig({"h": ("model.layers.0", 2)}, 32, enable_batching=True)
     state = types.SimpleNamespace(config=config, payload=config.to_json(), prefix_caching=True)
     options = tlh.request_args(config, "prompt", {"h": {"op": "scale", "value": 2.0}})
-    assert tlh._worker_options({}, state) == (tlh._KEEP_NONE, None)
+    kept, problem = tlh._worker_options({}, state)
+    assert kept == tlh._RequestOptions("none") and problem is None
     unmarked, problem = tlh._worker_options(options, state)
     assert unmarked.capture == "none" and not unmarked.edits
     assert "vLLM's front end did not load tl_vllm_hooks" in problem
     marked, problem = tlh._worker_options({**options, tlh._CACHE_MARK: "digest"}, state)
     assert marked.capture == "prompt" and set(marked.edits) == {"h"} and problem is None
     state.prefix_caching = False
-    assert tlh._worker_options({}, state) == (tlh._KEEP_ALL, None)
+    kept, problem = tlh._worker_options({}, state)
+    assert kept == tlh._RequestOptions("all") and problem is None
     # Where vLLM took the request without the module (nothing checked it): the workers refuse.
     refused, problem = tlh._worker_options({"tl_vllm_hooks": {"capture": "most"}}, state)
     assert refused.capture == "none" and "options were refused: capture: expected one of" in problem

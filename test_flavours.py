@@ -161,7 +161,7 @@ def test_step_collection_keeps_each_requests_rows():
         starts = np.concatenate([[0], np.cumsum(counts)])
         first = np.array([position for _, position, _ in layout])
         request_ids = [request for request, _, _ in layout]
-        requests = state.request_table.of_step(request_ids, tlh._KEEP_ALL.kept_range(0))
+        requests = state.request_table.of_step(request_ids, tlh._RequestOptions("all").kept_range(0))
         state.step = tlh._StepLayout(starts, first, requests)
         owners = np.repeat(np.arange(len(layout)), counts)
         buffer.zero_()
@@ -248,16 +248,16 @@ def test_request_table_reuses_entries_and_keeps_values_as_it_grows():
     ids = [f"r{i}" for i in range(150)]  # past the first 64 entries and the next 64
     for i, request in enumerate(ids):
         table.add(request, (i, i + 1), i % 2 == 0)
-    entries = table.entries(ids, tlh._KEEP_ALL.kept_range(0))
+    entries = table.entries(ids, tlh._RequestOptions("all").kept_range(0))
     assert sorted(entries.tolist()) == list(range(150))
     assert table.kept_first[entries].tolist() == list(range(150))
     assert table.has_edits[entries].tolist() == [1 - i % 2 for i in range(150)]
     table.next_position[entries] = 7
     for request in ids[:10]:
         table.remove(request)
-    (reused,) = table.entries(["new"], tlh._KEEP_ALL.kept_range(0))  # not added: keeps the default
+    (reused,) = table.entries(["new"], tlh._RequestOptions("all").kept_range(0))  # not added: keeps the default
     assert reused in entries[:10] and table.next_position[reused] == 0
-    assert (table.kept_first[reused], table.kept_last[reused]) == tlh._KEEP_ALL.kept_range(0)
+    assert (table.kept_first[reused], table.kept_last[reused]) == tlh._RequestOptions("all").kept_range(0)
     again = table.add(ids[20], (3, 4), False)  # added again: its position carries on
     assert again == entries[20] and table.next_position[again] == 7 and table.kept_first[again] == 3
 
