@@ -2719,6 +2719,7 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
             )
 
     placed, absent = {}, []
+    layers: dict[int | None, dict[str, _Site]] = {}  # each layer's sites, worked out once for all its hooks
     for name in sorted(hook_names, key=_forward_order):
         spec = config.capture_specs.get(name)
         if spec is not None and isinstance(spec[0], str):
@@ -2727,7 +2728,9 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
             site, layer = parse_hook_name(name)
             if layer is not None and layer >= text_config.num_hidden_layers:
                 raise ValueError(f"{name}: the model has {text_config.num_hidden_layers} layers")
-            placed_here = _layer_sites(family, text_config, layer).get(site)
+            if layer not in layers:
+                layers[layer] = _layer_sites(family, text_config, layer)
+            placed_here = layers[layer].get(site)
             if placed_here is None:
                 why = family.refused.get(site, "TransformerLens's bridge runs no such hook there")
                 raise ValueError(f"{name}: {family.architecture} has no {SITES[site]} on this layer: {why}")
@@ -5278,4 +5281,3 @@ def reset_fire_counts(engine: Any) -> None:
 def remove_hooks(engine: Any) -> None:
     """Remove every hook from every worker (a compiled graph keeps what it traced)."""
     yield "remove_hooks", ()
-
