@@ -183,7 +183,7 @@ def check_sink_dir(config: CaptureConfig) -> None:
             "engine adds its requests to them, as it does after a crash. An id given again "
             "(llm.generate numbers each engine's requests from 0) then matches several, each read by its full id "
             "(CaptureDataset.request_ids). For a dataset of its own, give an empty directory",
-            stacklevel=4,  # configure's caller (configure, then RankSink.check, called this)
+            stacklevel=3,  # configure's caller (configure called this, as RankSink.check)
         )
 
 
@@ -193,10 +193,7 @@ class RankSink:
     through a ShardWriter of its own (none where a rank writes nothing). It reads the flavour (state) through its sink
     interface alone (see the core's SinkRequest)."""
 
-    @staticmethod
-    def check(config: CaptureConfig) -> None:
-        """configure's check of config.sink_dir (see check_sink_dir)."""
-        check_sink_dir(config)
+    check = staticmethod(check_sink_dir)  # configure's check of config.sink_dir
 
     @staticmethod
     def dataset(directory: str) -> CaptureDataset:
