@@ -4,7 +4,10 @@ logit lens kept in the step), and the attention engines vLLM's CPU cannot hook, 
 
 from __future__ import annotations
 
+import itertools
 import re
+import socket
+import warnings
 
 import numpy as np
 import pytest
@@ -58,9 +61,15 @@ def test_attention_patterns_keep_each_query_and_key_and_refuse_what_they_cannot_
              "sinks": [0.5, -1.0, 2.0, 0.0], "alibi": [0.1, 0.2, 0.3, 0.4]}
     rows = torch.randn(9, 6, 16, generator=torch.Generator().manual_seed(0))
     for site in ATTENTION:
-        every = tlh._attention_rows(site, rows, {**facts, "chosen": None}, [2, 5, 8])
-        chosen = tlh._attention_rows(site, rows, {**facts, "chosen": [3, 0]}, [2, 5, 8])
+        every = tlh._attention_rows(site, rows[None], {**facts, "chosen": None}, [2, 5, 8])[0]
+        chosen = tlh._attention_rows(site, rows[None], {**facts, "chosen": [3, 0]}, [2, 5, 8])[0]
         assert every.shape == (4, 3, 9) and torch.equal(chosen, every[[3, 0]]), site
+    # A worker rebuilds requests of the same rows and queries together: each as it would be alone.
+    batch = torch.randn(3, 9, 6, 16, generator=torch.Generator().manual_seed(1))
+    for site, queries, chosen in itertools.product(ATTENTION, [None, [2, 5, 8]], [None, [3, 0]]):
+        together = tlh._attention_rows(site, batch, {**facts, "chosen": chosen}, queries)
+        alone = [tlh._attention_rows(site, one[None], {**facts, "chosen": chosen}, queries)[0] for one in batch]
+        torch.testing.assert_close(together, torch.stack(alone), rtol=1e-6, atol=1e-6)
     tap = tlh._layer_sites(tlh.FAMILIES["llama"], llama, 1)["pattern"].tap  # a worker's placement, under tensor parallelism
     with pytest.raises(ValueError, match="splits across ranks; read them with tensor_parallel_size=1"):
         tlh._tensor_parallel_share(torch.nn.Identity(), tap, 96, tlh._Ranks(0, 2, 0))
@@ -163,6 +172,30 @@ class TestAttentionPatterns:
                     (BATCH[1], "last_prompt_token", None), (BATCH[2], [4, 30, 58], keys), (BATCH[0], [3, 11], None)]
         _outputs, worst = check_per_request(llm, models["llama"], requests, max_tokens=4)
         print(f"\nworst relative error {worst:.2e}")
+
+    @pytest.mark.parametrize("driver_host", ["this host", "another host"])
+    def test_requests_alike_are_rebuilt_together_in_the_worker_each_as_its_own(self, llm, models, monkeypatch,
+                                                                                driver_host):
+        """Requests of as many rows and the same queries have their matrices rebuilt together, in the worker: each
+        still matches its own TransformerLens run, under its own edit of the keys or none. A driver on this host
+        gets them as places in a row file; one on another host, encoded through vLLM's RPC."""
+        (output,) = generate(llm, [BATCH[0]], max_tokens=2)
+        host = socket.gethostname() if driver_host == "this host" else "another-host"
+        (reply,) = llm.collective_rpc("tl_call", args=("read_batched", [output.request_id], host))
+        matrices = reply["result"]["rows"][output.request_id]["attention"]
+        assert sorted(matrices) == sorted(name for name in llm.hook_names if name.endswith(ATTENTION)), matrices
+        kind = list if driver_host == "this host" else dict  # [file, element offset, shape], or encoded
+        assert all(isinstance(m, kind) for m in matrices.values()), f"{matrices!r:.300}"
+        sent = [name for name, _shape, _dtype in reply["result"]["hooks"]]
+        assert "blocks.1.hook_resid_post" in sent and not set(matrices) & set(sent), "query and key rows stay there"
+        if driver_host == "another host":
+            monkeypatch.setattr(socket, "gethostname", lambda: "another-host")  # the driver's
+        keys = {"blocks.1.attn.hook_rot_k": {"op": "scale", "value": 3.0, "positions": [2, 5]}}
+        requests = [(BATCH[2], "prompt", None), (BATCH[2], "prompt", keys), (BATCH[2], "all", keys),
+                    (BATCH[2], [3, 11], None), (BATCH[2], [3, 11], keys)]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "read_batched: rows come through vLLM's RPC")
+            check_per_request(llm, models["llama"], requests, max_tokens=4)
 
     def test_a_request_whose_attention_could_outgrow_a_read_is_refused_before_it_runs(self, llm, monkeypatch):
         """Six hooks' float32 scores and patterns, bounded by [n_heads + n_kv_heads (3), n, n] each, or by the heads

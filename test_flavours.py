@@ -607,7 +607,7 @@ class TestBatched:
         assert all(len(region) == 1 + len(llm.hook_names) for region in reply["regions"]), "file, each hook's row 0"
         mapped = {torch.float32: [tlh._map_row_file(token).view(torch.float32) for token in reply["files"]]}
         layouts = tlh._row_layouts(reply["hooks"])
-        rows = tlh._rows_in(mapped, layouts, reply["regions"], {output.request_id: message})[output.request_id]
+        rows = tlh._rows_in(mapped, layouts, reply["regions"], {output.request_id: message}, reply["attention"])[output.request_id]
         tokens = BATCH[0] + list(output.outputs[0].token_ids[:2])
         assert_matches(rows, llm.model.reference(tokens, llm.hook_names), "through /dev/shm")
         del mapped, rows

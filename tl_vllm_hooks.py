@@ -1839,8 +1839,8 @@ def _parse_options(options: Any, config: CaptureConfig | None) -> _RequestOption
 
 
 ATTENTION_READ_BYTES = 8 << 30
-"""The most a read of one request's attention matrices may build on the driver (bytes): a request that could need
-more is refused before it runs. Set it in the process that sends the requests."""
+"""The most a read of one request's attention matrices may build (bytes), on the worker's device where they are
+rebuilt: a request that could need more is refused before it runs. Set it in the process that sends the requests."""
 
 
 def _refuse_large_attention(request: Any, options: _RequestOptions | None, config: CaptureConfig | None) -> None:
@@ -1863,8 +1863,8 @@ def _refuse_large_attention(request: Any, options: _RequestOptions | None, confi
     if need > ATTENTION_READ_BYTES:
         raise ValueError(
             f"{request.request_id}: reading its attention matrices ({len(hooks)} hooks, {rows} positions) could take "
-            f"{need / 2**20:,.0f} MiB, past the {ATTENTION_READ_BYTES / 2**20:,.0f} MiB a read builds at most on the "
-            "driver (tl_vllm_hooks.ATTENTION_READ_BYTES): keep fewer positions (request_args(capture=...)), read "
+            f"{need / 2**20:,.0f} MiB, past the {ATTENTION_READ_BYTES / 2**20:,.0f} MiB a read builds at most in a "
+            "worker (tl_vllm_hooks.ATTENTION_READ_BYTES): keep fewer positions (request_args(capture=...)), read "
             "fewer layers, or send a shorter request"
         )
 
@@ -2469,6 +2469,7 @@ def _forward_parameters(module: torch.nn.Module) -> list[str]:
 
 
 _UNEMBED_CHUNK_BYTES = 1 << 30  # the most float32 logits a worker holds at once for unembed's top k
+_ATTENTION_CHUNK_BYTES = 1 << 30  # the most float32 scores a worker holds at once rebuilding attention matrices
 
 
 class _Source(typing.NamedTuple):
@@ -2636,6 +2637,56 @@ class _HookState:
 
     def reset_fire_counts(self) -> None:
         self.fire_counts.zero_()
+
+
+def _attention_rows(
+    name: str, rows: torch.Tensor, facts: dict[str, Any], queries: list[int] | None
+) -> torch.Tensor:
+    """TransformerLens's attn.hook_attn_scores or hook_pattern (as ``name`` ends) of B requests of n rows each,
+    [B, heads, queries, keys] in rows' dtype on rows' device, rebuilt from rows [B, n, n_heads + n_kv_heads, d_head],
+    each token's query and key as vLLM's attention received them, at positions 0..n-1: for the rows ``queries``
+    (None: all), over the keys up to the last of them; facts: _attention_facts, with "chosen", the heads to rebuild in
+    order (None: all). Scores are q k^T * scale, softcapped, plus ALiBi's slope times the key's position, with the keys
+    a query does not see (later ones, past its window, outside its chunk) at the lowest number of rows' dtype; the
+    pattern is their softmax over the keys (and a sink's logit, whose share is then dropped). Computed in float32
+    (float64 rows in float64): B * heads * queries * keys * d_head multiply-adds and 2 * B * heads * queries * keys * 4
+    bytes."""
+    device, n = rows.device, rows.shape[1]
+    heads = list(range(facts["heads"])) if facts["chosen"] is None else facts["chosen"]
+    last = (n if queries is None else (queries[-1] + 1 if queries else 0))  # keys: positions 0..last-1
+    positions = torch.arange(n, device=device)
+    query_at = positions if queries is None else torch.tensor(queries, dtype=torch.int64, device=device)
+    key_at = positions[:last]
+    query, key = rows[:, :last].to(torch.promote_types(rows.dtype, torch.float32)).split(
+        [facts["heads"], facts["kv_heads"]], 2
+    )
+    group = facts["heads"] // facts["kv_heads"]  # query heads sharing a key head
+    if queries is not None:
+        query = query[:, query_at]
+    if facts["chosen"] is not None:
+        query = query[:, :, heads]
+    if group > 1 or facts["chosen"] is not None:
+        key = key[:, :, [head // group for head in heads]]
+    scores = torch.matmul(query.transpose(1, 2), key.permute(0, 2, 3, 1)) * facts["scale"]  # [B, heads, q, k]
+    if facts["softcap"]:
+        scores = torch.tanh(scores / facts["softcap"]) * facts["softcap"]
+    if facts["alibi"] is not None:
+        slopes = torch.tensor(facts["alibi"], dtype=scores.dtype, device=device)[heads, None, None]
+        scores = scores + slopes * key_at
+    query_at, key_at = query_at[:, None], key_at[None, :]
+    seen = key_at <= query_at
+    if facts["window"]:
+        seen &= query_at - key_at < facts["window"]
+    if facts["chunk"]:
+        seen &= query_at // facts["chunk"] == key_at // facts["chunk"]
+    scores = scores.masked_fill(~seen, torch.finfo(rows.dtype).min)
+    if name.endswith(".hook_attn_scores"):
+        return scores.to(rows.dtype)
+    if facts["sinks"] is None:
+        return scores.softmax(-1).to(rows.dtype)
+    sinks = torch.tensor(facts["sinks"], dtype=scores.dtype, device=device)[heads, None, None]
+    sinks = sinks.expand(rows.shape[0], len(heads), query_at.shape[0], 1)
+    return torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1].to(rows.dtype)
 
 
 def _install(worker: Any, config: CaptureConfig) -> None:
@@ -3597,7 +3648,8 @@ class _OnePrompt(_HookState):
         """(Nothing held per step.)"""
 
     def read_captures(self, num_rows: int) -> dict[str, Any]:
-        """``{"shards", "rows": {name: encoded [num_rows, *row shape]}}`` of the armed forward (see sources)."""
+        """``{"shards", "rows": {name: encoded [num_rows, *row shape]}}`` of the armed forward (see sources), an
+        attention hook's rows as the matrices they rebuild (see _attention_rows)."""
         limit = self.config.max_num_batched_tokens
         if not _int_at_least(num_rows, 1) or num_rows > limit:
             raise ValueError(
@@ -3630,8 +3682,9 @@ class _OnePrompt(_HookState):
                 f"ran), so {num_rows} would include rows it never wrote; read at most {self.forward_rows}"
             )
         rows = {name: buffer[:num_rows].view(num_rows, *shape) for name, buffer, shape in self.sources}
-        encoded = {name: encode_tensor(r) for name, r in rows.items()}
-        return {"shards": self.shards(), "attention": self.attention(), "rows": encoded}
+        for name, facts in self.attention().items():  # rebuilt here, on the device
+            rows[name] = _attention_rows(name, rows[name][None], facts, None)[0]
+        return {"shards": self.shards(), "rows": {name: encode_tensor(r) for name, r in rows.items()}}
 
 
 # ---------------------------------------------------------------------------
@@ -4263,16 +4316,17 @@ class _Batched(_HookState):
         return _RequestRows({**chosen, **options.columns}, request)
 
     def read_batched(self, request_ids: list[str], driver_host: str) -> dict[str, Any]:
-        """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "files", "regions", "rows": {user
-        id: message}}``, the requests' rows then freed (each id must match one captured request, or nothing is read).
-        For a driver on this host, a request's message holds ``"pieces"``, where its rows are in the row ``files``
-        (tokens; see _map_row_file and _rows_in): [region, first row, rows] of the ``regions`` of the steps that kept
-        them, each [file, then per source the element offset of its row 0], so a read of many requests of a row each
-        costs a few numbers per request; else ``"encoded"``, {name: encoded rows}; and ``"columns"``, where it keeps
-        fewer features. Of the sent_sources."""
-        reply = {
-            "shards": self.shards(), "attention": self.attention(), "hooks": [], "files": [], "regions": [], "rows": {}
-        }
+        """``{"shards", "hooks": [[name, row shape, dtype], ...] (see sources), "attention": {name: dtype}, "files",
+        "regions", "rows": {user id: message}}``, the requests' rows then freed (each id must match one captured
+        request, or nothing is read). For a driver on this host, a request's message holds ``"pieces"``, where its
+        rows are in the row ``files`` (tokens; see _map_row_file and _rows_in): [region, first row, rows] of the
+        ``regions`` of the steps that kept them, each [file, then per source the element offset of its row 0], so a
+        read of many requests of a row each costs a few numbers per request; else ``"encoded"``, {name: encoded
+        rows}; ``"columns"``, where it keeps fewer features; ``"asked"``, where it kept more rows than it asked for.
+        Of the sent_sources; the ``"attention"`` hooks' rows are not sent but rebuilt here (see _rebuilt_attention)
+        and are the message's ``"attention"``."""
+        attention = self.attention()
+        reply = {"shards": self.shards(), "hooks": [], "attention": {}, "files": [], "regions": [], "rows": {}}
         if self.config.sink_dir is not None:
             raise RuntimeError(
                 f"read_batched: this engine writes captured rows to its sink_dir {self.config.sink_dir}: "
@@ -4280,20 +4334,25 @@ class _Batched(_HookState):
             )
         if not self.hook_names:  # a pipeline rank that holds none of the hooks
             return reply
-        sources = self.sent_sources
+        sources = [source for source in self.sent_sources if source.name not in attention]
         matches = _match_request_ids(request_ids, self.held_request_ids(), self.read_ids)
         for user_id, worker_id in matches.items():
             if worker_id in self.incomplete:
                 raise RuntimeError(f"read_batched: request {user_id!r}: {self.incomplete[worker_id]}")
         self._wait_for_copies()
         reply["hooks"] = [[name, list(shape), _dtype_name(buffer.dtype)] for name, buffer, shape in sources]
+        reply["attention"] = {s.name: _dtype_name(s.buffer.dtype) for s in self.sent_sources if s.name in attention}
         same_host, files, regions = driver_host == socket.gethostname(), {}, {}  # regions: id(step rows) -> index
-        for user_id, worker_id in matches.items():
-            record = self.records.pop(worker_id)
+        records = {user_id: self.records.pop(worker_id) for user_id, worker_id in matches.items()}
+        for worker_id in matches.values():
             self.read_ids.update(dict.fromkeys((worker_id, user_request_id(worker_id))))
             while len(self.read_ids) > 2 * _READ_KEPT:
                 self.read_ids.popitem(last=False)
+        rebuilt, rebuilt_files = self._rebuilt_attention(records, attention, same_host, files)
+        for user_id, record in records.items():
             message = reply["rows"][user_id] = {"columns": record.columns} if record.columns else {}
+            if attention:
+                message["attention"] = rebuilt[user_id]
             asked = record.asked()
             if asked is not None:
                 message["asked"] = asked
@@ -4319,9 +4378,65 @@ class _Batched(_HookState):
                     shape, kept = [num_rows, *row_shape], record.rows(name)
                     rows = torch.cat(kept).view(shape) if kept else torch.empty(shape, dtype=buffer.dtype)
                     encoded[name] = encode_tensor(rows)
-            self.release(record.files)
         reply["files"] = self.shared.lend(list(files))
+        for record in records.values():
+            self.release(record.files)
+        for file in rebuilt_files:
+            self.shared.drop(file)
         return reply
+
+    def _rebuilt_attention(
+        self,
+        records: dict[str, _RequestRows],
+        attention: dict[str, dict[str, Any]],
+        same_host: bool,
+        files: dict[_RowFile, int],
+    ) -> tuple[dict[str, dict[str, Any]], list[_RowFile]]:
+        """({user id: {name: matrices}}, the row files holding them): each attention hook's matrices of each request
+        (see _attention_rows), rebuilt on this worker's device from the rows it kept, requests of the same rows and
+        queries together, at most _ATTENTION_CHUNK_BYTES of float32 scores at once. For a driver on this host each
+        is [file, element offset, shape] in a region of a row file (its index in ``files``, which it is added to;
+        the files are held until lent, then dropped by the caller), else encoded."""
+        rebuilt: dict[str, dict[str, Any]] = {user_id: {} for user_id in records}
+        if not attention:
+            return rebuilt, []
+        alike: dict[tuple, list[str]] = {}  # (rows, the queries asked) -> the requests
+        for user_id, record in records.items():
+            asked = record.asked()
+            num_rows = sum(chunk.end - chunk.start for chunk in record.chunks)
+            alike.setdefault((num_rows, None if asked is None else tuple(asked)), []).append(user_id)
+        shapes = {source.name: (source.row_shape, source.buffer.dtype) for source in self.sent_sources}
+        held: list[_RowFile] = []
+        with torch.inference_mode():
+            for (num_rows, asked), user_ids in alike.items():
+                queries = num_rows if asked is None else len(asked)
+                for name, facts in attention.items():
+                    (row_shape, dtype), heads = shapes[name], len(facts["chosen"] or range(facts["heads"]))
+                    each = max(1, 4 * heads * queries * num_rows)  # float32 scores of one request
+                    step = max(1, min(_ATTENTION_CHUNK_BYTES, _SHARED_FILE_BYTES[1] * 4 // dtype.itemsize) // each)
+                    for first in range(0, len(user_ids), step):
+                        chunk = user_ids[first : first + step]
+                        rows = torch.empty(len(chunk), num_rows, *row_shape, dtype=dtype, device=self.device)
+                        for i, user_id in enumerate(chunk):
+                            at = 0
+                            for kept in records[user_id].rows(name):
+                                rows[i, at : at + len(kept)].copy_(kept.view(-1, *row_shape), non_blocking=True)
+                                at += len(kept)
+                        matrices = _attention_rows(name, rows, facts, None if asked is None else list(asked))
+                        placed = same_host and self.shared.usable
+                        file, pages = self.shared.region(matrices.nbytes, step=False) if placed else (None, None)
+                        if file is None:
+                            for user_id, one in zip(chunk, matrices.cpu()):
+                                rebuilt[user_id][name] = encode_tensor(one)
+                            continue
+                        self.shared.hold(file)
+                        held.append(file)
+                        host = pages.view(dtype).view(matrices.shape)
+                        host.copy_(matrices)
+                        index, base = files.setdefault(file, len(files)), file.pages.data_ptr()
+                        for user_id, one in zip(chunk, host):
+                            rebuilt[user_id][name] = [index, (one.data_ptr() - base) // dtype.itemsize, list(one.shape)]
+        return rebuilt, held
 
     def flush_sink(self) -> dict[str, Any] | None:
         if self.sink is None:
@@ -4518,12 +4633,14 @@ class _SharedRows:
             self.step_bytes = min(step_bytes, room.f_bavail * room.f_frsize // 4)
             self._make_ahead()
 
-    def region(self, nbytes: int) -> tuple[_RowFile | None, torch.Tensor]:
-        """(its file, uint8 [nbytes]) of host memory for one step's rows, 64-byte aligned."""
-        self.largest = max(self.largest, nbytes)
+    def region(self, nbytes: int, step: bool = True) -> tuple[_RowFile | None, torch.Tensor]:
+        """(its file, uint8 [nbytes]) of host memory for one step's rows (or, not ``step``, a read's attention
+        matrices, which files made ahead are not sized for), 64-byte aligned."""
+        if step:
+            self.largest = max(self.largest, nbytes)
         file = self.filling
         if self.usable and (file is None or file.used + nbytes > file.pages.numel()):
-            file = self.filling = self._refill(nbytes)
+            file = self.filling = self._refill(nbytes, step)
         if file is None:
             return None, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         start, file.used = file.used, file.used + -(-nbytes // 64) * 64
@@ -4548,9 +4665,10 @@ class _SharedRows:
         """The bytes a file keeps free for the next step: begin's largest step, or a larger one seen."""
         return max(self.step_bytes, self.largest)
 
-    def _refill(self, nbytes: int) -> _RowFile | None:
+    def _refill(self, nbytes: int, step: bool) -> _RowFile | None:
         """A file with room for nbytes: an idle one emptied, else the one made ahead, else a new one made now (None
-        if /dev/shm cannot hold it); idle files too small for it are removed."""
+        if /dev/shm cannot hold it), counted in made_in_step for a ``step``; idle files too small for it are
+        removed."""
         for file in (idle := self._idle_files()):
             if file.pages.numel() >= nbytes:
                 file.used = 0
@@ -4564,8 +4682,9 @@ class _SharedRows:
             self._remove(made_ahead)
         if not self.usable:
             return None
-        self.made_in_step += 1
-        return self._adopt(_make_row_file, self._begun_file_size(), self.device)
+        self.made_in_step += step
+        size = max(self._begun_file_size(), -(-nbytes // _SHARED_FILE_ROUNDING) * _SHARED_FILE_ROUNDING)
+        return self._adopt(_make_row_file, size, self.device)
 
     def _adopt(self, make: Any, *args: Any) -> _RowFile | None:
         """The file ``make(*args)`` (or a made-ahead file's Future) gives, now held; None, and no file from now on,
@@ -4701,12 +4820,14 @@ def _rows_in(
     layouts: list[tuple[str, list[int], list[int], torch.dtype]],
     regions: list[list[int]],
     messages: dict[str, dict[str, Any]],
+    attention: dict[str, str],
 ) -> dict[str, dict[str, torch.Tensor]]:
     """``{request id: {name: [rows, *row shape]}}`` from a read's messages: encoded, or their pieces in the row files
     (mapped: each file viewed as each dtype), one per step that kept rows: [region, first row, rows] of ``regions``,
     [file, then per source, in ``layouts`` order (see _row_layouts), the element offset of its row 0]; a view of the
     file where a source's rows are one piece, else joined; of a source the request keeps fewer columns of, those (a
-    view). Pieces that follow one another in a region (a step's requests' rows do) are one view, split: a call per
+    view); where it kept more rows than it asked for, the rows asked for. The ``attention`` hooks' ({name: dtype})
+    matrices the worker rebuilt: encoded, or [file, element offset, shape] (a view). Pieces that follow one another in a region (a step's requests' rows do) are one view, split: a call per
     run of pieces rather than per piece, as a read of many requests of a row or a few costs per view made."""
     placed = {request_id: message["pieces"] for request_id, message in messages.items() if "pieces" in message}
     pieces = np.array([piece for request in placed.values() for piece in request], dtype=np.int64).reshape(-1, 3)
@@ -4743,6 +4864,15 @@ def _rows_in(
             start = end
         for name, columns in message.get("columns", {}).items():
             rows[name] = rows[name][:, :columns]
+        if "asked" in message:
+            rows = {name: r[message["asked"]] for name, r in rows.items()}
+        for name, matrices in message.get("attention", {}).items():
+            if isinstance(matrices, dict):
+                rows[name] = decode_tensor(matrices)
+            else:
+                file, offset, shape = matrices
+                strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+                rows[name] = mapped[getattr(torch, attention[name])][file].as_strided(shape, strides, offset)
         read[request_id] = rows
     return read
 
@@ -4887,59 +5017,6 @@ def join_ranks(per_rank: list[tuple[dict[str, int], dict[str, torch.Tensor]]]) -
     }
 
 
-def _attention_rows(name: str, rows: torch.Tensor, facts: dict[str, Any], queries: list[int] | None) -> torch.Tensor:
-    """TransformerLens's attn.hook_attn_scores or hook_pattern (as ``name`` ends), [heads, queries, keys] in rows'
-    dtype, rebuilt from rows [n, n_heads + n_kv_heads, d_head], each token's query and key as vLLM's attention
-    received them, at positions 0..n-1: for the rows ``queries`` (None: all), over the keys up to the last of them;
-    facts: _attention_facts, with "chosen", the heads to rebuild in order (None: all). Scores are q k^T * scale,
-    softcapped, plus ALiBi's slope times the key's position, with the keys a query does not see (later ones, past its
-    window, outside its chunk) at the lowest number of rows' dtype; the pattern is their softmax over the keys (and
-    a sink's logit, whose share is then dropped). Computed in float32 (float64 rows in float64) on the CPU: heads *
-    queries * keys * d_head multiply-adds and 2 * heads * queries * keys * 4 bytes."""
-    positions = torch.arange(rows.shape[0])
-    heads = list(range(facts["heads"])) if facts["chosen"] is None else facts["chosen"]
-    query_at = positions if queries is None else torch.tensor(queries, dtype=torch.int64)
-    key_at = positions[: int(query_at[-1]) + 1 if len(query_at) else 0]
-    query, key = rows.to(torch.promote_types(rows.dtype, torch.float32)).split([facts["heads"], facts["kv_heads"]], 1)
-    group = facts["heads"] // facts["kv_heads"]  # query heads sharing a key head
-    query, key = query[query_at][:, heads], key[key_at][:, [head // group for head in heads]]
-    scores = torch.matmul(query.transpose(0, 1), key.permute(1, 2, 0)) * facts["scale"]
-    if facts["softcap"]:
-        scores = torch.tanh(scores / facts["softcap"]) * facts["softcap"]
-    if facts["alibi"] is not None:
-        scores = scores + torch.tensor(facts["alibi"], dtype=scores.dtype)[heads, None, None] * key_at
-    query_at, key_at = query_at[:, None], key_at[None, :]
-    seen = key_at <= query_at
-    if facts["window"]:
-        seen &= query_at - key_at < facts["window"]
-    if facts["chunk"]:
-        seen &= query_at // facts["chunk"] == key_at // facts["chunk"]
-    scores = scores.masked_fill(~seen, torch.finfo(rows.dtype).min)
-    if name.endswith(".hook_attn_scores"):
-        return scores.to(rows.dtype)
-    if facts["sinks"] is None:
-        return scores.softmax(-1).to(rows.dtype)
-    sinks = torch.tensor(facts["sinks"], dtype=scores.dtype)[heads, None, None].expand(len(heads), len(query_at), 1)
-    return torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1].to(rows.dtype)
-
-
-def _with_attention(
-    rows: dict[str, torch.Tensor], attention: dict[str, dict[str, Any]], asked: list[int] | None = None
-) -> dict[str, torch.Tensor]:
-    """rows, with those of each hook in ``attention`` (see _HookState.attention) rebuilt (see _attention_rows); where
-    a request kept more rows than it asked for (``asked``, the indices of those it did), those alone: an attention
-    matrix's queries."""
-    if not attention and asked is None:
-        return rows
-
-    def handed_over(name: str, r: torch.Tensor) -> torch.Tensor:
-        if name in attention:
-            return _attention_rows(name, r, attention[name], asked)
-        return r if asked is None else r[asked]
-
-    return {name: handed_over(name, r) for name, r in rows.items()}
-
-
 @_driver_helper
 def open_capture(engine: Any) -> None:
     """Arm the one-prompt hooks: the next forward's rows are kept until the next open."""
@@ -4953,8 +5030,7 @@ def read_captures(engine: Any, num_rows: int) -> dict[str, torch.Tensor]:
     prompt must fit one forward (``<= max_num_batched_tokens``)."""
     replies = yield "read_captures", (num_rows,)
     rows = join_ranks([(r["shards"], {n: decode_tensor(m) for n, m in r["rows"].items()}) for r in replies])
-    attention = {name: facts for reply in replies for name, facts in reply["attention"].items()}
-    return ActivationRows(_with_attention(rows, attention), _model_config(engine).hf_text_config.num_hidden_layers)
+    return ActivationRows(rows, _model_config(engine).hf_text_config.num_hidden_layers)
 
 
 def _act_name(name: str, layer: int | None = None, layer_type: str | None = None) -> str:
@@ -5225,11 +5301,9 @@ def read_batched(engine: Any, request_ids: list[str]) -> dict[str, dict[str, tor
                 stacklevel=4,  # the user's call: this generator, advance, helper, the caller
             )
         layouts, files = _row_layouts(reply["hooks"]), [_map_row_file(token) for token in reply["files"]]
-        mapped = {dtype: [file.view(dtype) for file in files] for dtype in {layout[3] for layout in layouts}}
-        rows = {
-            request_id: _with_attention(request_rows, reply["attention"], reply["rows"][request_id].get("asked"))
-            for request_id, request_rows in _rows_in(mapped, layouts, reply["regions"], reply["rows"]).items()
-        }
+        dtypes = {layout[3] for layout in layouts} | {getattr(torch, d) for d in reply["attention"].values()}
+        mapped = {dtype: [file.view(dtype) for file in files] for dtype in dtypes}
+        rows = _rows_in(mapped, layouts, reply["regions"], reply["rows"], reply["attention"])
         per_rank.append((reply["shards"], rows))
     n_layers = _model_config(engine).hf_text_config.num_hidden_layers
     if len(per_rank) == 1:  # nothing to join
