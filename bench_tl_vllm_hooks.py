@@ -95,7 +95,8 @@ CASES = {
     "tl-b": "TransformerLens 4.3's own plugin, compiled: resid_post, every layer (its one-prompt capture)",
     "tl-e": "TransformerLens 4.3's own plugin, batched (eager): resid_post, every row of every request",
     "f1": "(f) at the middle layer only (the SAE cases' dense rows)",
-    "p1": "(f1) as attn.hook_pattern, every head: each token's query and key kept, the patterns rebuilt when read",
+    "p1": "(f1) as attn.hook_pattern, every head: each token's query and key kept, the patterns rebuilt in the "
+          "worker when read",
     "u20": "(f) at the last layer alone, then each prompt token's top 20 logits (unembed in the workers, top_k=20)",
     "u20s": "(u20) with the top 20 made in the step (configure's logit_lens), read beside the rows",
     "l16": "the logit lens: (f) with every layer's top 20 logits made in the step (logit_lens on each hook)",
