@@ -178,13 +178,18 @@ READ_ONLY = ("hook_expert_weights", "hook_expert_indices", *ATTENTION)  # (mlp.*
 LATENT_READ_ONLY = ("attn.hook_k", "attn.hook_v")  # and these under multi-head latent attention (vLLM never holds them)
 
 
+def latent_attention(record) -> bool:
+    """Whether the family's record has multi-head latent attention (DeepSeek's)."""
+    return bool(record.attention and record.attention.latent)
+
+
 def read_only(name: str, family: str) -> bool:
     """Whether the module refuses edits of the hook on the family."""
-    return name.endswith(READ_ONLY) or tlh.FAMILIES[family].latent_attention and name.endswith(LATENT_READ_ONLY)
+    return name.endswith(READ_ONLY) or latent_attention(tlh.FAMILIES[family]) and name.endswith(LATENT_READ_ONLY)
 
 
 UNSEEN = -1e30  # below: a key the query does not see
-# Multi-head latent attention (a record's latent_attention): TransformerLens 4.3's bridge fires hook_q, hook_k and
+# Multi-head latent attention (a record's attention.latent): TransformerLens 4.3's bridge fires hook_q, hook_k and
 # hook_v heads first, [batch, heads, pos, d_head], compared here position by position; and it splits hook_z, the
 # output projection's input [batch, pos, n_heads * v_head_dim], into heads of qk_rope_head_dim, not v_head_dim (its
 # exemption for latent attention in conversion_dims reads an attribute set in forward alone), compared here as the
@@ -328,11 +333,11 @@ def family_engine_arguments(family: str) -> dict:
         arguments.update(override_generation_config={"attn_temperature_tuning": True})
     if tools._TINY_MODELS[family].bfloat16:  # vLLM's CPU runs it in bf16 alone, on bf16's values (see _TinyModel)
         arguments.update(dtype="bfloat16")
-    if record.rotary_3d:  # vLLM's rotary in torch, not its CPU kernel, which mis-rotates 3-D q and k
+    if record.attention and record.attention.rotary_3d:  # vLLM's rotary in torch, not its CPU kernel, which mis-rotates 3-D q and k
         arguments.update(compilation_config={"custom_ops": ["-rotary_embedding"]})
-    if record.latent_attention and AMX_MLA:  # (see test_latent_keys_on_vllms_amx_mla_backend_are_refused)
+    if latent_attention(record) and AMX_MLA:  # (see test_latent_keys_on_vllms_amx_mla_backend_are_refused)
         arguments.update(attention_config={"backend": "CPU_MLA"})
-    if record.latent_attention:  # vLLM's CPU turns chunked prefill off for it, and schedules up to 2048 tokens a step
+    if latent_attention(record):  # vLLM's CPU turns chunked prefill off for it, and schedules up to 2048 tokens a step
         arguments.update(rows=LATENT_ROWS)
     return arguments
 
@@ -432,7 +437,7 @@ class Model:
         if self._expected is None:
             with torch.no_grad():
                 _logits, cache = self.bridge.run_with_cache(torch.tensor([PROMPT[:8]]))
-            refused, latent = tlh.FAMILIES[self.family].refused, tlh.FAMILIES[self.family].latent_attention
+            refused, latent = tlh.FAMILIES[self.family].refused, latent_attention(tlh.FAMILIES[self.family])
             found = {}
             for name, tensor in cache.items():
                 site = site_of(name)
@@ -477,7 +482,7 @@ class Model:
         edits = edits or {}
         captured = {}
         following = self.following(routes)
-        latent = tlh.FAMILIES[self.family].latent_attention
+        latent = latent_attention(tlh.FAMILIES[self.family])
 
         def make_hook(name):
             def hook(tensor, hook):

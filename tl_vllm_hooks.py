@@ -268,10 +268,11 @@ _LATENT_INPUTS = (("q", 0), ("kv_c_normed", 1), ("k_pe", 2))  # vLLM's MLAAttent
 
 
 # ---------------------------------------------------------------------------
-# Family records. Each family is one record (_Family), the one owner of what the module knows of it: module paths,
-# norms, residual layout, multipliers, routing and its config's settings (its tiny test model is the companion's,
-# which builds it). The records drive tiny_model, the tests and the README's table; an architecture no record
-# describes is refused, with the measured reason where REFUSED holds one, never guessed.
+# What a family record says. Each family is one record (_Family), the one owner of what the module knows of it: module
+# paths, residual layout, multipliers, its config's settings, and in sub-records its norms (_Norms), attention
+# (_Attention), dense MLP (_MLP), experts and routing (_MoE) and Mamba mixer (_Mixer), each with the config
+# attributes its widths and rules come from. An architecture fact that differs between families lives in a field
+# here (or a function a record names, as LFM2's MLP width), read where the sites are placed (_layer_sites).
 # ---------------------------------------------------------------------------
 
 # the config attribute that says which layers hold the experts (the others a dense MLP) -> whether layer i does
@@ -304,6 +305,8 @@ class _MoE:
         of n_group groups (each scored by its two best), or ``sparsemixer`` (PhiMoE's); ``renormalize``, ``always``
         when the chosen weights are divided by their sum, ``""`` never, or the config attribute that says; ``scale``,
         the config attribute they are then multiplied by.
+    shared_width: the config attribute of the width of a shared MLP beside the experts (Granite 4.0's), whose
+        shared_mlp_* sites the family's taps place.
     """
 
     block: str = ".mlp"
@@ -315,6 +318,140 @@ class _MoE:
     groups: bool = False
     renormalize: str = "norm_topk_prob"
     scale: str = ""
+    shared_width: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Norms:
+    """A family's norms.
+
+    kind: their kind (see _Tap). ln1 and ln2: under a layer, the attention's and the MLP's pre-norms ("" where there
+        are none); post: each branch's norm before it joins the stream (the attention's, the MLP's), which
+        hook_attn_out and hook_mlp_out follow (None: none); final: the final norm's path. inputs: (argument, position)
+        of the inputs a norm takes; () for the residual layout's (pair: x and residual; stream: x).
+    """
+
+    kind: str = "rms"
+    ln1: str = ".input_layernorm"
+    ln2: str = ".post_attention_layernorm"
+    post: tuple[str, str] | None = None
+    final: str = "model.norm"
+    inputs: tuple[tuple[str, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attention:
+    """A layer's attention: its projections, and vLLM's Attention module under it (``.attn``), which receives q and k
+    after rotary (TransformerLens's hook_rot_q and hook_rot_k) and v.
+
+    path: under the layer ("." where its projections and attention sit in the layer itself, hook_attn_out then its
+        o_proj's output); qkv: its q, k and v projection, o_proj its output projection, under it.
+    rotary: vLLM's Attention receives q and k after rotary, which TransformerLens hooks as hook_rot_q and hook_rot_k.
+    qk_halves: vLLM reorders each head of q and k at load, rotary's pairs of columns (interleaved in the checkpoint)
+        into two halves (Llama 4's), which hook_q and hook_k put back. query_gate: the query projection gives each
+        head's query, then its output gate (Qwen 3.5's), which hook_q keeps together, ``[2 * n_heads, d_head]``.
+    latent: multi-head latent attention (DeepSeek's, vLLM's MultiHeadLatentAttentionWrapper): the attention's
+        q_a_layernorm and kv_a_layernorm give the latents, its ``.mla_attn.mla_attn`` receives q (after rotary), the
+        latent and the rotary key; where the config's rope_interleave is set, vLLM rotates each pair of columns in
+        place and transformers puts them in two halves, which the rotary columns of hook_q, hook_k, hook_rot_q and
+        hook_rot_k put back.
+    rotary_3d: vLLM's attention hands its rotary embedding q and k as ``[tokens, heads, d_head]``, which vLLM's CPU
+        kernel (RotaryEmbedding.forward_cpu) rotates as if each head were a token (LFM2's, after its per-head q and k
+        norms; latent attention's q): refused where the engine runs that kernel.
+    multi_query: the config attribute that says the attention has one key and value head (Falcon's and GPT-BigCode's
+        multi-query attention).
+    kv_shared: the config attribute that says how many last layers reuse earlier layers' keys and values: their
+        attention projects q alone (``.q_proj``) and has no hook_k or hook_v. k_as_v: the config attribute that says
+        full-attention layers use the keys as values: no hook_v, and an edit of hook_k reaches V (Gemma 4's
+        attention_k_eq_v).
+    direct: vLLM calls its Attention modules' forward itself (see _Tap.direct).
+    """
+
+    path: str = ".self_attn"
+    qkv: str = ".qkv_proj"
+    o_proj: str = ".o_proj"
+    rotary: bool = True
+    qk_halves: bool = False
+    query_gate: bool = False
+    latent: bool = False
+    rotary_3d: bool = False
+    multi_query: str = ""
+    kv_shared: str = ""
+    k_as_v: str = ""
+    direct: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _MLP:
+    """A layer's dense MLP.
+
+    path: under the layer ("" where its projections sit in the layer itself); up: its input projection, gated (the
+        gate first) where it is one of _GATED_UP; down: its output projection. inputs: (argument, position) of the input
+        its forward takes.
+    width: the config attribute of its width ("": the first of the usual names), or a function of the config that
+        gives it; double_wide: the config attribute that says the MLP of a layer reusing earlier keys and values (see
+        _Attention.kv_shared) is twice as wide (Gemma 4's).
+    """
+
+    path: str = ".mlp"
+    up: str = ".gate_up_proj"
+    down: str = ".down_proj"
+    inputs: tuple[tuple[str, int], ...] = _X_INPUT
+    width: str | typing.Callable[[Any], int] = ""
+    double_wide: str = ""
+
+    def d_mlp(self, config: Any, d_model: int, kv_shared: bool) -> int:
+        """Its width in a layer of the model whose (text) config is ``config``, reusing earlier keys and values or
+        not."""
+        if callable(self.width):
+            d_mlp = self.width(config)
+        else:
+            names = (self.width,) if self.width else ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+            d_mlp = next(filter(None, (getattr(config, name, None) for name in names)), 4 * d_model)
+        return 2 * d_mlp if kv_shared and self.double_wide and getattr(config, self.double_wide) else d_mlp
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mixer:
+    """A Mamba mixer in a layer (TransformerLens's mixer), and the config attributes its widths come from, whose names
+    differ between families.
+
+    path: its path under the layer. mamba1: it is Mamba-1's (vLLM's MambaMixer): no inner norm, an input projection of
+        x and z alone, and its output written into an argument, so that mixer.hook_out is its out_proj's output; else
+        Mamba-2's (vLLM's MambaMixer2). normed: the config attribute that says a Mamba-2 mixer normalizes its gated
+        output (Falcon-H1's mamba_rms_norm; "": it always does); where it is false, vLLM's gated norm only gates,
+        TransformerLens's mixer has no inner norm, and the mixer_norm_* sites are not placed.
+    Widths: d_inner is the attribute ``d_inner`` names where the config sets it, else the heads' (``head_dim`` times
+        ``heads``, Nemotron-H's, whatever its expand says), else ``expand`` times d_model; Mamba-2's input projection
+        holds z and x (d_inner each), B and C (``n_groups`` times ``d_state`` each) and a dt per head (``heads``).
+    """
+
+    path: str
+    mamba1: bool = False
+    normed: str = ""
+    d_inner: str = ""
+    head_dim: str = ""
+    expand: str = "expand"
+    heads: str = "num_heads"
+    n_groups: str = "n_groups"
+    d_state: str = "state_size"
+
+    def widths(self, config: Any, d_model: int) -> tuple[int, int]:
+        """(d_inner, its input projection's width) in the model whose (text) config is ``config``."""
+        if self.d_inner and getattr(config, self.d_inner, None):
+            d_inner = getattr(config, self.d_inner)
+        elif self.head_dim:
+            d_inner = getattr(config, self.heads) * getattr(config, self.head_dim)
+        else:
+            d_inner = getattr(config, self.expand) * d_model
+        if self.mamba1:  # x and z
+            return d_inner, 2 * d_inner
+        groups_state = getattr(config, self.n_groups) * getattr(config, self.d_state)
+        return d_inner, 2 * d_inner + 2 * groups_state + getattr(config, self.heads)
+
+
+# The config attributes of Mamba-2 mixers in hybrids whose config names them mamba_* (Granite 4.0's, Falcon-H1's).
+_MAMBA_PREFIXED = dict(expand="mamba_expand", heads="mamba_n_heads", n_groups="mamba_n_groups", d_state="mamba_d_state")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,40 +464,14 @@ class _Family:
     residual: ``pair`` where vLLM's decoder layers take and return (hidden, residual) and each pre-norm adds the two
         (fused add+norm), ``stream`` where a layer takes and returns the residual stream itself.
     Paths, those under a layer starting with ``.``: ``layer`` ({i} the layer), ``embed``, ``pos_embed`` (""),
-        ``final_norm``, ``attention`` (its ``qkv`` projection, ``o_proj``), ``ln1`` and ``ln2`` (the attention's and
-        the MLP's pre-norms; "" where there are none), ``post_norms`` (each branch's norm before it joins the stream,
-        which hook_attn_out and hook_mlp_out follow), ``mlp`` (its ``mlp_up``, gated with the gate first where it is
-        one of _GATED_UP, and ``mlp_down``; ``mlp`` "" where its projections sit in the layer, ``mlp_up`` ""
-        where there is no MLP), ``attention`` ("" where there is none, "." where its projections and attention sit in
-        the layer itself, hook_attn_out then its o_proj's output), ``linear_attention`` (linear attention), ``conv`` (a
-        short convolution, vLLM's ShortConv), ``mixer`` (a Mamba-2 mixer, vLLM's MambaMixer2; "" where there is
-        none). mamba1: the mixer is Mamba-1's (vLLM's MambaMixer): no inner norm, an input projection of x and z
-        alone, and its output written into an argument, so that mixer.hook_out is its out_proj's output.
-        mixer_normed: the config attribute that says a Mamba-2 mixer normalizes its gated output (Falcon-H1's
-        mamba_rms_norm; "": it always does); where it is false, vLLM's gated norm only gates, TransformerLens's mixer
-        has no inner norm, and the mixer_norm_* sites are not placed.
+        ``linear_attention`` (linear attention), ``conv`` (a short convolution, vLLM's ShortConv). norms: its norms;
+        attention: its attention (None where there is none); mlp: its dense MLP (None where there is none); moe: its
+        mixture-of-experts block, in the MLP's place in the layers its config says; mixer: its Mamba mixer, where its
+        layers hold one.
     parallel: attention and MLP read the same stream (no hook_resid_mid). embed_at_layer0: hook_embed is what layer 0
         receives (Gemma's sqrt(d_model) scale, Granite's multiplier and BLOOM's norm come after the embedding).
-    layer_inputs, norm_inputs, mlp_inputs: (argument, position) of the inputs a layer, a norm and the MLP take; ()
-        for the residual layout's (pair: (hidden_states, residual), x and residual; stream: hidden_states, x).
-    norm: the kind of its norms (see _Tap). rotary: vLLM's Attention receives q and k after rotary, which
-        TransformerLens hooks as hook_rot_q and hook_rot_k. multiplier, bias_apart: see _Tap. d_mlp: the config
-        attribute of a dense MLP's width ("": the first of the usual names). moe: its mixture-of-experts block.
-    qk_halves: vLLM reorders each head of q and k at load, rotary's pairs of columns (interleaved in the checkpoint)
-        into two halves (Llama 4's), which hook_q and hook_k put back. query_gate: the query projection gives each
-        head's query, then its output gate (Qwen 3.5's), which hook_q keeps together, ``[2 * n_heads, d_head]``.
-        latent_attention: multi-head latent attention (DeepSeek's, vLLM's MultiHeadLatentAttentionWrapper): the
-        attention's q_a_layernorm and kv_a_layernorm give the latents, its ``.mla_attn.mla_attn`` receives q (after
-        rotary), the latent and the rotary key; where the config's rope_interleave is set, vLLM rotates each pair of
-        columns in place and transformers puts them in two halves, which the rotary columns of hook_q, hook_k,
-        hook_rot_q and hook_rot_k put back. rotary_3d: vLLM's attention hands its rotary embedding q and k as
-        ``[tokens, heads, d_head]``, which vLLM's CPU kernel (RotaryEmbedding.forward_cpu) rotates as if each head
-        were a token (LFM2's, after its per-head q and k norms; latent attention's q): refused where the engine runs
-        that kernel.
-    kv_shared: the config attribute that says how many last layers reuse earlier layers' keys and values: their
-        attention projects q alone (``.q_proj``) and has no hook_k or hook_v, and their MLP is twice as wide where
-        the config's use_double_wide_mlp says (Gemma 4's). k_as_v: the config attribute that says full-attention
-        layers use the keys as values: no hook_v, and an edit of hook_k reaches V (Gemma 4's attention_k_eq_v).
+    layer_inputs: (argument, position) of the inputs a layer takes; () for the residual layout's (pair:
+        (hidden_states, residual); stream: hidden_states). multiplier, bias_apart: see _Tap.
     layer_kinds: the config attribute naming each layer's kind, and kind_sites, what a layer of each kind holds beside
         the stream: the sites of its ``attention``, ``linear`` attention, ``conv`` or ``mixer`` alone, ``mixer_ends``
         (a mixer's input and output alone, where TransformerLens hooks nothing inside it), or ``stream`` (the
@@ -372,7 +483,6 @@ class _Family:
         tensor as on this family} (Falcon-H1's mixer is mamba, Mamba-2's ln1 norm).
     refused: {site: why it is not placed} for sites TransformerLens runs on the family. settings: {config attribute:
         the value the record describes}; other values are refused.
-    direct_attention: vLLM calls its Attention modules' forward itself (see _Tap.direct).
     lm_head_bias: the output layer has a bias that vLLM's compute_logits leaves out (PhiMoE's: vLLM samples without
         it), which unembed adds, as TransformerLens's hook_unembed does.
     text_classes: for a multimodal checkpoint, the vLLM classes of its text model that the record describes, which
@@ -390,31 +500,17 @@ class _Family:
     layer: str = "model.layers.{i}"
     embed: str = "model.embed_tokens"
     pos_embed: str = ""
-    final_norm: str = "model.norm"
-    attention: str = ".self_attn"
-    qkv: str = ".qkv_proj"
-    o_proj: str = ".o_proj"
-    ln1: str = ".input_layernorm"
-    ln2: str = ".post_attention_layernorm"
-    post_norms: tuple[str, str] | None = None
-    mlp: str = ".mlp"
-    mlp_up: str = ".gate_up_proj"
-    mlp_down: str = ".down_proj"
+    attention: _Attention | None = _Attention()
+    norms: _Norms = _Norms()
+    mlp: _MLP | None = _MLP()
     linear_attention: str = ""
     conv: str = ""
-    mixer: str = ""
-    mamba1: bool = False
-    mixer_normed: str = ""
+    mixer: _Mixer | None = None
     parallel: bool = False
     embed_at_layer0: bool = False
     layer_inputs: tuple[tuple[str, int], ...] = ()
-    norm_inputs: tuple[tuple[str, int], ...] = ()
-    mlp_inputs: tuple[tuple[str, int], ...] = _X_INPUT
-    norm: str = "rms"
-    rotary: bool = True
     multiplier: str = ""
     bias_apart: bool = False
-    d_mlp: str = ""
     moe: _MoE | None = None
     layer_kinds: str = ""
     kind_sites: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -424,42 +520,60 @@ class _Family:
     renamed: dict[str, str] = dataclasses.field(default_factory=dict)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
-    qk_halves: bool = False
-    query_gate: bool = False
-    rotary_3d: bool = False
-    latent_attention: bool = False
-    kv_shared: str = ""
-    k_as_v: str = ""
     text_prefix: str = ""
     text_classes: tuple[str, ...] = ()
-    direct_attention: bool = False
     lm_head_bias: bool = False
     gpu_only: str = ""
 
 
+# ---------------------------------------------------------------------------
+# Family records, one per family (its tiny test model is the companion's, which builds it). The records drive
+# tiny_model, the tests and the README's table; an architecture no record describes is refused, with the measured
+# reason where REFUSED holds one, never guessed.
+# ---------------------------------------------------------------------------
+
 # vLLM's Transformers backend: transformers' module tree with vLLM's linear layers, norms and attention, whose forward
 # it calls itself.
 _BACKEND = _Family(
-    "", "", vllm_class="TransformersForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT, direct_attention=True,
+    "", "", vllm_class="TransformersForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT,
+    attention=_Attention(direct=True),
 )  # fmt: skip
 # Qwen 3.5 and Qwen3-Next: Gated DeltaNet linear attention in most layers (TransformerLens hooks its input and output
 # alone), gated full attention in the others (q_proj's output holds each head's query and output gate), norms of
 # 1 + weight; the MoE blocks' shared expert, under a sigmoid gate, inside the block.
 _GATED_DELTANET = _Family(
-    "qwen3_5", "Qwen3_5ForCausalLM", norm="rms_offset", layer_inputs=(("hidden_states", 0), ("residual", 1)),
+    "qwen3_5", "Qwen3_5ForCausalLM", norms=_Norms("rms_offset"), layer_inputs=(("hidden_states", 0), ("residual", 1)),
     linear_attention=".linear_attn", layer_kinds="layer_types",
-    kind_sites={"linear_attention": "linear", "full_attention": "attention"}, query_gate=True,
+    kind_sites={"linear_attention": "linear", "full_attention": "attention"},
+    attention=_Attention(query_gate=True),
 )  # fmt: skip
+
+
+def _lfm2_d_mlp(config: Any) -> int:
+    """LFM2's dense MLP width: intermediate_size, or where block_auto_adjust_ff_dim is set 2/3 of it, scaled by
+    block_ffn_dim_multiplier to a multiple of block_multiple_of (as transformers' Lfm2MLP)."""
+    d_mlp = config.intermediate_size
+    if getattr(config, "block_auto_adjust_ff_dim", False):
+        d_mlp = int(2 * d_mlp / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            multiple = config.block_multiple_of
+            d_mlp = multiple * ((int(config.block_ffn_dim_multiplier * d_mlp) + multiple - 1) // multiple)
+    return d_mlp
+
+
 # LFM2: short-convolution layers (B, C and x from one projection, C times the convolution of B times x) beside
 # attention layers whose q and k are normed per head before rotary; LFM2-MoE's router scores by sigmoid with a
 # correction bias, its first num_dense_layers layers dense.
 _LFM2 = _Family(
-    "lfm2", "Lfm2ForCausalLM", final_norm="model.embedding_norm", ln1=".operator_norm", ln2=".ffn_norm",
-    o_proj=".out_proj", mlp=".feed_forward", mlp_up=".w13", mlp_down=".w2", conv=".short_conv",
+    "lfm2", "Lfm2ForCausalLM", norms=_Norms(ln1=".operator_norm", ln2=".ffn_norm", final="model.embedding_norm"),
+    attention=_Attention(o_proj=".out_proj", rotary_3d=True),
+    mlp=_MLP(".feed_forward", up=".w13", down=".w2", width=_lfm2_d_mlp),
+    conv=".short_conv",
     layer_kinds="layer_types", kind_sites={"conv": "conv", "full_attention": "attention"},
-    kind_layer_inputs={"conv": (("hidden_states", 0), ("residual", 1))}, rotary_3d=True,
+    kind_layer_inputs={"conv": (("hidden_states", 0), ("residual", 1))},
 )  # fmt: skip
 _H_LAYER = "transformer.h.{i}"
+_SANDWICH = (".post_attention_layernorm", ".post_feedforward_layernorm")  # Gemma 2's post-norms, as others name them
 # Where TransformerLens 4.3's adapter keeps transformers' own attention, which hands it the softmax's output alone.
 _SCORES_ARE_PATTERN = {"attn_scores": "TransformerLens 4.3's adapter fires hook_attn_scores with the softmax's output "
                                       "(what hook_pattern holds), not the scores"}
@@ -467,8 +581,9 @@ _SCORES_ARE_PATTERN = {"attn_scores": "TransformerLens 4.3's adapter fires hook_
 # Mamba-1: Mamba-2's layout (a pre-norm and a mixer in each layer, no attention and no MLP) with Mamba-1 mixers, which
 # vLLM's CPU cannot run.
 _MAMBA1 = _Family(
-    "mamba", "MambaForCausalLM", layer="backbone.layers.{i}", embed="backbone.embeddings", final_norm="backbone.norm_f",
-    ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer", mamba1=True,
+    "mamba", "MambaForCausalLM", layer="backbone.layers.{i}", embed="backbone.embeddings",
+    norms=_Norms(ln1=".norm", ln2="", final="backbone.norm_f"), attention=None, mlp=None,
+    mixer=_Mixer(".mixer", mamba1=True),
     layer_inputs=(("hidden_states", 0), ("residual", 1)),
     renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"},
     gpu_only="Mamba-1 layers, which vLLM 0.32 CPU cannot run ('_C' object has no attribute 'selective_scan_fwd')",
@@ -480,18 +595,18 @@ FAMILIES = {family.name: family for family in (
     _Family("qwen2", "Qwen2ForCausalLM"),
     _Family("qwen3", "Qwen3ForCausalLM"),
     _Family("mistral", "MistralForCausalLM"),
-    _Family("phi3", "Phi3ForCausalLM", rotary=False),
-    _Family("gemma", "GemmaForCausalLM", norm="rms_offset", embed_at_layer0=True),
+    _Family("phi3", "Phi3ForCausalLM", attention=_Attention(rotary=False)),
+    _Family("gemma", "GemmaForCausalLM", norms=_Norms("rms_offset"), embed_at_layer0=True),
     # Gemma 2 and 3 normalize each branch again before adding it; the MLP's pre-norm is pre_feedforward_layernorm.
-    *(_Family(name, architecture, norm="rms_offset", embed_at_layer0=True, ln2=".pre_feedforward_layernorm",
-              post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"))
+    *(_Family(name, architecture, norms=_Norms("rms_offset", ln2=".pre_feedforward_layernorm", post=_SANDWICH),
+              embed_at_layer0=True)
       for name, architecture in (("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"))),
     _Family("mixtral", "MixtralForCausalLM", moe=_MoE(".block_sparse_moe", renormalize="always")),
     _Family("qwen2_moe", "Qwen2MoeForCausalLM", moe=_MoE(layers="decoder_sparse_step")),
     _Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=_MoE()),
     _Family("olmoe", "OlmoeForCausalLM", moe=_MoE()),
     # GPT-OSS: TransformerBlock(hidden_states, positions, residual); softmax over the top-k logits.
-    _Family("gpt_oss", "GptOssForCausalLM", embed="model.embedding", attention=".attn",
+    _Family("gpt_oss", "GptOssForCausalLM", embed="model.embedding", attention=_Attention(".attn"),
             layer_inputs=(("hidden_states", 0), ("residual", 2)),
             moe=_MoE(block_input="x", router=".router", renormalize="always")),
     # Granite multiplies the embedding (after embed_tokens) and each branch's output.
@@ -499,7 +614,8 @@ FAMILIES = {family.name: family for family in (
     # Mamba-2: a pre-norm (TransformerLens's norm) and a mixer in each layer, no attention and no MLP. transformers'
     # gated norm (and so the bridge's) normalizes over all of d_inner where vLLM's, as mamba_ssm's, does per group.
     _Family("mamba2", "Mamba2ForCausalLM", layer="backbone.layers.{i}", embed="backbone.embeddings",
-            final_norm="backbone.norm_f", ln1=".norm", ln2="", attention="", mlp_up="", mixer=".mixer",
+            norms=_Norms(ln1=".norm", ln2="", final="backbone.norm_f"), attention=None, mlp=None,
+            mixer=_Mixer(".mixer"),
             layer_inputs=(("hidden_states", 0), ("residual", 1)), settings=dict(n_groups=1),
             renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
     _MAMBA1,
@@ -519,11 +635,13 @@ FAMILIES = {family.name: family for family in (
     # experts (moe) and a shared MLP beside them (shared_mlp), whose sum, times residual_multiplier, no hook holds.
     # transformers' gated norm (and so the bridge's) normalizes over all of d_inner, as Mamba-2's.
     _Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", residual="stream", embed_at_layer0=True,
-            multiplier="residual_multiplier", rotary=False, mixer=".mamba", layer_kinds="layer_types",
+            multiplier="residual_multiplier", attention=_Attention(rotary=False),
+            mixer=_Mixer(".mamba", **_MAMBA_PREFIXED),
+            layer_kinds="layer_types",
             kind_sites={"linear_attention": "mixer", "full_attention": "attention"},
             kind_layer_inputs={"linear_attention": _HIDDEN_INPUT},
             settings=dict(position_embedding_type="nope", mamba_n_groups=1),
-            moe=_MoE(".block_sparse_moe", renormalize="always"),
+            moe=_MoE(".block_sparse_moe", renormalize="always", shared_width="shared_intermediate_size"),
             renamed={"mlp_in": "moe_in", "mlp_pre": "moe_pre", "expert_weights": "moe_expert_weights",
                      "expert_indices": "moe_expert_indices", "mlp_post": "moe_post"},
             taps={"mlp_out": None, "moe_out": _Tap("model.layers.{i}.block_sparse_moe", _OUTPUT),
@@ -535,8 +653,11 @@ FAMILIES = {family.name: family for family in (
     # Zamba2: Mamba-2 layers as Mamba-2's, and hybrid ones where an attention block shared by all of them runs before
     # the mixer, inside which TransformerLens hooks nothing (the stream alone). vLLM ties its output layer always, and
     # its scan takes no floor under dt (transformers' Zamba2 clamps dt at time_step_min).
-    _Family("zamba2", "Zamba2ForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT, ln2="", attention="",
-            mlp_up="", mixer=".mamba", final_norm="model.final_layernorm", layer_kinds="layers_block_type",
+    _Family("zamba2", "Zamba2ForCausalLM", residual="stream", layer_inputs=_HIDDEN_INPUT,
+            norms=_Norms(ln2="", final="model.final_layernorm"), attention=None,
+            mlp=None, mixer=_Mixer(".mamba", **{**_MAMBA_PREFIXED, "heads": "n_mamba_heads",
+                                                 "n_groups": "mamba_ngroups"}),
+            layer_kinds="layers_block_type",
             kind_sites={"linear_attention": "mixer", "hybrid": "stream"},  # (transformers' names; "mamba" in the file)
             renamed={"ln1_scale": "block_norm_scale", "ln1": "block_norm"}),
     # Nemotron-H: one pre-norm (TransformerLens's norm) and one mixer a layer: a Mamba-2 mixer, attention without
@@ -544,8 +665,11 @@ FAMILIES = {family.name: family for family in (
     # only the Mamba-2 mixer's parts (its gated norm per group, as vLLM's). vLLM's scan takes no floor under dt
     # (transformers' clamps dt at time_step_min). Experts (layers of kind moe) are left out: vLLM's CPU cannot run
     # their relu2 ('is_act_and_mul=False is supported only for CUDA, XPU and ROCm').
-    _Family("nemotron_h", "NemotronHForCausalLM", final_norm="model.norm_f", ln1=".norm", ln2="", attention="",
-            mlp_up="", mixer=".mixer", layer_kinds="layers_block_type",
+    _Family("nemotron_h", "NemotronHForCausalLM", norms=_Norms(ln1=".norm", ln2="", final="model.norm_f"),
+            attention=None,
+            mlp=None, mixer=_Mixer(".mixer", head_dim="mamba_head_dim", heads="mamba_num_heads",
+                                   d_state="ssm_state_size"),
+            layer_kinds="layers_block_type",
             kind_sites={"linear_attention": "mixer", "full_attention": "mixer_ends", "mlp": "mixer_ends"},
             kind_layer_inputs=dict.fromkeys(("linear_attention", "mlp"), (("hidden_states", 0), ("residual", 1))),
             kind_taps={"mlp": {"mixer_in": _Tap("model.layers.{i}.mixer", _INPUT, _X_INPUT)}},
@@ -554,8 +678,9 @@ FAMILIES = {family.name: family for family in (
     # experts where layers_num_experts gives more than one, on which TransformerLens runs no expert hooks.
     # TransformerLens's hooks inside the mixer beyond its ends and input projection (x_proj's, the dt, B and C norms')
     # have no SITES name.
-    _Family("jamba", "JambaForCausalLM", ln2=".pre_ff_layernorm", mlp=".feed_forward",
-            final_norm="model.final_layernorm", attention=".", rotary=False, mixer=".mamba", mamba1=True,
+    _Family("jamba", "JambaForCausalLM", norms=_Norms(ln2=".pre_ff_layernorm", final="model.final_layernorm"),
+            mlp=_MLP(".feed_forward"), attention=_Attention(".", rotary=False),
+            mixer=_Mixer(".mamba", mamba1=True, expand="mamba_expand"),
             layer_kinds="layers_block_type", kind_sites={"mamba": "mixer", "attention": "attention"},
             kind_layer_inputs={"mamba": (("hidden_states", 0), ("residual", 1))},
             moe=_MoE(".feed_forward", router="", layers="layers_num_experts", renormalize=""),
@@ -563,119 +688,129 @@ FAMILIES = {family.name: family for family in (
     # Attention and a Mamba-2 mixer read the normed stream side by side, each under its in and out multipliers;
     # mamba.hook_in is the mixer's input before ssm_in_multiplier, hook_attn_out and mamba.hook_out the branches'
     # outputs before theirs.
-    _Family("falcon_h1", "FalconH1ForCausalLM", residual="stream", ln2=".pre_ff_layernorm", mlp=".feed_forward",
-            final_norm="model.final_layernorm", mixer=".mamba.mamba", mixer_normed="mamba_rms_norm",
+    _Family("falcon_h1", "FalconH1ForCausalLM", residual="stream",
+            norms=_Norms(ln2=".pre_ff_layernorm", final="model.final_layernorm"), mlp=_MLP(".feed_forward"),
+            mixer=_Mixer(".mamba.mamba", normed="mamba_rms_norm", d_inner="mamba_d_ssm", **_MAMBA_PREFIXED),
             taps={"mixer_in": _Tap("model.layers.{i}.mamba.mamba", _INPUT, _HIDDEN_INPUT,
                                    multiplier="ssm_in_multiplier")},
             renamed={f"mixer_{part}": f"mamba_{part}" for part in ("in", "in_proj", "norm_in", "norm_gate", "norm",
                                                                    "out")}),
-    _Family("stablelm", "StableLmForCausalLM", vllm_class="StablelmForCausalLM", residual="stream", norm="layer",
-            norm_inputs=_TORCH_NORM_INPUT, settings=dict(use_parallel_residual=False)),
+    _Family("stablelm", "StableLmForCausalLM", vllm_class="StablelmForCausalLM", residual="stream",
+            norms=_Norms("layer", inputs=_TORCH_NORM_INPUT), settings=dict(use_parallel_residual=False)),
     # A norm after each branch, before adding it, and none before: attention reads the stream itself, the MLP the
     # mid-stream.
-    _Family("exaone4", "Exaone4ForCausalLM", residual="stream", ln1="", ln2="",
-            post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm")),
+    _Family("exaone4", "Exaone4ForCausalLM", residual="stream", norms=_Norms(ln1="", ln2="", post=_SANDWICH)),
     # Cohere's LayerNorm has a weight and no bias, and passes the residual it is given on.
-    _Family("cohere", "CohereForCausalLM", residual="stream", norm="layer", norm_inputs=_HIDDEN_INPUT, ln2="",
+    _Family("cohere", "CohereForCausalLM", residual="stream", norms=_Norms("layer", ln2="", inputs=_HIDDEN_INPUT),
             parallel=True),
     # GPT-2's MLP norm reads the mid-stream while the block keeps its own copy for the skip.
     _Family("gpt2", "GPT2LMHeadModel", residual="stream", layer=_H_LAYER, embed="transformer.wte",
-            pos_embed="transformer.wpe", final_norm="transformer.ln_f", norm="layer", layer_inputs=_HIDDEN_INPUT,
-            attention=".attn", qkv=".c_attn", o_proj=".c_proj", rotary=False, ln1=".ln_1", ln2=".ln_2",
-            mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT),
+            pos_embed="transformer.wpe", layer_inputs=_HIDDEN_INPUT,
+            norms=_Norms("layer", ln1=".ln_1", ln2=".ln_2", final="transformer.ln_f"),
+            attention=_Attention(".attn", qkv=".c_attn", o_proj=".c_proj", rotary=False),
+            mlp=_MLP(up=".c_fc", down=".c_proj", inputs=_HIDDEN_INPUT)),
     # GPT-J's block takes (position_ids, hidden_states).
     _Family("gptj", "GPTJForCausalLM", residual="stream", layer=_H_LAYER, embed="transformer.wte",
-            final_norm="transformer.ln_f", norm="layer", attention=".attn", o_proj=".out_proj", rotary=False,
-            ln1=".ln_1", ln2="", parallel=True, mlp_up=".fc_in", mlp_down=".fc_out", mlp_inputs=_HIDDEN_INPUT,
+            norms=_Norms("layer", ln1=".ln_1", ln2="", final="transformer.ln_f"),
+            attention=_Attention(".attn", o_proj=".out_proj", rotary=False), parallel=True,
+            mlp=_MLP(up=".fc_in", down=".fc_out", inputs=_HIDDEN_INPUT),
             refused=_SCORES_ARE_PATTERN),
     # OPT (norms before each branch, do_layer_norm_before): its layer holds the MLP's two linear layers itself, so
     # the first's input is mlp.hook_in and the second's output hook_mlp_out.
     _Family("opt", "OPTForCausalLM", residual="stream", layer="model.decoder.layers.{i}",
             embed="model.decoder.embed_tokens", pos_embed="model.decoder.embed_positions",
-            final_norm="model.decoder.final_layer_norm", norm="layer", layer_inputs=_HIDDEN_INPUT,
-            o_proj=".out_proj", rotary=False, ln1=".self_attn_layer_norm", ln2=".final_layer_norm", mlp="",
-            mlp_up=".fc1", mlp_down=".fc2", settings=dict(do_layer_norm_before=True), refused=_SCORES_ARE_PATTERN,
+            layer_inputs=_HIDDEN_INPUT,
+            norms=_Norms("layer", ln1=".self_attn_layer_norm", ln2=".final_layer_norm",
+                         final="model.decoder.final_layer_norm"),
+            attention=_Attention(o_proj=".out_proj", rotary=False), mlp=_MLP("", up=".fc1", down=".fc2"),
+            settings=dict(do_layer_norm_before=True),
+            refused=_SCORES_ARE_PATTERN,
             taps=dict(mlp_in=_Tap("model.decoder.layers.{i}.fc1", _INPUT, _LINEAR_INPUT),
                       mlp_out=_Tap("model.decoder.layers.{i}.fc2", _OUTPUT))),
     # BLOOM (residual from before each norm) normalizes its embedding once before layer 0: that is hook_embed. ALiBi.
     _Family("bloom", "BloomForCausalLM", residual="stream", layer=_H_LAYER, embed_at_layer0=True,
-            final_norm="transformer.ln_f", norm="layer", norm_inputs=_TORCH_NORM_INPUT, attention=".self_attention",
-            qkv=".query_key_value", o_proj=".dense", rotary=False, mlp_up=".dense_h_to_4h",
-            mlp_down=".dense_4h_to_h", settings=dict(apply_residual_connection_post_layernorm=False)),
+            norms=_Norms("layer", final="transformer.ln_f", inputs=_TORCH_NORM_INPUT),
+            attention=_Attention(".self_attention", qkv=".query_key_value", o_proj=".dense", rotary=False),
+            mlp=_MLP(up=".dense_h_to_4h", down=".dense_4h_to_h"),
+            settings=dict(apply_residual_connection_post_layernorm=False)),
     # Falcon (7B's layout: parallel_attn, one norm): the output projections leave the bias for the layer to add
     # once both are summed.
     _Family("falcon", "FalconForCausalLM", residual="stream", layer=_H_LAYER, embed="transformer.word_embeddings",
-            final_norm="transformer.ln_f", norm="layer", norm_inputs=_TORCH_NORM_INPUT, attention=".self_attention",
-            qkv=".query_key_value", o_proj=".dense", rotary=False, ln2="", parallel=True, mlp_up=".dense_h_to_4h",
-            mlp_down=".dense_4h_to_h", bias_apart=True,
+            norms=_Norms("layer", ln2="", final="transformer.ln_f", inputs=_TORCH_NORM_INPUT),
+            attention=_Attention(".self_attention", qkv=".query_key_value", o_proj=".dense", rotary=False,
+                                 multi_query="multi_query"),
+            parallel=True, mlp=_MLP(up=".dense_h_to_4h", down=".dense_4h_to_h"), bias_apart=True,
             settings=dict(new_decoder_architecture=False, parallel_attn=True)),
     # OLMo's LayerNorm has no weight and no bias (transformers' own module, which vLLM keeps).
     dataclasses.replace(
-        _BACKEND, name="olmo", architecture="OlmoForCausalLM", norm="layer", norm_inputs=_HIDDEN_INPUT,
+        _BACKEND, name="olmo", architecture="OlmoForCausalLM", norms=_Norms("layer", inputs=_HIDDEN_INPUT),
         refused=dict.fromkeys(
             ("ln1_scale", "ln1", "ln2_scale", "ln2", "final_norm_scale", "final_norm"),
             "TransformerLens 4.3's bridge fails on a hook at OLMo's weightless norms (\"has no attribute 'weight'\")"),
     ),
-    dataclasses.replace(_BACKEND, name="olmo2", architecture="Olmo2ForCausalLM", ln1="", ln2="",
-                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm")),
-    dataclasses.replace(_BACKEND, name="phi", architecture="PhiForCausalLM", final_norm="model.final_layernorm",
-                        norm="layer", o_proj=".dense", ln2="", parallel=True, mlp_up=".fc1", mlp_down=".fc2",
-                        mlp_inputs=_HIDDEN_INPUT),
-    dataclasses.replace(_BACKEND, name="starcoder2", architecture="Starcoder2ForCausalLM", norm="layer",
-                        mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT),
+    dataclasses.replace(_BACKEND, name="olmo2", architecture="Olmo2ForCausalLM",
+                        norms=_Norms(ln1="", ln2="", post=_SANDWICH)),
+    dataclasses.replace(_BACKEND, name="phi", architecture="PhiForCausalLM",
+                        norms=_Norms("layer", ln2="", final="model.final_layernorm"),
+                        attention=dataclasses.replace(_BACKEND.attention, o_proj=".dense"), parallel=True,
+                        mlp=_MLP(up=".fc1", down=".fc2", inputs=_HIDDEN_INPUT)),
+    dataclasses.replace(_BACKEND, name="starcoder2", architecture="Starcoder2ForCausalLM", norms=_Norms("layer"),
+                        mlp=_MLP(up=".c_fc", down=".c_proj", inputs=_HIDDEN_INPUT)),
     # GPT-NeoX: its fused query_key_value interleaves q, k and v per head, which no part here describes.
     dataclasses.replace(
-        _BACKEND, name="gpt_neox", architecture="GPTNeoXForCausalLM", embed="model.embed_in", rotary=False,
-        final_norm="model.final_layer_norm", norm="layer", attention=".attention", o_proj=".dense", parallel=True,
-        mlp_up=".dense_h_to_4h", mlp_down=".dense_4h_to_h", mlp_inputs=_HIDDEN_INPUT,
+        _BACKEND, name="gpt_neox", architecture="GPTNeoXForCausalLM", embed="model.embed_in",
+        attention=dataclasses.replace(_BACKEND.attention, path=".attention", o_proj=".dense", rotary=False),
+        norms=_Norms("layer", final="model.final_layer_norm"), parallel=True,
+        mlp=_MLP(up=".dense_h_to_4h", down=".dense_4h_to_h", inputs=_HIDDEN_INPUT),
         settings=dict(use_parallel_residual=True),
         refused=dict.fromkeys(("attn_q", "attn_k", "attn_v"),
                               "its fused query_key_value interleaves q, k and v per head")),
     _Family("ministral3", "Ministral3ForCausalLM", vllm_class="MistralForCausalLM"),  # rot_q: Llama 4's query scale
     # GLM-4-0414: Gemma 2's sandwich norms with plain weights.
-    _Family("glm4", "Glm4ForCausalLM", post_norms=(".post_self_attn_layernorm", ".post_mlp_layernorm")),
+    _Family("glm4", "Glm4ForCausalLM", norms=_Norms(post=(".post_self_attn_layernorm", ".post_mlp_layernorm"))),
     # GLM-4.5: dense first layers, then sigmoid scores chosen with a correction bias among the best groups; the
     # shared experts are inside the block's output.
     _Family("glm4_moe", "Glm4MoeForCausalLM",
             moe=_MoE(layers="first_k_dense_replace", scoring="sigmoid", correction_bias="e_score_correction_bias",
                      groups=True, scale="routed_scaling_factor")),
     # GLM-4.7-Flash: GLM-4.5's mixture of experts under multi-head latent attention.
-    _Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", latent_attention=True, rotary_3d=True,
+    _Family("glm4_moe_lite", "Glm4MoeLiteForCausalLM", attention=_Attention(latent=True, rotary_3d=True),
             moe=_MoE(layers="first_k_dense_replace", scoring="sigmoid", correction_bias="e_score_correction_bias",
                      groups=True, scale="routed_scaling_factor")),
     # DeepSeek V3: the same, with no expert hooks in TransformerLens; vLLM routes as transformers does only where the
     # config names its sigmoid scoring and correction bias (else by softmax, without the bias).
-    _Family("deepseek_v3", "DeepseekV3ForCausalLM", latent_attention=True, rotary_3d=True,
+    _Family("deepseek_v3", "DeepseekV3ForCausalLM", attention=_Attention(latent=True, rotary_3d=True),
             moe=_MoE(router="", layers="first_k_dense_replace"),
             settings={"topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
     # DeepSeek V2: softmax scores, weights not renormalized; vLLM chooses within the config's groups where transformers
     # does so for topk_method group_limited_greedy alone (greedy, with one group, is V2-Lite's).
-    _Family("deepseek_v2", "DeepseekV2ForCausalLM", latent_attention=True, rotary_3d=True,
+    _Family("deepseek_v2", "DeepseekV2ForCausalLM", attention=_Attention(latent=True, rotary_3d=True),
             moe=_MoE(router="", layers="first_k_dense_replace"),
             settings={"topk_method": "greedy", "n_group": 1, "norm_topk_prob": False}),
     # ERNIE 4.5 MoE: dense and MoE layers; TransformerLens names no expert hooks here.
     _Family("ernie4_5_moe", "Ernie4_5_MoeForCausalLM", moe=_MoE(router="", layers="moe_layer_interval")),
     # AFMoE: a norm before and after each branch; no rotary or expert hooks in TransformerLens.
-    _Family("afmoe", "AfmoeForCausalLM", rotary=False, ln2=".pre_mlp_layernorm",
-            post_norms=(".post_attention_layernorm", ".post_mlp_layernorm"),
+    _Family("afmoe", "AfmoeForCausalLM", attention=_Attention(rotary=False),
+            norms=_Norms(ln2=".pre_mlp_layernorm", post=(".post_attention_layernorm", ".post_mlp_layernorm")),
             moe=_MoE(router="", layers="num_dense_layers"), refused=_SCORES_ARE_PATTERN),
     _Family("granitemoe", "GraniteMoeForCausalLM", residual="stream", embed_at_layer0=True,
             multiplier="residual_multiplier", moe=_MoE(".block_sparse_moe", renormalize="always")),
-    dataclasses.replace(_BACKEND, name="glm", architecture="GlmForCausalLM", mlp_inputs=_HIDDEN_INPUT),
+    dataclasses.replace(_BACKEND, name="glm", architecture="GlmForCausalLM", mlp=_MLP(inputs=_HIDDEN_INPUT)),
     dataclasses.replace(_BACKEND, name="smollm3", architecture="SmolLM3ForCausalLM"),  # NoPE layers: rot_q is q
-    dataclasses.replace(_BACKEND, name="vaultgemma", architecture="VaultGemmaForCausalLM", norm="rms_offset",
-                        ln2=".pre_feedforward_layernorm"),
+    dataclasses.replace(_BACKEND, name="vaultgemma", architecture="VaultGemmaForCausalLM",
+                        norms=_Norms("rms_offset", ln2=".pre_feedforward_layernorm")),
     dataclasses.replace(_BACKEND, name="flexolmo", architecture="FlexOlmoForCausalLM",
-                        vllm_class="TransformersMoEForCausalLM", ln1="", ln2="",
-                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), moe=_MoE(router="")),
+                        vllm_class="TransformersMoEForCausalLM", norms=_Norms(ln1="", ln2="", post=_SANDWICH),
+                        moe=_MoE(router="")),
     _Family("ernie4_5", "Ernie4_5ForCausalLM"),
     # Gemma 4: decoder layers return the stream; Gemma 2's sandwich norms with plain weights; per-layer inputs and a
     # layer scalar inside each layer (in hook_resid_post); layers of two head sizes, the last ones reusing earlier
     # layers' keys and values. A mixture of experts beside the MLP is inside hook_mlp_out, which TransformerLens's
     # MLP hooks do not see.
-    _Family("gemma4", "Gemma4ForCausalLM", residual="stream", embed_at_layer0=True, ln2=".pre_feedforward_layernorm",
-            post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), kv_shared="num_kv_shared_layers",
-            k_as_v="attention_k_eq_v",
+    _Family("gemma4", "Gemma4ForCausalLM", residual="stream", embed_at_layer0=True,
+            norms=_Norms(ln2=".pre_feedforward_layernorm", post=_SANDWICH),
+            mlp=_MLP(double_wide="use_double_wide_mlp"),
+            attention=_Attention(kv_shared="num_kv_shared_layers", k_as_v="attention_k_eq_v"),
             refused={**dict.fromkeys(_NORM_SITES, "TransformerLens 4.3's Gemma 4 adapter runs no hook_normalized or "
                                      "hook_scale (its norms are bare components)"),
                      **dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens 4.3's Gemma 4 adapter keeps "
@@ -684,36 +819,41 @@ FAMILIES = {family.name: family for family in (
                                      "which vLLM's attention is handed as None")}),
     # Llama 4: dense and MoE layers under feed_forward, NoPE layers, chunked attention; no rotary hooks or expert
     # hooks in TransformerLens.
-    _Family("llama4", "Llama4ForCausalLM", mlp=".feed_forward", d_mlp="intermediate_size_mlp", rotary=False,
-            qk_halves=True, moe=_MoE(".feed_forward", router="", layers="interleave_moe_layer_step"),
+    _Family("llama4", "Llama4ForCausalLM", mlp=_MLP(".feed_forward", width="intermediate_size_mlp"),
+            attention=_Attention(rotary=False, qk_halves=True),
+            moe=_MoE(".feed_forward", router="", layers="interleave_moe_layer_step"),
             refused=_SCORES_ARE_PATTERN),
     # Apertus: ungated xIELU MLP, whose parameters vLLM keeps in bf16 (its rows from mlp.hook_post on differ from
     # transformers' by about 1e-3 in fp32).
-    _Family("apertus", "ApertusForCausalLM", ln1=".attention_layernorm", ln2=".feedforward_layernorm",
-            mlp_up=".up_proj"),
-    _Family("nemotron", "NemotronForCausalLM", norm="layer_offset", mlp_up=".up_proj"),
+    _Family("apertus", "ApertusForCausalLM", norms=_Norms(ln1=".attention_layernorm", ln2=".feedforward_layernorm"),
+            mlp=_MLP(up=".up_proj")),
+    _Family("nemotron", "NemotronForCausalLM", norms=_Norms("layer_offset"), mlp=_MLP(up=".up_proj")),
     # Cohere 2: Cohere's layout; full-attention layers have no rotary (q and k pass unrotated).
-    _Family("cohere2", "Cohere2ForCausalLM", vllm_class="CohereForCausalLM", residual="stream", norm="layer",
-            norm_inputs=_HIDDEN_INPUT, ln2="", parallel=True),
+    _Family("cohere2", "Cohere2ForCausalLM", vllm_class="CohereForCausalLM", residual="stream",
+            norms=_Norms("layer", ln2="", inputs=_HIDDEN_INPUT), parallel=True),
     # PhiMoE (a stream layout returning (stream, residual)): LayerNorms, sparsemixer routing.
-    _Family("phimoe", "PhiMoEForCausalLM", hf_class="PhimoeForCausalLM", residual="stream", norm="layer",
-            norm_inputs=_TORCH_NORM_INPUT, rotary=False, refused=_SCORES_ARE_PATTERN, lm_head_bias=True,
+    _Family("phimoe", "PhiMoEForCausalLM", hf_class="PhimoeForCausalLM", residual="stream",
+            norms=_Norms("layer", inputs=_TORCH_NORM_INPUT), attention=_Attention(rotary=False),
+            refused=_SCORES_ARE_PATTERN,
+            lm_head_bias=True,
             moe=_MoE(".block_sparse_moe", scoring="sparsemixer", renormalize="")),
-    dataclasses.replace(_BACKEND, name="arcee", architecture="ArceeForCausalLM", mlp_up=".up_proj"),
-    dataclasses.replace(_BACKEND, name="jais2", architecture="Jais2ForCausalLM", norm="layer", mlp_up=".up_proj"),
+    dataclasses.replace(_BACKEND, name="arcee", architecture="ArceeForCausalLM", mlp=_MLP(up=".up_proj")),
+    dataclasses.replace(_BACKEND, name="jais2", architecture="Jais2ForCausalLM", norms=_Norms("layer"),
+                        mlp=_MLP(up=".up_proj")),
     dataclasses.replace(_BACKEND, name="seed_oss", architecture="SeedOssForCausalLM"),
-    dataclasses.replace(_BACKEND, name="olmo3", architecture="Olmo3ForCausalLM", ln1="", ln2="",
-                        post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm")),
+    dataclasses.replace(_BACKEND, name="olmo3", architecture="Olmo3ForCausalLM",
+                        norms=_Norms(ln1="", ln2="", post=_SANDWICH)),
     # HunYuan: q and k normalized after rotary, inside transformers' attention, on [heads, tokens, d_head].
     dataclasses.replace(_BACKEND, name="hunyuan_dense", architecture="HunYuanDenseV1ForCausalLM",
                         refused=dict.fromkeys(("attn_rot_q", "attn_rot_k"), "TransformerLens's hook_rot_q/k are the "
                                               "inputs of its q/k norms, which take [heads, tokens, d_head]")),
     # GPTBigCode: GPT-2's layout under the backend, with multi-query attention.
     dataclasses.replace(_BACKEND, name="gpt_bigcode", architecture="GPTBigCodeForCausalLM", layer="model.h.{i}",
-                        rotary=False,
-                        embed="model.wte", pos_embed="model.wpe", final_norm="model.ln_f", norm="layer",
-                        attention=".attn", qkv=".c_attn", o_proj=".c_proj", ln1=".ln_1", ln2=".ln_2",
-                        mlp_up=".c_fc", mlp_down=".c_proj", mlp_inputs=_HIDDEN_INPUT,
+                        embed="model.wte", pos_embed="model.wpe",
+                        norms=_Norms("layer", ln1=".ln_1", ln2=".ln_2", final="model.ln_f"),
+                        attention=dataclasses.replace(_BACKEND.attention, path=".attn", qkv=".c_attn",
+                                                      o_proj=".c_proj", rotary=False, multi_query="multi_query"),
+                        mlp=_MLP(up=".c_fc", down=".c_proj", inputs=_HIDDEN_INPUT),
                         taps=dict(mlp_post=_Tap("model.h.{i}.mlp.c_proj", _INPUT, _X_INPUT))),  # (a ReplicatedLinear)
 )}
 # Multimodal checkpoints: the text model is its text family's record under text_prefix in vLLM's tree (vLLM runs it
@@ -752,11 +892,11 @@ FAMILIES.update({family.name: family for family in (
     # Qwen-VL: TransformerLens 4.3's adapters run no rotary hooks (M-RoPE, applied inside transformers' attention), and
     # keep transformers' attention.
     _text_model_under_lm("qwen2", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", ("Qwen2ForCausalLM",),
-                         rotary=False, refused=_SCORES_ARE_PATTERN),
+                         attention=_Attention(rotary=False), refused=_SCORES_ARE_PATTERN),
     _text_model_under_lm("qwen3", "qwen3_vl", "Qwen3VLForConditionalGeneration", ("Qwen3LLMForCausalLM",),
-                         rotary=False, refused=_SCORES_ARE_PATTERN),
+                         attention=_Attention(rotary=False), refused=_SCORES_ARE_PATTERN),
     _text_model_under_lm("qwen3_moe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
-                         ("Qwen3MoeLLMForCausalLM",), rotary=False, refused=_SCORES_ARE_PATTERN),
+                         ("Qwen3MoeLLMForCausalLM",), attention=_Attention(rotary=False), refused=_SCORES_ARE_PATTERN),
     _text_model_under_lm("qwen3_5", "qwen3_5_mm", "Qwen3_5ForConditionalGeneration", ("Qwen3_5ForCausalLM",)),
     _text_model_under_lm("qwen3_5_moe", "qwen3_5_moe_mm", "Qwen3_5MoeForConditionalGeneration",
                          ("Qwen3_5MoeForCausalLM",)),
@@ -769,7 +909,7 @@ FAMILIES.update({family.name: family for family in (
     # Idefics3: vLLM's text model is a LlamaModel at model.text_model (lm_head at the top).
     dataclasses.replace(
         FAMILIES["llama"], name="idefics3", architecture="Idefics3ForConditionalGeneration",
-        text_prefix="model.text_model.", layer="layers.{i}", embed="embed_tokens", final_norm="norm",
+        text_prefix="model.text_model.", layer="layers.{i}", embed="embed_tokens", norms=_Norms(final="norm"),
         text_classes=("LlamaModel",)),
     _text_model_under_lm("gemma4", "gemma4_unified", "Gemma4UnifiedForConditionalGeneration", ("Gemma4ForCausalLM",)),
     # Emu3: vLLM serves it with its Transformers backend (transformers' tree; its VQ-VAE is built beside the text
@@ -777,15 +917,16 @@ FAMILIES.update({family.name: family for family in (
     dataclasses.replace(
         _BACKEND, name="emu3", architecture="Emu3ForConditionalGeneration",
         vllm_class="TransformersMultiModalForCausalLM", text_prefix="model.text_model.", layer="layers.{i}",
-        embed="embed_tokens", final_norm="norm", text_classes=("Emu3TextModel",)),
+        embed="embed_tokens", norms=_Norms(final="norm"), text_classes=("Emu3TextModel",)),
     # MuseGlimmer: vLLM's MuseGlimmerForCausalLM holds the text model at its root; Gemma 2's sandwich norms (1 + w),
     # each taking the stream alone; the embedding is normalized (weightless) before layer 0, inside transformers'
     # embedding module (so hook_embed is what layer 0 receives). TransformerLens's norms and attention there are bare
     # components: no hook_scale, hook_normalized or rotary hooks.
     _Family("muse_glimmer", "MuseGlimmerForConditionalGeneration", vllm_class="MuseGlimmerForCausalLM",
-            residual="stream", embed_at_layer0=True, ln2=".pre_feedforward_layernorm",
-            post_norms=(".post_attention_layernorm", ".post_feedforward_layernorm"), norm="rms_offset",
-            norm_inputs=_HIDDEN_INPUT, rotary=False, text_prefix="", text_classes=("MuseGlimmerForCausalLM",),
+            residual="stream", embed_at_layer0=True,
+            norms=_Norms("rms_offset", ln2=".pre_feedforward_layernorm", post=_SANDWICH, inputs=_HIDDEN_INPUT),
+            attention=_Attention(rotary=False), text_prefix="",
+            text_classes=("MuseGlimmerForCausalLM",),
             refused={**_SCORES_ARE_PATTERN, **dict.fromkeys(
                 _NORM_SITES, "TransformerLens 4.3's MuseGlimmer adapter runs no hook_normalized or hook_scale (its "
                 "norms are bare components)")}),
@@ -878,8 +1019,8 @@ class _Layer:
 
     index: the layer, None for the sites outside the layers. kind: its kind as the config names it (a key of
     _Family.kind_sites; "" where layers do not differ). moe: its mixture-of-experts block, where it holds one.
-    kv_shared: it reuses an earlier layer's keys and values (see _Family.kv_shared); k_as_v: its keys are its values
-    too (see _Family.k_as_v). Widths, from the config, whose attribute names differ between families: d_model,
+    kv_shared: it reuses an earlier layer's keys and values (see _Attention.kv_shared); k_as_v: its keys are its
+    values too (see _Attention.k_as_v). Widths, from the config, whose attribute names differ between families: d_model,
     n_heads, d_head, n_kv_heads, d_mlp (its MLP's, d_model where experts hold the MLP's place); num_experts and
     experts_per_token where it holds experts.
     """
@@ -903,26 +1044,18 @@ def _layer(family: _Family, config: Any, index: int | None) -> _Layer:
     kind = _layer_kind(family, config, index)
     moe = family.moe if index is not None and _moe_layer(family, config, index) else None
     kv_shared = index is not None and _kv_shared(family, config, index)
-    k_as_v = bool(index is not None and family.k_as_v and getattr(config, family.k_as_v)
-                  and config.layer_types[index] == "full_attention")
+    k_as_v = bool(index is not None and family.attention and family.attention.k_as_v
+                  and getattr(config, family.attention.k_as_v) and config.layer_types[index] == "full_attention")
     d_model, n_heads = config.hidden_size, getattr(config, "num_attention_heads", 1)  # (none: Mamba-2's)
     attention = config  # a layer's own, where layers differ (transformers' per_layer_config)
     if getattr(config, "is_heterogeneous", False):
         attention = config.per_layer_config[index or 0]
     d_head = getattr(attention, "head_dim", None) or d_model // n_heads
-    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
-        n_kv_heads = 1  # Falcon's multi-query attention
+    if family.attention and family.attention.multi_query and getattr(config, family.attention.multi_query):
+        n_kv_heads = 1
     else:
         n_kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
-    names = (family.d_mlp,) if family.d_mlp else ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
-    d_mlp = next(filter(None, (getattr(config, name, None) for name in names)), 4 * d_model)
-    if getattr(config, "block_auto_adjust_ff_dim", False):  # LFM2's: 2/3 of it, scaled, to a multiple (transformers')
-        d_mlp = int(2 * d_mlp / 3)
-        if config.block_ffn_dim_multiplier is not None:
-            multiple = config.block_multiple_of
-            d_mlp = multiple * ((int(config.block_ffn_dim_multiplier * d_mlp) + multiple - 1) // multiple)
-    if kv_shared and getattr(config, "use_double_wide_mlp", False):
-        d_mlp *= 2
+    d_mlp = family.mlp.d_mlp(config, d_model, kv_shared) if family.mlp else d_model
     if moe is not None:  # TransformerLens's mlp hooks: the block's
         d_mlp = d_model
     return _Layer(
@@ -941,7 +1074,7 @@ def _layer_sites(family: _Family, config: Any, layer: int | None) -> dict[str, _
     out. config: the (text) model's transformers config."""
     facts = _layer(family, config, layer)
     taps, shapes = _taps(family, config, facts), _row_shapes(family, config, facts)
-    absent = (*(_ATTENTION_SITES if not family.attention else ()), *(_MLP_SITES if not family.mlp_up else ()))
+    absent = (*(_ATTENTION_SITES if not family.attention else ()), *(_MLP_SITES if not family.mlp else ()))
     held = family.kind_sites[facts.kind] if facts.kind else ""
     if held == "stream":
         absent = tuple(site for site in taps if site not in ("resid_pre", "resid_post"))
@@ -968,21 +1101,26 @@ def _taps(family: _Family, config: Any, layer: _Layer) -> dict[str, _Tap | None]
         return f.kind_layer_inputs.get(layer_kind) or f.layer_inputs or (_LAYER_PAIR if pair else _LAYER_INPUT)
 
     layer_inputs = inputs_of(layer.kind)
-    norm_inputs = f.norm_inputs or (_NORM_PAIR if pair else _X_INPUT)
-    attention, gated = at if f.attention == "." else at + f.attention, f.mlp_up in _GATED_UP
-    mid_norm = at + f.ln2 if f.ln2 else None
+    n = f.norms
+    norm_inputs = n.inputs or (_NORM_PAIR if pair else _X_INPUT)
+    a, m = f.attention, f.mlp
+    attention = (at if a.path == "." else at + a.path) if a else ""
+    mid_norm = at + n.ln2 if n.ln2 else None
+    mixer = at + f.mixer.path if f.mixer else ""
 
     def norm(path: str, kind: str = _NORMALIZED) -> _Tap:
-        return _Tap(path, kind, norm_inputs, f.norm)
+        return _Tap(path, kind, norm_inputs, n.kind)
 
-    moe = layer.moe
-    if moe is None:
+    moe, gated = layer.moe, bool(m and m.up in _GATED_UP)
+    if moe is None and m is None:
+        mlp = {}
+    elif moe is None:
         mlp = {
-            "mlp_in": _Tap(at + f.mlp, _INPUT, f.mlp_inputs),
-            "mlp_pre": _Tap(at + f.mlp + f.mlp_up, _OUTPUT, part="gate" if gated else "", bias_apart=f.bias_apart),
-            "mlp_pre_linear": _Tap(at + f.mlp + f.mlp_up, _OUTPUT, part="up") if gated else None,
-            "mlp_post": _Tap(at + f.mlp + f.mlp_down, _INPUT, _LINEAR_INPUT),
-            "mlp_out": _Tap(at + f.mlp, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
+            "mlp_in": _Tap(at + m.path, _INPUT, m.inputs),
+            "mlp_pre": _Tap(at + m.path + m.up, _OUTPUT, part="gate" if gated else "", bias_apart=f.bias_apart),
+            "mlp_pre_linear": _Tap(at + m.path + m.up, _OUTPUT, part="up") if gated else None,
+            "mlp_post": _Tap(at + m.path + m.down, _INPUT, _LINEAR_INPUT),
+            "mlp_out": _Tap(at + m.path, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
         }
     else:  # TransformerLens's MLP hooks are the block's input and output
         block, router = at + moe.block, at + moe.block + moe.router
@@ -994,31 +1132,33 @@ def _taps(family: _Family, config: Any, layer: _Layer) -> dict[str, _Tap | None]
             "mlp_post": _Tap(block, _OUTPUT),
             "mlp_out": _Tap(block, _OUTPUT, multiplier=f.multiplier),
         }
-    if f.post_norms:  # each branch's output is its post-norm's
-        mlp["mlp_out"] = _Tap(at + f.post_norms[1], _OUTPUT)
+    if n.post:  # each branch's output is its post-norm's
+        mlp["mlp_out"] = _Tap(at + n.post[1], _OUTPUT)
     taps = {
         "embed": _Tap(f.layer.format(i=0), _INPUT, inputs_of(_layer_kind(f, config, 0))[:1]) if f.embed_at_layer0
         else _Tap(f.embed, _OUTPUT),
         "pos_embed": _Tap(f.pos_embed, _OUTPUT) if f.pos_embed else None,
         "resid_pre": _Tap(at, _INPUT_PAIR if pair else _INPUT, layer_inputs),
-        "ln1_scale": norm(at + f.ln1, _NORM_SCALE) if f.ln1 else None,
-        "ln1": norm(at + f.ln1) if f.ln1 else None,
-        **{f"attn_{part}": _Tap(attention + f.qkv, _OUTPUT, part=part, bias_apart=f.bias_apart) for part in "qkv"},
-        "attn_rot_q": _Tap(attention + ".attn", _INPUT, _QUERY, direct=f.direct_attention) if f.rotary else None,
-        "attn_rot_k": _Tap(attention + ".attn", _INPUT, _KEY, direct=f.direct_attention) if f.rotary else None,
-        "attn_scores": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY, direct=f.direct_attention),
-        "pattern": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY, direct=f.direct_attention),
-        "attn_z": _Tap(attention + f.o_proj, _INPUT, _LINEAR_INPUT),
-        "attn_out": _Tap(at + f.post_norms[0], _OUTPUT) if f.post_norms
-        else _Tap(attention + f.o_proj, _OUTPUT) if f.attention == "."
-        else _Tap(attention, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
+        "ln1_scale": norm(at + n.ln1, _NORM_SCALE) if n.ln1 else None,
+        "ln1": norm(at + n.ln1) if n.ln1 else None,
+        **({
+            **{f"attn_{part}": _Tap(attention + a.qkv, _OUTPUT, part=part, bias_apart=f.bias_apart) for part in "qkv"},
+            "attn_rot_q": _Tap(attention + ".attn", _INPUT, _QUERY, direct=a.direct) if a.rotary else None,
+            "attn_rot_k": _Tap(attention + ".attn", _INPUT, _KEY, direct=a.direct) if a.rotary else None,
+            "attn_scores": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY, direct=a.direct),
+            "pattern": _Tap(attention + ".attn", _QUERY_KEY, _QUERY + _KEY, direct=a.direct),
+            "attn_z": _Tap(attention + a.o_proj, _INPUT, _LINEAR_INPUT),
+            "attn_out": _Tap(at + n.post[0], _OUTPUT) if n.post
+            else _Tap(attention + a.o_proj, _OUTPUT) if a.path == "."
+            else _Tap(attention, _OUTPUT, multiplier=f.multiplier, bias_apart=f.bias_apart),
+        } if a else {}),
         **({
             "attn_q_latent": _Tap(attention + ".q_a_layernorm", _OUTPUT) if config.q_lora_rank else None,
             "attn_kv_latent": _Tap(attention + ".kv_a_layernorm", _OUTPUT),
             **{site: _Tap(attention + ".mla_attn.mla_attn", _LATENT, _LATENT_INPUTS, part=part) for site, part in (
                 ("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v"), ("attn_rot_q", "rot_q"), ("attn_rot_k", "rot_k"),
                 ("attn_scores", "qk"), ("pattern", "qk"))},
-        } if f.latent_attention else {}),
+        } if a and a.latent else {}),
         **({
             "linear_attn_in": _Tap(at + f.linear_attention, _INPUT, _HIDDEN_INPUT),
             "linear_attn_out": _Tap(at + f.linear_attention, _OUTPUT),
@@ -1030,31 +1170,31 @@ def _taps(family: _Family, config: Any, layer: _Layer) -> dict[str, _Tap | None]
             "conv_out": _Tap(at + f.conv + ".out_proj", _OUTPUT),  # (vLLM's ShortConv writes it into an argument)
         } if f.conv else {}),
         **({
-            "mixer_in": _Tap(at + f.mixer, _INPUT, _HIDDEN_INPUT),
-            "mixer_in_proj": _Tap(at + f.mixer + ".in_proj", _OUTPUT),
+            "mixer_in": _Tap(mixer, _INPUT, _HIDDEN_INPUT),
+            "mixer_in_proj": _Tap(mixer + ".in_proj", _OUTPUT),
             **({
-                "mixer_norm_in": _Tap(at + f.mixer + ".norm", _INPUT, (("x", 0),)),
-                "mixer_norm_gate": _Tap(at + f.mixer + ".norm", _INPUT, (("gate", 1),)),
-                "mixer_norm": _Tap(at + f.mixer + ".out_proj", _INPUT, _LINEAR_INPUT),
-            } if not f.mamba1 and (not f.mixer_normed or getattr(config, f.mixer_normed)) else {}),
-            "mixer_out": _Tap(at + f.mixer + ".out_proj", _OUTPUT) if f.mamba1 else _Tap(at + f.mixer, _OUTPUT),
+                "mixer_norm_in": _Tap(mixer + ".norm", _INPUT, (("x", 0),)),
+                "mixer_norm_gate": _Tap(mixer + ".norm", _INPUT, (("gate", 1),)),
+                "mixer_norm": _Tap(mixer + ".out_proj", _INPUT, _LINEAR_INPUT),
+            } if not f.mixer.mamba1 and (not f.mixer.normed or getattr(config, f.mixer.normed)) else {}),
+            "mixer_out": _Tap(mixer + ".out_proj", _OUTPUT) if f.mixer.mamba1 else _Tap(mixer, _OUTPUT),
         } if f.mixer else {}),
         # the stream between the branches: ln2's input, or the MLP's where it has no pre-norm
-        "resid_mid": None if f.parallel else _Tap(mid_norm, _NORM_INPUT, norm_inputs, f.norm) if mid_norm and pair
-        else _Tap(mid_norm, _INPUT, norm_inputs) if mid_norm else mlp["mlp_in"],
+        "resid_mid": None if f.parallel else _Tap(mid_norm, _NORM_INPUT, norm_inputs, n.kind) if mid_norm and pair
+        else _Tap(mid_norm, _INPUT, norm_inputs) if mid_norm else mlp.get("mlp_in"),
         "ln2_scale": norm(mid_norm, _NORM_SCALE) if mid_norm else None,
         "ln2": norm(mid_norm) if mid_norm else None,
         **mlp,
         "resid_post": _Tap(at, _OUTPUT_PAIR if pair else _OUTPUT),
-        "final_norm_scale": norm(f.final_norm, _NORM_SCALE),
-        "final_norm": norm(f.final_norm),
+        "final_norm_scale": norm(n.final, _NORM_SCALE),
+        "final_norm": norm(n.final),
         **f.taps,
         **f.kind_taps.get(layer.kind, {}),
     }  # fmt: skip
     if layer.kv_shared:
         taps.update(attn_q=_Tap(attention + ".q_proj", _OUTPUT), attn_k=None, attn_v=None)
     elif layer.k_as_v:
-        taps.update(attn_k=_Tap(attention + f.qkv, _OUTPUT, part="kv"), attn_v=None)
+        taps.update(attn_k=_Tap(attention + a.qkv, _OUTPUT, part="kv"), attn_v=None)
     return taps
 
 
@@ -1082,8 +1222,8 @@ def _layer_kind(family: _Family, config: Any, layer: int | None) -> str:
 
 
 def _kv_shared(family: _Family, config: Any, layer: int) -> bool:
-    """Whether ``layer`` reuses an earlier layer's keys and values (see _Family.kv_shared)."""
-    shared = getattr(config, family.kv_shared) if family.kv_shared else 0
+    """Whether ``layer`` reuses an earlier layer's keys and values (see _Attention.kv_shared)."""
+    shared = getattr(config, family.attention.kv_shared) if family.attention and family.attention.kv_shared else 0
     return bool(shared) and layer >= config.num_hidden_layers - shared
 
 
@@ -1099,35 +1239,23 @@ def _row_shapes(family: _Family, config: Any, layer: _Layer) -> dict[str, tuple[
     if layer.moe is not None:
         shapes.update(expert_weights=(layer.num_experts,), expert_indices=(layer.experts_per_token,))
     q, kv, mlp = (n_heads, d_head), (layer.n_kv_heads, d_head), (layer.d_mlp,)
-    shapes.update(attn_q=(2 * n_heads, d_head) if family.query_gate else q, attn_rot_q=q, attn_z=q)
+    shapes.update(attn_q=(2 * n_heads, d_head) if family.attention and family.attention.query_gate else q,
+                  attn_rot_q=q, attn_z=q)
     shapes.update(attn_k=kv, attn_v=kv, attn_rot_k=kv)
     shapes.update(attn_scores=(q[0] + kv[0], d_head), pattern=(q[0] + kv[0], d_head))
     shapes.update(mlp_pre=mlp, mlp_pre_linear=mlp, mlp_post=mlp, ln1_scale=(1,), ln2_scale=(1,), final_norm_scale=(1,))
     shapes.update(conv_in_proj=(3 * d_model,))
-    if family.latent_attention:
+    if family.attention and family.attention.latent:
         qk, rope, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         shapes.update(attn_q_latent=(config.q_lora_rank or 0,), attn_kv_latent=(config.kv_lora_rank,),
                       attn_q=(n_heads, qk), attn_k=(n_heads, qk), attn_v=(n_heads, v), attn_rot_q=(n_heads, rope),
                       attn_rot_k=(1, rope), attn_z=(n_heads, v), attn_scores=(2 * n_heads, qk),
                       pattern=(2 * n_heads, qk))
-    if getattr(config, "shared_intermediate_size", None):  # Granite 4.0's shared MLP
-        shared = (config.shared_intermediate_size,)
+    if layer.moe is not None and layer.moe.shared_width:
+        shared = (getattr(config, layer.moe.shared_width),)
         shapes.update(shared_mlp_pre=shared, shared_mlp_pre_linear=shared, shared_mlp_post=shared)
-    if family.mixer:  # the config's names differ between families
-        def setting(*names: str) -> int:
-            return next(value for value in (getattr(config, name, None) for name in names) if value is not None)
-
-        if getattr(config, "mamba_head_dim", None):  # Nemotron-H's: its heads' width, whatever its expand says
-            d_inner = config.mamba_num_heads * config.mamba_head_dim
-        else:
-            d_inner = getattr(config, "mamba_d_ssm", None) or setting("mamba_expand", "expand") * d_model
-        if family.mamba1:  # x and z
-            d_in_proj = 2 * d_inner
-        else:  # z, x, B, C and dt
-            groups_state = setting("mamba_n_groups", "mamba_ngroups", "n_groups") * setting(
-                "mamba_d_state", "state_size", "ssm_state_size")
-            d_in_proj = 2 * d_inner + 2 * groups_state + setting("mamba_n_heads", "n_mamba_heads", "mamba_num_heads",
-                                                                  "num_heads")
+    if family.mixer:
+        d_inner, d_in_proj = family.mixer.widths(config, d_model)
         shapes.update(mixer_in_proj=(d_in_proj,), mixer_norm_in=(d_inner,), mixer_norm_gate=(d_inner,),
                       mixer_norm=(d_inner,))
     return shapes
@@ -1703,7 +1831,8 @@ def _check_hook_name(name: Any, config: CaptureConfig) -> None:
 
 def _check_editable(names: Any, hf_config: Any) -> None:
     """ValueError for an edit of a hook the model (whose checkpoint config is hf_config) makes read-only."""
-    latent_attention = bool(names) and bool(_family(hf_config).latent_attention)
+    attention = _family(hf_config).attention if names else None
+    latent_attention = bool(attention and attention.latent)
     for name in names:
         reason = _read_only_reason(name, latent_attention)
         if reason is not None:
@@ -2292,7 +2421,7 @@ class _EngineFacts:
     """What the hooks know of their worker and its engine, read once per install (_engine_facts): the model vLLM
     loaded, its checkpoint's transformers config, the engine's tokens per forward and requests per step, whether it
     caches prefixes, the device and dtype of the model's parameters (the edit tables'), the worker's ranks, whether
-    the model's rotary embeddings run vLLM's CPU kernel (see _Family.rotary_3d), and whether the engine's custom_ops
+    the model's rotary embeddings run vLLM's CPU kernel (see _Attention.rotary_3d), and whether the engine's custom_ops
     asked for vLLM's rotary in torch instead."""
 
     model: torch.nn.Module
@@ -2601,7 +2730,7 @@ class _HookState:
         layer's bias is added, see _Family.lm_head_bias), for unembed."""
         family = _family(self.checkpoint_config)
         modules = dict(self.model.named_modules())
-        final_norm = _resolve_module(self.model, modules, _text_prefix(family, modules) + family.final_norm)
+        final_norm = _resolve_module(self.model, modules, _text_prefix(family, modules) + family.norms.final)
         return final_norm, family.lm_head_bias
 
     def unembed(self, rows: dict[str, Any], apply_ln: bool, top_k: int) -> dict[str, Any] | None:
@@ -2749,7 +2878,7 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
                 f"{sorted(_ARCHITECTURES)}"
             )
         prefix = _text_prefix(family, modules)
-        if family.rotary_3d and engine.cpu_rotary:
+        if family.attention and family.attention.rotary_3d and engine.cpu_rotary:
             mis_rotates = (
                 f"architecture {family.architecture}: vLLM hands its rotary embedding q and k of [tokens, heads, "
                 "d_head], which vLLM's CPU rotary kernel (RotaryEmbedding.forward_cpu) rotates as if each head were a "
@@ -2817,7 +2946,8 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
                 )
         row_shape = (row_shape[0] * columns // width, *row_shape[1:])
         order = None
-        if tap.part in ("q", "k") and family.qk_halves:  # TransformerLens's column 2a + b of a head is vLLM's b*d/2 + a
+        # TransformerLens's column 2a + b of a head is vLLM's b*d/2 + a
+        if tap.part in ("q", "k") and family.attention.qk_halves:
             d_head = row_shape[-1]
             order = torch.arange(columns).view(-1, d_head // 2, 2).transpose(1, 2).reshape(-1)
             order = torch.argsort(order)
@@ -2845,7 +2975,7 @@ def _place_hooks(engine: _EngineFacts, config: CaptureConfig) -> tuple[dict[str,
 
 def _latent_order(config: Any, row_shape: tuple[int, ...], part: str) -> torch.Tensor | None:
     """vLLM's column of each of TransformerLens's in a row of multi-head latent attention's ``part`` (see
-    _Family.latent_attention), or None where they are the same (no rope_interleave): in each head's rotary columns
+    _Attention.latent), or None where they are the same (no rope_interleave): in each head's rotary columns
     TransformerLens's column h * rope / 2 + a is vLLM's 2a + h; its other columns (nope, before them in q and k) are
     where they are."""
     if not getattr(config, "rope_interleave", False):
@@ -4827,8 +4957,9 @@ def _rows_in(
     [file, then per source, in ``layouts`` order (see _row_layouts), the element offset of its row 0]; a view of the
     file where a source's rows are one piece, else joined; of a source the request keeps fewer columns of, those (a
     view); where it kept more rows than it asked for, the rows asked for. The ``attention`` hooks' ({name: dtype})
-    matrices the worker rebuilt: encoded, or [file, element offset, shape] (a view). Pieces that follow one another in a region (a step's requests' rows do) are one view, split: a call per
-    run of pieces rather than per piece, as a read of many requests of a row or a few costs per view made."""
+    matrices the worker rebuilt: encoded, or [file, element offset, shape] (a view). Pieces that follow one another
+    in a region (a step's requests' rows do) are one view, split: a call per run of pieces rather than per piece, as
+    a read of many requests of a row or a few costs per view made."""
     placed = {request_id: message["pieces"] for request_id, message in messages.items() if "pieces" in message}
     pieces = np.array([piece for request in placed.values() for piece in request], dtype=np.int64).reshape(-1, 3)
     order = np.lexsort((pieces[:, 1], pieces[:, 0]))  # by region, then first row
