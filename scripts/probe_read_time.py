@@ -4,6 +4,7 @@ whatever their bytes).
 
     python3 scripts/probe_read_time.py                          # 256 requests, 15 hooks, each request's last prompt row
     python3 scripts/probe_read_time.py --capture prompt         # every prompt row (32 a request)
+    python3 scripts/probe_read_time.py --capture prompt --sites pattern   # every layer's attention patterns
 
 An in-process engine on a tiny random Llama (fp32, eager; CPU or GPU), one prompt step per generate; it prints the
 median and fastest of the timed reads (the first two are left out). To compare two commits, run it from a worktree
@@ -26,13 +27,14 @@ if __name__ == "__main__":
     parser.add_argument("--capture", default="last_prompt_token", help="each request's capture (request_args)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--reads", type=int, default=12)
+    parser.add_argument("--sites", default="resid_pre,resid_mid,resid_post,attn_out,mlp_out", help="comma list")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: no RPC between two processes
     from vllm import LLM, SamplingParams
 
     path = os.path.join("/tmp", "probe-read-time-model")
     model = tools.tiny_model(path)
-    specs = tlh.capture_specs(model.config, sites=("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"))
+    specs = tlh.capture_specs(model.config, sites=tuple(args.sites.split(",")))
     config = tlh.configure(specs, enable_batching=True)
     llm = LLM(path, dtype="float32", max_num_seqs=args.requests, gpu_memory_utilization=0.2, enforce_eager=True,
               **config.llm_kwargs)
