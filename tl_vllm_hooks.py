@@ -2118,7 +2118,9 @@ def _skipped_rows_problem(expected: int, first_position: int) -> str:
 # exist before vLLM's first forward (the profile run), where Dynamo traces the model: hooks added later are not in
 # the compiled graph and never run, so they go in right after load_model. What the hooks know of their engine is read
 # once per install (_EngineFacts), what they know of a step once per step (_Step); which columns of a hook a
-# tensor-parallel rank holds is decided here alone (_tensor_parallel_share; join_ranks joins them). One exception:
+# tensor-parallel rank holds is decided here alone (_tensor_parallel_share; join_ranks joins them), and what the hooks
+# read of vLLM's modules beyond their paths and arguments is read here (_attention_facts, _norm_parameters,
+# _latent_widths, _latent_up_projection, _output_width). One exception:
 # _keep_apart_in_prefix_cache, the prefix-cache policy, sets three fields of the request vLLM's front end made.
 # ---------------------------------------------------------------------------
 
@@ -2247,6 +2249,24 @@ def _after_warm_up(worker: Any, callback: Any) -> None:
         return result
 
     _patch(worker, "compile_or_warm_up_model", compile_or_warm_up_model)
+
+
+def _before_shutdown(worker: Any, callback: Any) -> None:
+    """callback(worker) before the worker's shutdown: vLLM's engine shuts its worker down on SIGINT and SIGTERM (a
+    server's Ctrl-C), and the hooks go first, so that a sink writes the rows it holds (a process vLLM forks never runs
+    atexit) and the row files are removed."""
+    shutdown = worker.shutdown
+
+    def shutdown_after(*args: Any, **kwargs: Any) -> Any:
+        callback(worker)
+        return shutdown(*args, **kwargs)
+
+    _patch(worker, "shutdown", shutdown_after)
+
+
+def _restore_worker(worker: Any) -> None:
+    """Undo what the hooks' install patched on the worker and its model runner (_before_shutdown, _wrap_steps)."""
+    _restore([worker, worker.model_runner])
 
 
 def _wrap_steps(worker: Any, steps: Any) -> Any:
@@ -2561,6 +2581,32 @@ def _attention_facts(attention: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def _norm_parameters(norm: torch.nn.Module) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+    """(eps, weight, bias or None) of a norm module: vLLM's RMSNorm (variance_epsilon) or torch's LayerNorm (eps);
+    Cohere's LayerNorm has no bias."""
+    return getattr(norm, "variance_epsilon", None) or norm.eps, norm.weight, getattr(norm, "bias", None)
+
+
+def _latent_widths(attention: torch.nn.Module) -> tuple[int, int]:
+    """(qk_nope_head_dim, this rank's heads) of vLLM's multi-head latent attention module (MLAAttention)."""
+    return attention.qk_nope_head_dim, attention.num_heads
+
+
+def _latent_up_projection(attention: torch.nn.Module, name: str, path: str) -> typing.Callable:
+    """up(latent [tokens, kv_lora_rank]) -> [tokens, heads, nope + v_head_dim]: each of this rank's heads' key (its
+    first qk_nope_head_dim columns) and value, vLLM's MLAAttention's kv_b_proj of the latent. ValueError naming hook
+    ``name`` (at ``path``) where vLLM released kv_b_proj's weight after packing it (its AMX_MLA backend)."""
+    if not attention.kv_b_proj.weight.numel():
+        raise ValueError(
+            f"{name}: vLLM released {path}.kv_b_proj's weight after packing it for its AMX_MLA backend (vLLM's choice "
+            "on a CPU with AMX tiles), and a latent attention's per-head key and value are its latent projected up by "
+            "that weight. Start the engine with attention_config={'backend': 'CPU_MLA'} (vLLM's reference CPU MLA, "
+            "which keeps it), or leave out the attn hook_k, hook_v, hook_attn_scores and hook_pattern hooks"
+        )
+    heads = attention.num_heads
+    return lambda latent: attention.kv_b_proj(latent)[0].view(latent.shape[0], heads, -1)
+
+
 def _qkv_columns(module: torch.nn.Module, part: str) -> tuple[int, int] | None:
     """The columns of q, k or v in a QKVParallelLinear's output on this rank."""
     if part not in ("q", "k", "v", "kv"):
@@ -2840,15 +2886,7 @@ def _install(worker: Any, config: CaptureConfig) -> None:
     state.attach(worker)
     _after_warm_up(worker, state.forget_warm_up)
     worker._tl_hooks = state
-    # vLLM's engine shuts its worker down on SIGINT and SIGTERM (a server's Ctrl-C): the hooks go first, so that a
-    # sink writes the rows it holds (a process vLLM forks never runs atexit) and the row files are removed.
-    shutdown = worker.shutdown
-
-    def shutdown_after_the_hooks(*args: Any, **kwargs: Any) -> Any:
-        _uninstall(worker)
-        return shutdown(*args, **kwargs)
-
-    _patch(worker, "shutdown", shutdown_after_the_hooks)
+    _before_shutdown(worker, _uninstall)
     _key_compile_cache(worker.vllm_config, config)
     logger.info("tl_vllm_hooks: %d %s hooks, %d absent on this rank", len(state.placed), state.name, len(state.absent))
 
@@ -2857,7 +2895,7 @@ def _uninstall(worker: Any) -> None:
     state = getattr(worker, "_tl_hooks", None)
     if state is not None:
         state.close()
-        _restore([worker, worker.model_runner])
+        _restore_worker(worker)
         worker._tl_hooks = None
 
 
@@ -3106,7 +3144,7 @@ class _Hook(_EditTables):
         if self.order is not None:
             self.inverse = torch.argsort(self.order)  # TransformerLens's column of each of vLLM's
         if self.tap.norm:  # the rows (fp32) a norm's pre-hook leaves its hook, and which changed (see _norm_hooks)
-            width = self.module.weight.shape[-1] if self.tap.kind == _NORM_SCALE else self.width
+            width = _norm_parameters(self.module)[1].shape[-1] if self.tap.kind == _NORM_SCALE else self.width
             self.norm_rows = torch.zeros(rows, width, dtype=torch.float32, device=device)
             self.norm_changed = torch.zeros(rows, 1, dtype=torch.bool, device=device)
         features = self.name + SAE_FEATURES
@@ -3344,8 +3382,7 @@ def _norm_hooks(site: _Hook) -> None:
     each from what the earlier ones left."""
     state, tap, module = site.state, site.tap, site.module
     norm_rows, norm_changed = site.norm_rows, site.norm_changed
-    eps = getattr(module, "variance_epsilon", None) or module.eps  # vLLM's RMSNorm, torch's LayerNorm
-    weight, norm_bias = module.weight, getattr(module, "bias", None)  # Cohere's LayerNorm has no bias
+    eps, weight, norm_bias = _norm_parameters(module)
     earlier = {hook.tap.kind: hook for hook in list(state.placed.values())[: site.index] if hook.module is module}
 
     def edited_by(kind, rows):
@@ -3413,25 +3450,20 @@ def _latent_hooks(site: _Hook) -> None:
     of the module's hooks that keep those (k, v, qk) keeps every one's rows, from one projection a forward. An edit of
     q, rot_q or rot_k is what the attention receives; rot_q's and rot_k's pre-hooks run first, as TransformerLens fires
     hook_rot_q and hook_rot_k before hook_q (a hook_q of rotary columns)."""
-    module, part, nope = site.module, site.tap.part, site.module.qk_nope_head_dim
+    module, part = site.module, site.tap.part
+    (nope, heads), up_projection = _latent_widths(module), None
     projected = [h for h in site.state.placed.values() if h.module is module and h.tap.part in ("k", "v", "qk")]
     if part in ("k", "v", "qk") and site is not projected[0]:
         return
-    if part in ("k", "v", "qk") and not module.kv_b_proj.weight.numel():
-        raise ValueError(
-            f"{site.name}: vLLM released {site.tap.module}.kv_b_proj's weight after packing it for its AMX_MLA "
-            "backend (vLLM's choice on a CPU with AMX tiles), and a latent attention's per-head key and value are "
-            "its latent projected up by that weight. Start the engine with attention_config={'backend': "
-            "'CPU_MLA'} (vLLM's reference CPU MLA, which keeps it), or leave out the attn hook_k, hook_v, "
-            "hook_attn_scores and hook_pattern hooks"
-        )
+    if part in ("k", "v", "qk"):
+        up_projection = _latent_up_projection(module, site.name, site.tap.module)
 
     def pre_hook(_module, args, kwargs):
         query, latent, rotary_key = (kwargs[n] if n in kwargs else args[at] for n, at in site.tap.inputs)
         tokens = query.shape[0]
         if part in ("k", "v", "qk"):
-            up = module.kv_b_proj(latent)[0].view(tokens, module.num_heads, -1)  # (this rank's heads)
-            keys = torch.cat([up[..., :nope], rotary_key.view(tokens, 1, -1).expand(-1, module.num_heads, -1)], -1)
+            up = up_projection(latent)  # (this rank's heads)
+            keys = torch.cat([up[..., :nope], rotary_key.view(tokens, 1, -1).expand(-1, heads, -1)], -1)
             kept = {}
             for hook in projected:
                 if hook.tap.part not in kept:
